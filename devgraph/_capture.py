@@ -1,0 +1,190 @@
+"""What every backend's capture shares: the host-sync guard, auto task groups, the current graph.
+
+A captured graph replays device work only; anything that needs the host to look at a device value
+(``.item()``, ``.tolist()``, ``.cpu()``, data-dependent shapes) cannot be recorded. CUDA fails such
+calls with "operation not permitted when stream is capturing"; devgraph refuses them *before* they
+reach the device, on every backend, with a ``CaptureError`` naming the op, the user's line and a
+remedy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import linecache
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from devgraph._errors import CaptureError
+
+if TYPE_CHECKING:
+    from devgraph._contract import Graph
+
+__all__ = ["capturing", "current_graph", "user_source_line"]
+
+_current: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("devgraph_graph", default=None)
+
+_DEVGRAPH_DIR = os.path.dirname(os.path.abspath(__file__))
+_TESTING_DIR = os.path.join(_DEVGRAPH_DIR, "testing")
+
+
+def _skip_dirs() -> tuple[str, ...]:
+    import torch
+
+    return (
+        os.path.dirname(os.path.abspath(torch.__file__)),
+        os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep,
+    )
+
+
+def current_graph() -> Graph | None:
+    """The devgraph Graph being captured in this context, or None."""
+    return _current.get()
+
+
+def user_source_line() -> str | None:
+    """``"file.py:LINE: code"`` of the innermost frame outside torch, devgraph and the stdlib."""
+    skip = _skip_dirs()
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        inside_devgraph = path.startswith(_DEVGRAPH_DIR) and not path.startswith(_TESTING_DIR)
+        if not inside_devgraph and not path.startswith(skip) and not path.startswith("<"):
+            code = linecache.getline(path, frame.f_lineno).strip()
+            return f"{path}:{frame.f_lineno}: {code}" if code else f"{path}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+_SYNC_REMEDY = (
+    "keep the value on the device (tensor ops instead of Python numbers), or compute it before "
+    "capture and pass it in as a host argument of an updatable task (auto_update_ops)"
+)
+_SHAPE_REMEDY = (
+    "data-dependent output shapes cannot be captured: use a fixed-size form (masks, torch.where) "
+    "or run this op eagerly (piecewise mode with splitting_ops=[...])"
+)
+_COPY_REMEDY = "move device-to-host copies out of the captured region (do them after replay)"
+
+#: Tensor methods that make the host wait for a device value.
+_FUNCTION_SYNCS = {
+    "item": _SYNC_REMEDY,
+    "tolist": _SYNC_REMEDY,
+    "numpy": _COPY_REMEDY,
+    "cpu": _COPY_REMEDY,
+    "__bool__": _SYNC_REMEDY,
+    "__int__": _SYNC_REMEDY,
+    "__float__": _SYNC_REMEDY,
+    "__index__": _SYNC_REMEDY,
+    "__complex__": _SYNC_REMEDY,
+}
+
+#: aten ops that sync with the host or produce data-dependent shapes.
+_DISPATCH_SYNCS = {
+    "aten::_local_scalar_dense": _SYNC_REMEDY,
+    "aten::is_nonzero": _SYNC_REMEDY,
+    "aten::equal": _SYNC_REMEDY,
+    "aten::allclose": _SYNC_REMEDY,
+    "aten::nonzero": _SHAPE_REMEDY,
+    "aten::nonzero_static": "",  # fixed size: allowed
+    "aten::masked_select": _SHAPE_REMEDY,
+    "aten::unique_dim": _SHAPE_REMEDY,
+    "aten::_unique2": _SHAPE_REMEDY,
+    "aten::unique_consecutive": _SHAPE_REMEDY,
+    "aten::unique_dim_consecutive": _SHAPE_REMEDY,
+}
+
+
+def _raise_sync(op: str, remedy: str) -> None:
+    raise CaptureError(
+        "host synchronisation inside graph capture: the host cannot read device values while a "
+        "graph is being recorded",
+        op=op,
+        source=user_source_line(),
+        remedy=remedy,
+    )
+
+
+def _modes() -> tuple[type, type]:
+    """Build the mode classes lazily so ``import devgraph`` does not import torch's mode machinery."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostSyncGuard(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            remedy = _FUNCTION_SYNCS.get(name)
+            if remedy is not None and args and _is_tensor_method(func):
+                _raise_sync(f"Tensor.{name}", remedy)
+            if name == "to" and args and _moves_to_host(args, kwargs or {}):
+                _raise_sync("Tensor.to(cpu)", _COPY_REMEDY)
+            return func(*args, **(kwargs or {}))
+
+    class CaptureDispatchMode(TorchDispatchMode):
+        def __init__(self, graph: Graph, auto_update_ops: Sequence[str]) -> None:
+            super().__init__()
+            self.graph = graph
+            self.auto = frozenset(auto_update_ops)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func._schema.name
+            remedy = _DISPATCH_SYNCS.get(name)
+            if remedy:
+                _raise_sync(name, remedy)
+            if name in self.auto and self.graph._open_group is None:
+                return _call_as_task(self.graph, func, args, kwargs)
+            return func(*args, **kwargs)
+
+    return HostSyncGuard, CaptureDispatchMode
+
+
+def _is_tensor_method(func: Any) -> bool:
+    import torch
+
+    owner = getattr(func, "__objclass__", None) or getattr(func, "__self__", None)
+    return owner is torch.Tensor or owner is torch._C.TensorBase or "Tensor" in getattr(func, "__qualname__", "")
+
+
+def _moves_to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    import torch
+
+    target = kwargs.get("device")
+    for a in args[1:]:
+        if isinstance(a, (str, torch.device)):
+            target = a
+    return target is not None and torch.device(target).type == "cpu"
+
+
+def _call_as_task(graph: Graph, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    from devgraph._tasks import TaskGroup
+
+    group = TaskGroup.for_call(len(graph._tasks), func, args, kwargs)
+    graph._open_group = group
+    graph._task_group_begin(group)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        graph._open_group = None
+        graph._task_group_end(group)
+        graph._tasks.append(group)
+
+
+_MODE_CLASSES: tuple[type, type] | None = None
+
+
+@contextlib.contextmanager
+def capturing(graph: Graph, auto_update_ops: Sequence[str] = ()) -> Iterator[None]:
+    """Mark ``graph`` as the one being captured and guard against host syncs in the block."""
+    global _MODE_CLASSES
+    if _MODE_CLASSES is None:
+        _MODE_CLASSES = _modes()
+    guard_cls, dispatch_cls = _MODE_CLASSES
+    token = _current.set(graph)
+    try:
+        with guard_cls(), dispatch_cls(graph, auto_update_ops):
+            yield
+    finally:
+        _current.reset(token)

@@ -1,0 +1,421 @@
+"""The device contract every backend implements: Device, Stream, Event, Graph, MemoryPool.
+
+The vocabulary follows ``torch.accelerator`` / ``torch.Stream`` / ``torch.Event`` /
+``torch.cuda.CUDAGraph``. A backend subclasses these ABCs; the shared behaviour (capture state
+machine, host-sync guard, task update, locking) lives here so every backend honours the same
+contract (see DESIGN.md, "The graph contract").
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from devgraph._errors import DevgraphError
+from devgraph._tasks import TaskGroup, apply_host_args
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Device", "Event", "Graph", "MemoryPool", "MemoryStats", "Stream"]
+
+
+@attrs.frozen
+class MemoryStats:
+    """Device memory counters in bytes (``peak_allocated`` since the last reset)."""
+
+    allocated: int
+    reserved: int
+    peak_allocated: int
+
+
+class MemoryPool(abc.ABC):
+    """An opaque, shareable handle to the memory a graph captures into.
+
+    Pass the same pool to several ``Graph.capture`` calls to let the graphs share memory; capture
+    the largest shape first so smaller graphs reuse its blocks.
+    """
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} on {self.device}>"
+
+
+class Stream(abc.ABC):
+    """An ordered queue of device work (``torch.Stream`` vocabulary).
+
+    ``with stream:`` makes it the current stream of its device for the block.
+    """
+
+    def __init__(self, device: Device, priority: int = 0) -> None:
+        self.device = device
+        self.priority = priority
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until all work queued on this stream has finished."""
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """True when all work queued on this stream has finished."""
+
+    @abc.abstractmethod
+    def wait_event(self, event: Event) -> None:
+        """Make future work on this stream wait for ``event``."""
+
+    def wait_stream(self, other: Stream) -> None:
+        """Make future work on this stream wait for all work queued so far on ``other``."""
+        event = self.device.event()
+        event.record(other)
+        self.wait_event(event)
+
+    def record_event(self, event: Event | None = None) -> Event:
+        """Record ``event`` (a new one if None) on this stream and return it."""
+        event = event or self.device.event()
+        event.record(self)
+        return event
+
+    @abc.abstractmethod
+    def _enter(self) -> Any:
+        """Make this the current stream; return a token for ``_exit``."""
+
+    @abc.abstractmethod
+    def _exit(self, token: Any) -> None:
+        """Restore the stream that was current before ``_enter``."""
+
+    def __enter__(self) -> Stream:
+        self.__tokens = getattr(self, "_Stream__tokens", [])
+        self.__tokens.append(self._enter())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._exit(self.__tokens.pop())
+
+
+class Event(abc.ABC):
+    """A marker in a stream (``torch.Event`` vocabulary)."""
+
+    def __init__(self, device: Device, enable_timing: bool = False) -> None:
+        self.device = device
+        self.enable_timing = enable_timing
+
+    @abc.abstractmethod
+    def record(self, stream: Stream | None = None) -> None:
+        """Record the event on ``stream`` (the current stream if None)."""
+
+    @abc.abstractmethod
+    def wait(self, stream: Stream | None = None) -> None:
+        """Make ``stream`` (the current stream if None) wait for this event."""
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """True when the work before the event has finished."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until the event has completed."""
+
+    @abc.abstractmethod
+    def elapsed_time(self, end: Event) -> float:
+        """Milliseconds between this event and ``end`` (both need ``enable_timing=True``)."""
+
+    def _check_timing(self, end: Event) -> None:
+        if not (self.enable_timing and end.enable_timing):
+            raise DevgraphError(
+                "elapsed_time needs both events created with enable_timing=True: "
+                "device.event(enable_timing=True)"
+            )
+
+
+class Graph(abc.ABC):
+    """A captured sequence of device work that can be replayed.
+
+    Contract (checked by ``devgraph.testing.conformance``):
+
+    * ``with graph.capture(stream=None, pool=None):`` records the work issued in the block on a
+      side stream; memory allocated in the block belongs to ``pool``.
+    * ``replay()`` re-runs the work on the same memory: refill the capture-time input tensors,
+      read the capture-time output tensors (overwritten by the next replay).
+    * Host (non-tensor) arguments are frozen at capture. Work captured as an updatable task
+      (``task_group()``, or every call of an op named in ``auto_update_ops``) can be given new host
+      arguments with ``update()`` / ``task_update()``.
+    * Host syncs inside the block raise ``CaptureError``.
+    * ``update()`` and ``replay()`` of one graph are serialised by a per-graph lock, so a worker
+      thread may update while another thread replays; ``replay(host_args)`` does both atomically.
+    """
+
+    def __init__(self, device: Device, keep_graph: bool = False) -> None:
+        self.device = device
+        self.keep_graph = keep_graph
+        self._state = "new"  # new -> capturing -> captured -> (reset) new
+        self._pool: MemoryPool | None = None
+        self._tasks: list[TaskGroup] = []
+        self._lock = threading.RLock()
+        self._open_group: TaskGroup | None = None
+
+    # -- capture -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def capture(
+        self,
+        stream: Stream | None = None,
+        pool: MemoryPool | None = None,
+        *,
+        auto_update_ops: Sequence[str] = (),
+    ) -> Iterator[Graph]:
+        """Record the work issued inside the block.
+
+        Args:
+            stream: the side stream to capture on (a new one if None). It must not be the
+                device's current stream.
+            pool: the memory pool to capture into (a new one if None); share it across graphs.
+            auto_update_ops: qualified op names (``"devgraph::paged_decode_attention"``) whose every
+                call is captured as an updatable task (torch_npu's ``auto_dispatch_capture``).
+        Raises:
+            DevgraphError: the graph is already captured (call ``reset()``) or capturing.
+            CaptureError: the block did something a graph cannot hold (a host sync...).
+        """
+        from devgraph import _capture
+
+        if self._state == "capturing":
+            raise DevgraphError("this graph is already capturing; captures cannot nest")
+        if self._state == "captured":
+            raise DevgraphError("this graph was already captured; call graph.reset() before capturing again")
+        if pool is not None and pool.device.name != self.device.name:
+            raise DevgraphError(f"pool belongs to {pool.device}, graph to {self.device}")
+        stream = stream or self.device.stream()
+        self._pool = pool or self.device.pool()
+        self._tasks = []
+        self._state = "capturing"
+        ok = False
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(stream)
+                self._begin_capture(stream, self._pool)
+                stack.callback(self._finish_capture, lambda: ok)
+                stack.enter_context(_capture.capturing(self, auto_update_ops))
+                yield self
+                ok = True
+        finally:
+            self._state = "captured" if ok else "new"
+            if not ok:
+                self._tasks = []
+
+    def _finish_capture(self, ok: Callable[[], bool]) -> None:
+        if ok():
+            self._end_capture()
+        else:
+            self._abort_capture()
+
+    def is_captured(self) -> bool:
+        """True once a capture has completed (until ``reset()``)."""
+        return self._state == "captured"
+
+    def pool(self) -> MemoryPool:
+        """The pool this graph captured into (pass it to other captures to share memory)."""
+        if self._pool is None:
+            raise DevgraphError("this graph has no pool yet; capture it first (or pass pool= to capture)")
+        return self._pool
+
+    # -- replay ------------------------------------------------------------------------------
+
+    def replay(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None) -> None:
+        """Re-run the captured work; with ``host_args``, ``update(host_args)`` first, atomically."""
+        if self._state != "captured":
+            raise DevgraphError(
+                "replay() of a graph that was never captured"
+                if self._state == "new"
+                else "replay() inside the graph's own capture block"
+            )
+        with self._lock:
+            if host_args is not None:
+                self.update(host_args)
+            self._replay()
+
+    def reset(self) -> None:
+        """Drop the captured work (and its hold on pool memory) so the graph can be captured again."""
+        if self._state == "capturing":
+            raise DevgraphError("reset() inside the graph's own capture block")
+        with self._lock:
+            self._reset()
+            self._tasks = []
+            self._state = "new"
+
+    # -- task update -------------------------------------------------------------------------
+
+    @property
+    def tasks(self) -> tuple[TaskGroup, ...]:
+        """The updatable tasks captured so far, in capture order."""
+        return tuple(self._tasks)
+
+    @contextlib.contextmanager
+    def task_group(self, op: str = "<explicit>") -> Iterator[TaskGroup]:
+        """Capture the work issued in the block as one updatable task.
+
+        Re-issue it later, with new host arguments, inside ``with graph.task_update(group):``.
+        """
+        if self._state != "capturing":
+            raise DevgraphError("task_group() is only valid inside graph.capture()")
+        if self._open_group is not None:
+            raise DevgraphError("task groups cannot nest")
+        group = TaskGroup(index=len(self._tasks), op=op)
+        self._open_group = group
+        self._task_group_begin(group)
+        try:
+            yield group
+        finally:
+            self._open_group = None
+            self._task_group_end(group)
+            self._tasks.append(group)
+
+    @contextlib.contextmanager
+    def task_update(self, group: TaskGroup) -> Iterator[None]:
+        """Re-issue the work of ``group`` with new host arguments (issue the same ops in the block)."""
+        if self._state != "captured":
+            raise DevgraphError("task_update() needs a captured graph")
+        if group.index >= len(self._tasks) or self._tasks[group.index] is not group:
+            raise DevgraphError(f"task group {group.index} ({group.op}) does not belong to this graph")
+        with self._lock:
+            self._task_update_begin(group)
+            try:
+                yield
+            finally:
+                self._task_update_end(group)
+
+    def update(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Give the updatable tasks new host arguments before the next replay.
+
+        Args:
+            host_args: a mapping ``{argument name: value}`` applied to every auto-captured task whose
+                op takes that argument, or a sequence with one mapping per task in capture order
+                (torch_npu's ``cpu_update_input`` shape).
+        Raises:
+            DevgraphError: a name no task takes, a sequence of the wrong length, or an explicit task
+                group (re-issue those with ``task_update``).
+        """
+        if self._state != "captured":
+            raise DevgraphError("update() needs a captured graph")
+        with self._lock:
+            for group, kwargs in apply_host_args(self._tasks, host_args):
+                if not self._needs_reissue(group):
+                    group.remember(kwargs)
+                    continue
+                call = group.call_with(kwargs)
+                with self.task_update(group):
+                    call()
+                group.remember(kwargs)
+
+    def call_opaque(self, fn: Callable[..., Any], *args: Any, name: str = "opaque") -> Any:
+        """Run ``fn(*args)`` as one unit of captured work.
+
+        Stream-capturing backends (cuda, npu) record whatever ``fn`` launches; the CPU reference
+        backend, which records dispatcher calls, records ``fn`` as one opaque task replayed on the
+        same tensors (for code that bypasses the dispatcher, like inductor's CPU kernels).
+        """
+        return fn(*args)
+
+    # -- backend hooks -------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _begin_capture(self, stream: Stream, pool: MemoryPool) -> None: ...
+
+    @abc.abstractmethod
+    def _end_capture(self) -> None: ...
+
+    @abc.abstractmethod
+    def _abort_capture(self) -> None: ...
+
+    @abc.abstractmethod
+    def _replay(self) -> None: ...
+
+    @abc.abstractmethod
+    def _reset(self) -> None: ...
+
+    @abc.abstractmethod
+    def _task_group_begin(self, group: TaskGroup) -> None: ...
+
+    @abc.abstractmethod
+    def _task_group_end(self, group: TaskGroup) -> None: ...
+
+    @abc.abstractmethod
+    def _task_update_begin(self, group: TaskGroup) -> None: ...
+
+    @abc.abstractmethod
+    def _task_update_end(self, group: TaskGroup) -> None: ...
+
+    def _needs_reissue(self, group: TaskGroup) -> bool:
+        """Whether new host arguments must be re-issued into the graph (False: the op reads them
+        from device tensors, so nothing in the graph depends on the host values)."""
+        return True
+
+
+class Device(abc.ABC):
+    """One accelerator (or the CPU reference simulator) and the factories of its objects."""
+
+    #: backend name: "cpu", "cuda", "npu", or a plugin's name.
+    name: str = ""
+    #: torch dispatch key its tensors use ("CPU", "CUDA", "PrivateUse1").
+    dispatch_key: str = ""
+    #: hardware streams available to captured graphs (None: no budget to respect).
+    capture_stream_budget: int | None = None
+    #: ops whose calls the runner captures as updatable tasks on this device.
+    updatable_ops: tuple[str, ...] = ()
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"<devgraph.Device {self.name}:{self.index}>"
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.index}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Device) and (self.name, self.index) == (other.name, other.index)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.index))
+
+    @property
+    @abc.abstractmethod
+    def torch_device(self) -> torch.device:
+        """The ``torch.device`` tensors for this device live on."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block until all work on every stream of this device has finished."""
+
+    @abc.abstractmethod
+    def stream(self, priority: int = 0) -> Stream:
+        """A new stream."""
+
+    @abc.abstractmethod
+    def current_stream(self) -> Stream:
+        """The stream work is issued to now."""
+
+    @abc.abstractmethod
+    def event(self, enable_timing: bool = False) -> Event:
+        """A new event."""
+
+    @abc.abstractmethod
+    def graph(self, keep_graph: bool = False) -> Graph:
+        """A new, empty graph."""
+
+    @abc.abstractmethod
+    def pool(self) -> MemoryPool:
+        """A new memory pool handle for graph capture."""
+
+    @abc.abstractmethod
+    def memory_stats(self) -> MemoryStats:
+        """Allocated / reserved / peak bytes on this device."""
+
+    @abc.abstractmethod
+    def weak_ref(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor over the same memory that does not keep it alive (see ``weak_ref_tensors``)."""

@@ -1,0 +1,32 @@
+"""The hooks a devgraph plugin can implement (project name ``devgraph``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("devgraph")
+hookimpl = pluggy.HookimplMarker("devgraph")
+
+__all__ = ["hookimpl", "hookspec"]
+
+
+@hookspec
+def devgraph_register_backends(register: Callable[[Any], None]) -> None:
+    """Register backends: call ``register(devgraph.BackendSpec(...))`` once per backend."""
+
+
+@hookspec
+def devgraph_register_op_kernels(register: Callable[..., None]) -> None:
+    """Register op kernels: ``register(op_name, dispatch_key, kernel)``.
+
+    ``op_name`` is a devgraph op (``"rms_norm"``), ``dispatch_key`` a torch dispatch key
+    (``"CPU"``, ``"CUDA"``, ``"PrivateUse1"``). Kernels are registered with ``torch.library``.
+    """
+
+
+@hookspec
+def devgraph_register_passes(register: Callable[[Any], None], device: Any) -> None:
+    """Contribute graph passes for ``device``: ``register(pass_instance)``."""

@@ -1,0 +1,233 @@
+"""Plugin discovery and backend selection.
+
+Backends (built-in and third-party) are pluggy plugins registered under the ``devgraph``
+entry-point group. Their probes are cheap and never raise; the heavy backend module is imported
+only when a device of that backend is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import pluggy
+
+from devgraph import _hookspecs
+from devgraph._errors import BackendUnavailable, DevgraphError, PluginLoadError
+
+if TYPE_CHECKING:
+    from devgraph._contract import Device
+
+__all__ = ["BackendInfo", "BackendSpec", "Probe", "backends", "device", "plugin_manager"]
+
+logger = logging.getLogger("devgraph")
+
+BUILTIN_BACKENDS = ("cpu", "cuda", "npu")
+_BUILTIN_MODULES = {name: f"devgraph.backends.{name}" for name in BUILTIN_BACKENDS}
+
+
+@attrs.frozen
+class Probe:
+    """What a backend's availability probe found."""
+
+    available: bool
+    reason: str = ""
+    version: str | None = None
+    device_count: int = 0
+
+
+@attrs.frozen
+class BackendSpec:
+    """A backend as a plugin registers it.
+
+    Attributes:
+        name: the backend's name (``devgraph.device(name)``).
+        probe: cheap availability check; must not raise and must not import heavy modules.
+        device_class: ``"package.module:Class"`` of its ``Device`` subclass, imported on first use.
+        builtin: True for devgraph's own cpu/cuda/npu backends.
+    """
+
+    name: str
+    probe: Callable[[], Probe]
+    device_class: str
+    builtin: bool = False
+
+
+@attrs.frozen
+class BackendInfo:
+    """One row of ``devgraph.backends()``."""
+
+    name: str
+    available: bool
+    reason: str
+    version: str | None
+    plugin: str
+    device_count: int
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.pm: pluggy.PluginManager | None = None
+        self.specs: dict[str, tuple[BackendSpec, str]] = {}
+        self.devices: dict[tuple[str, int], Device] = {}
+
+
+_registry = _Registry()
+
+
+def _load_plugins(pm: pluggy.PluginManager) -> None:
+    autoload = os.environ.get("DEVGRAPH_AUTOLOAD", "1").strip().lower() not in ("0", "false", "no", "off")
+    for ep in importlib.metadata.entry_points(group="devgraph"):
+        builtin = ep.value in _BUILTIN_MODULES.values()
+        if not autoload and not builtin:
+            logger.debug("DEVGRAPH_AUTOLOAD=0: skipping plugin %s (%s)", ep.name, ep.value)
+            continue
+        if pm.has_plugin(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as exc:
+            dist = getattr(ep, "dist", None)
+            origin = f"{ep.name} = {ep.value}" + (f" (from {dist.name} {dist.version})" if dist else "")
+            raise PluginLoadError(origin, exc) from exc
+        pm.register(plugin, name=ep.name)
+    # A source checkout that was never pip-installed has no entry points: register built-ins directly.
+    for name, module in _BUILTIN_MODULES.items():
+        mod = importlib.import_module(module)
+        if not pm.is_registered(mod):
+            pm.register(mod, name=name)
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager (plugins load on first call)."""
+    with _registry.lock:
+        if _registry.pm is None:
+            pm = pluggy.PluginManager("devgraph")
+            pm.add_hookspecs(_hookspecs)
+            if os.environ.get("DEVGRAPH_TRACE_HOOKS"):
+                pm.trace.root.setwriter(lambda msg: logger.debug("hook: %s", msg.rstrip()))
+                pm.enable_tracing()
+            _load_plugins(pm)
+            pm.check_pending()
+            _registry.pm = pm
+        return _registry.pm
+
+
+def _specs() -> dict[str, tuple[BackendSpec, str]]:
+    with _registry.lock:
+        if not _registry.specs:
+            pm = plugin_manager()
+            for impl in pm.hook.devgraph_register_backends.get_hookimpls():
+                origin = pm.get_name(impl.plugin) or repr(impl.plugin)
+
+                def register(spec: BackendSpec, _origin: str = origin) -> None:
+                    if not isinstance(spec, BackendSpec):
+                        raise DevgraphError(f"plugin {_origin!r} registered {spec!r}, not a devgraph.BackendSpec")
+                    if spec.name in _registry.specs:
+                        other = _registry.specs[spec.name][1]
+                        raise DevgraphError(
+                            f"backend name {spec.name!r} is registered twice (plugins {other!r} and "
+                            f"{_origin!r}); uninstall one, or set DEVGRAPH_AUTOLOAD=0"
+                        )
+                    _registry.specs[spec.name] = (spec, _origin)
+
+                impl.function(register=register)
+        return _registry.specs
+
+
+def _probe(spec: BackendSpec) -> Probe:
+    try:
+        return spec.probe()
+    except Exception as exc:  # a probe must not raise; report instead of failing
+        return Probe(False, f"probe raised {type(exc).__name__}: {exc}")
+
+
+def backends() -> list[BackendInfo]:
+    """Every registered backend with its availability (built-ins first)."""
+    rows = []
+    for name, (spec, origin) in _specs().items():
+        p = _probe(spec)
+        rows.append(BackendInfo(name, p.available, p.reason, p.version, origin, p.device_count))
+    order = {n: i for i, n in enumerate(BUILTIN_BACKENDS)}
+    rows.sort(key=lambda r: (order.get(r.name, len(order)), r.name))
+    return rows
+
+
+def _select() -> str:
+    specs = _specs()
+    forced = os.environ.get("DEVGRAPH_BACKEND")
+    if forced:
+        return forced
+    probes = {name: _probe(spec) for name, (spec, _) in specs.items()}
+    tiers = (
+        [n for n, (s, _) in specs.items() if not s.builtin],
+        [n for n in ("cuda", "npu") if n in specs],
+        ["cpu"],
+    )
+    for tier in tiers:
+        found = [n for n in tier if probes.get(n, Probe(False)).available]
+        if len(found) > 1:
+            raise DevgraphError(
+                f"more than one backend is available ({', '.join(found)}); choose one with "
+                f"devgraph.device(name) or DEVGRAPH_BACKEND=<name>"
+            )
+        if found:
+            return found[0]
+    raise DevgraphError("no devgraph backend is available (not even cpu): is torch installed?")
+
+
+def device(name: str | None = None, index: int | None = None) -> Device:
+    """The device of backend ``name`` (None: the best available) at ``index`` (default 0).
+
+    Raises:
+        DevgraphError: unknown backend name (the message lists the known ones), or ambiguity.
+        BackendUnavailable: the backend is registered but cannot run here (``reason`` says why).
+    """
+    if name is not None and ":" in name:
+        name, _, idx = name.partition(":")
+        index = int(idx) if index is None else index
+    name = name or _select()
+    index = 0 if index is None else index
+    with _registry.lock:
+        key = (name, index)
+        if key in _registry.devices:
+            return _registry.devices[key]
+        specs = _specs()
+        if name not in specs:
+            raise DevgraphError(
+                f"unknown devgraph backend {name!r}; known backends: {', '.join(sorted(specs))} "
+                "(see `devgraph info`)"
+            )
+        spec = specs[name][0]
+        p = _probe(spec)
+        if not p.available:
+            raise BackendUnavailable(name, p.reason)
+        if index < 0 or (p.device_count and index >= p.device_count):
+            raise DevgraphError(f"{name} has {p.device_count} device(s); index {index} is out of range")
+        module, _, cls_name = spec.device_class.partition(":")
+        cls = getattr(importlib.import_module(module), cls_name)
+        dev = cls(index)
+        _registry.devices[key] = dev
+        return dev
+
+
+def forget_devices(name: str) -> None:
+    """Drop cached devices of backend ``name`` (the torch_npu simulator does this on exit)."""
+    with _registry.lock:
+        for key in [k for k in _registry.devices if k[0] == name]:
+            del _registry.devices[key]
+
+
+def _reset_for_tests() -> None:
+    """Forget loaded plugins and devices (tests that install or break plugins use this)."""
+    with _registry.lock:
+        _registry.pm = None
+        _registry.specs = {}
+        _registry.devices = {}

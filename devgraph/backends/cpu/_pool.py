@@ -1,0 +1,103 @@
+"""Memory pools of the CPU reference backend: a caching allocator with CUDA's reuse rules.
+
+A pool is a list of blocks (untyped storages). During capture every freshly computed tensor is
+placed in a block of the capturing graph's pool. A block is free again once no tensor outside the
+pool refers to it (its storage use count falls back to the pool's own reference) -- the rule that
+lets graphs captured one after another into one pool share memory, and lets a later replay of one
+graph overwrite memory another graph's dead outputs used, exactly as on CUDA.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from devgraph._contract import MemoryPool
+
+if TYPE_CHECKING:
+    from devgraph._contract import Device
+
+__all__ = ["Block", "CpuPool", "block_of", "storage_bytes"]
+
+_ALIGN = 512  # CUDA's caching allocator rounds small blocks to 512 bytes; do the same.
+
+# data_ptr of a block's storage -> Block, for every live pool (to find the block behind a tensor).
+_blocks_by_ptr: weakref.WeakValueDictionary[int, Block] = weakref.WeakValueDictionary()
+_lock = threading.Lock()
+
+
+class Block:
+    """One allocation of a pool: an untyped storage of ``nbytes`` bytes."""
+
+    __slots__ = ("__weakref__", "nbytes", "pool", "storage")
+
+    def __init__(self, pool: CpuPool, nbytes: int) -> None:
+        self.pool = pool
+        self.nbytes = nbytes
+        self.storage = torch.UntypedStorage(nbytes)
+
+    def in_use(self) -> bool:
+        """True while a tensor other than the pool's own reference uses the block."""
+        return torch._C._storage_Use_Count(self.storage._cdata) > 1
+
+    def tensor(self, offset: int, size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor over this block (``offset`` in elements)."""
+        return torch.empty(0, dtype=dtype).set_(self.storage, offset, size, stride)
+
+
+def storage_bytes(size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes a tensor of this size/stride spans from its first element."""
+    if any(s == 0 for s in size):
+        return 0
+    extent = 1 + sum((s - 1) * st for s, st in zip(size, stride))
+    return extent * torch.empty((), dtype=dtype).element_size()
+
+
+def block_of(tensor: torch.Tensor) -> Block | None:
+    """The pool block ``tensor``'s storage is, if it lives in a pool."""
+    return _blocks_by_ptr.get(tensor.untyped_storage().data_ptr())
+
+
+class CpuPool(MemoryPool):
+    """A memory pool on the CPU reference backend (see the module docstring)."""
+
+    def __init__(self, device: Device) -> None:
+        super().__init__(device)
+        self.blocks: list[Block] = []
+
+    def allocate(self, nbytes: int) -> Block:
+        """The smallest free block of at least ``nbytes`` bytes, or a new one."""
+        nbytes = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        free = [b for b in self.blocks if b.nbytes >= nbytes and not b.in_use()]
+        if free:
+            return min(free, key=lambda b: b.nbytes)
+        block = Block(self, nbytes)
+        self.blocks.append(block)
+        with _lock:
+            _blocks_by_ptr[block.storage.data_ptr()] = block
+        _account(self.device, nbytes)
+        return block
+
+    def reserved_bytes(self) -> int:
+        """Bytes held by this pool's blocks."""
+        return sum(b.nbytes for b in self.blocks)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of blocks some tensor still uses."""
+        return sum(b.nbytes for b in self.blocks if b.in_use())
+
+    def __del__(self) -> None:
+        try:
+            _account(self.device, -self.reserved_bytes())
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def _account(device: Device, delta: int) -> None:
+    stats = getattr(device, "_pool_bytes", None)
+    if stats is not None:
+        device._pool_bytes += delta  # type: ignore[attr-defined]
+        device._peak_bytes = max(device._peak_bytes, device._pool_bytes)  # type: ignore[attr-defined]

@@ -1,0 +1,207 @@
+"""The op recorder behind the CPU reference backend (and the torch_npu simulator's graphs).
+
+Capture runs the work eagerly under a ``TorchDispatchMode`` that appends one entry per aten op.
+An entry remembers the op, its host (non-tensor) arguments as they were, and for every tensor
+argument either the tensor itself (memory from outside the capture: weights, static inputs) or a
+reference into a pool block (memory allocated during the capture). Fresh outputs are moved into
+pool blocks so that replay re-runs every op on the very same memory: inputs are read from the
+capture-time tensors, outputs land in the capture-time outputs.
+
+View ops leave no entry (a view is only metadata over memory that is already referenced), and
+``empty``-style factories are not re-run (their contents are undefined anyway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from devgraph._errors import DevgraphError
+from devgraph.backends.cpu._pool import Block, CpuPool, block_of, storage_bytes
+
+__all__ = ["Entry", "Recorder", "Segment"]
+
+_UNINITIALISED = {
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::empty_like",
+    "aten::new_empty",
+    "aten::new_empty_strided",
+}
+
+
+class _Ref:
+    """A tensor in a pool block, rebuilt from metadata at replay (holds no reference to it)."""
+
+    __slots__ = ("block", "dtype", "offset", "size", "stride")
+
+    def __init__(self, block: Block, t: torch.Tensor) -> None:
+        self.block = block
+        self.offset = t.storage_offset()
+        self.size = tuple(t.shape)
+        self.stride = tuple(t.stride())
+        self.dtype = t.dtype
+
+    def get(self) -> torch.Tensor:
+        return self.block.tensor(self.offset, self.size, self.stride, self.dtype)
+
+
+class _Strong:
+    """A tensor from outside the capture (weights, static inputs), held as is."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+
+    def get(self) -> torch.Tensor:
+        return self.tensor
+
+
+def _describe(t: torch.Tensor) -> _Ref | _Strong:
+    block = block_of(t)
+    return _Ref(block, t) if block is not None else _Strong(t)
+
+
+def _materialise(x: Any) -> Any:
+    return x.get() if isinstance(x, (_Ref, _Strong)) else x
+
+
+class Entry:
+    """One recorded call: ``func(*args, **kwargs)`` with fresh outputs copied into ``outs``."""
+
+    __slots__ = ("args", "func", "kwargs", "name", "outs", "rerun")
+
+    def __init__(self, func: Callable[..., Any], name: str, args: Any, kwargs: Any, rerun: bool = True) -> None:
+        self.func = func
+        self.name = name
+        self.args = tree_map(lambda x: _describe(x) if isinstance(x, torch.Tensor) else x, args)
+        self.kwargs = tree_map(lambda x: _describe(x) if isinstance(x, torch.Tensor) else x, kwargs)
+        self.outs: list[tuple[int, _Ref]] = []  # (leaf index in the flattened result, destination)
+        self.rerun = rerun
+
+    def run(self) -> None:
+        if not self.rerun:
+            return
+        args = tree_map(_materialise, self.args, is_leaf=lambda x: isinstance(x, (_Ref, _Strong)))
+        kwargs = tree_map(_materialise, self.kwargs, is_leaf=lambda x: isinstance(x, (_Ref, _Strong)))
+        result = self.func(*args, **kwargs)
+        if self.outs:
+            leaves, _ = tree_flatten(result)
+            for i, ref in self.outs:
+                ref.get().copy_(leaves[i])
+
+    def __repr__(self) -> str:
+        return f"<Entry {self.name}>"
+
+
+class Segment:
+    """A run of entries; an updatable task group is one segment of its own."""
+
+    def __init__(self, group_index: int | None = None) -> None:
+        self.group_index = group_index
+        self.entries: list[Entry] = []
+        self.fresh: list[_Ref] = []  # fresh outputs in order (targets when the group is re-issued)
+
+    def run(self) -> None:
+        for entry in self.entries:
+            entry.run()
+
+
+def _fresh_returns(func: Any) -> list[bool]:
+    return [r.alias_info is None for r in func._schema.returns]
+
+
+def _is_view(func: Any) -> bool:
+    rets = func._schema.returns
+    return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+
+
+class Recorder(TorchDispatchMode):
+    """Records the aten ops issued while it is the active dispatch mode into ``segment``.
+
+    Args:
+        pool: where fresh outputs are placed.
+        segment: the segment entries are appended to (switch with ``start_segment``).
+        reissue: when re-issuing a task group, the group's original fresh outputs: the new call's
+            fresh outputs are written into them instead of new pool blocks.
+    """
+
+    def __init__(self, pool: CpuPool, segment: Segment, reissue: list[_Ref] | None = None) -> None:
+        super().__init__()
+        self.pool = pool
+        self.segment = segment
+        self.reissue = reissue
+        self._reissued = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_view(func):
+            return func(*args, **kwargs)
+        name = func._schema.name
+        entry = Entry(func, name, args, kwargs, rerun=name not in _UNINITIALISED)
+        result = func(*args, **kwargs)
+        result = self._place_outputs(func, entry, result)
+        self.segment.entries.append(entry)
+        return result
+
+    def record_call(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
+        """Run ``fn(*args)`` (not recorded op by op) and record it as one opaque entry."""
+        entry = Entry(fn, name, args, {})
+        result = fn(*args)
+        leaves, spec = tree_flatten(result)
+        placed = [self._place(entry, i, leaf) if isinstance(leaf, torch.Tensor) else leaf for i, leaf in enumerate(leaves)]
+        self.segment.entries.append(entry)
+        return tree_unflatten(placed, spec)
+
+    def _place_outputs(self, func: Any, entry: Entry, result: Any) -> Any:
+        fresh = _fresh_returns(func)
+        if not fresh or not any(fresh):
+            return result
+        single = len(fresh) == 1
+        values = [result] if single else list(result)
+        leaf_index = 0
+        out = []
+        for value, is_fresh in zip(values, fresh):
+            leaves, spec = tree_flatten(value)
+            placed = []
+            for leaf in leaves:
+                if is_fresh and isinstance(leaf, torch.Tensor):
+                    leaf = self._place(entry, leaf_index, leaf)
+                placed.append(leaf)
+                leaf_index += 1
+            out.append(tree_unflatten(placed, spec))
+        return out[0] if single else type(result)(out) if isinstance(result, (tuple, list)) else tuple(out)
+
+    def _place(self, entry: Entry, leaf_index: int, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu":
+            return t
+        if self.reissue is not None:
+            if self._reissued >= len(self.reissue):
+                raise DevgraphError(
+                    f"re-issued task produced more outputs than at capture ({entry.name}); "
+                    "re-issue exactly the calls that were captured"
+                )
+            ref = self.reissue[self._reissued]
+            self._reissued += 1
+            if ref.size != tuple(t.shape) or ref.dtype != t.dtype:
+                raise DevgraphError(
+                    f"re-issued task output {entry.name} has shape {tuple(t.shape)} {t.dtype}, "
+                    f"captured {ref.size} {ref.dtype}; tensor arguments must be the captured ones"
+                )
+        else:
+            nbytes = storage_bytes(tuple(t.shape), tuple(t.stride()), t.dtype)
+            if nbytes == 0:
+                return t
+            block = self.pool.allocate(nbytes)
+            ref = _Ref(block, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+            ref.offset = 0
+        dst = ref.get()
+        dst.copy_(t)
+        entry.outs.append((leaf_index, ref))
+        self.segment.fresh.append(ref)
+        return dst
