@@ -13,6 +13,7 @@ from devgraph._errors import BackendUnavailable, CaptureError, DevgraphError, Pl
 from devgraph._hookspecs import hookimpl
 from devgraph._plugins import BackendInfo, BackendSpec, Probe, backends, device
 from devgraph._tasks import TaskGroup
+from devgraph._wrap import GraphedModule, wrap
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +29,7 @@ __all__ = [
     "DevgraphError",
     "Event",
     "Graph",
+    "GraphedModule",
     "MemoryPool",
     "MemoryStats",
     "PluginLoadError",
@@ -40,6 +42,7 @@ __all__ = [
     "hookimpl",
     "weak_ref_tensor",
     "weak_ref_tensors",
+    "wrap",
 ]
 
 

@@ -22,7 +22,7 @@ from devgraph._errors import CaptureError
 if TYPE_CHECKING:
     from devgraph._contract import Graph
 
-__all__ = ["capturing", "current_graph", "user_source_line"]
+__all__ = ["capturing", "current_graph", "user_source_line", "user_stacklevel"]
 
 _current: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("devgraph_graph", default=None)
 
@@ -56,6 +56,15 @@ def user_source_line() -> str | None:
             return f"{path}:{frame.f_lineno}: {code}" if code else f"{path}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
     return None
+
+
+def user_stacklevel() -> int:
+    """``stacklevel`` for ``warnings.warn`` that points at the first frame outside devgraph."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_DEVGRAPH_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
 
 
 _SYNC_REMEDY = (

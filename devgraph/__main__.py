@@ -1,0 +1,3 @@
+from devgraph.cli import main
+
+raise SystemExit(main())
