@@ -15,3 +15,23 @@ def fresh_plugins():
     _plugins._reset_for_tests()
     yield
     _plugins._reset_for_tests()
+
+
+def _device_params():
+    return ["cpu", "npu-sim"]
+
+
+@pytest.fixture(params=_device_params())
+def any_device(request):
+    """Every backend CI can run: the CPU reference and the NPU backend over the torch_npu simulator."""
+    import devgraph
+
+    if request.param == "cpu":
+        yield devgraph.device("cpu")
+        return
+    try:
+        from devgraph.testing import simulated_torch_npu
+    except ImportError:
+        pytest.skip("torch_npu simulator not built yet")
+    with simulated_torch_npu():
+        yield devgraph.device("npu")

@@ -138,9 +138,9 @@ class GraphRunner:
         self._template = example.template(cfg)
         self._captured = example
         pool = self.device.pool()
-        before = self.device.memory_stats().reserved
         start = time.perf_counter()
         with _gc_frozen():
+            before = self.device.memory_stats().reserved  # after the collection: dead pools are gone
             for size in _progress(sorted(self.sizes, reverse=True), f"devgraph capture ({self.device})"):
                 self._graphs[size], self._outputs[size] = self._capture_one(example, size, pool)
         self.stats.capture_seconds = time.perf_counter() - start

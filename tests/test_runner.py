@@ -1,0 +1,220 @@
+"""GraphRunner / devgraph.wrap on simple modules (the decoder tests live in test_decoder_runner.py)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+
+import pytest
+import torch
+
+import devgraph
+from devgraph import CaptureError, DevgraphError
+
+
+class Cached(torch.nn.Module):
+    """A linear layer that also writes its output row into a state cache at ``slot`` (slot 0 = scratch)."""
+
+    def __init__(self, slots: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("cache", torch.zeros(slots, 8))
+
+    def forward(self, x, slot):
+        y = torch.tanh(self.lin(x))
+        self.cache.index_copy_(0, slot, y)
+        return y, y.sum(-1)
+
+
+def _wrap(dev, **kw):
+    model = Cached().to(dev.torch_device)
+    reference = Cached().to(dev.torch_device)
+    kw.setdefault("batch_sizes", [1, 2, 4, 8])
+    kw.setdefault("pad_values", {"slot": 0})
+    return devgraph.wrap(model, device=dev, **kw), model, reference
+
+
+def _inputs(dev, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g).to(dev.torch_device)
+    slot = (torch.randperm(31, generator=g)[:n] + 1).to(dev.torch_device)
+    return x, slot
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8])
+def test_graphed_equals_eager_for_buckets_and_padded_sizes(any_device, n):
+    graphed, model, reference = _wrap(any_device)
+    x, slot = _inputs(any_device, n, seed=n)
+    y, s = graphed(x, slot)
+    ry, rs = reference(x, slot)
+    assert y.shape == (n, 8) and s.shape == (n,)
+    torch.testing.assert_close(y, ry)
+    torch.testing.assert_close(s, rs)
+    assert graphed.stats.replays == 1 and graphed.stats.eager_calls == 0
+
+
+def test_padded_rows_never_touch_real_state(any_device):
+    graphed, model, reference = _wrap(any_device)
+    x, slot = _inputs(any_device, 3)
+    graphed(x, slot)
+    reference(x, slot)
+    torch.testing.assert_close(model.cache[1:], reference.cache[1:])
+
+
+def test_batch_above_largest_bucket_falls_back_to_eager(any_device):
+    graphed, model, reference = _wrap(any_device)
+    x, slot = _inputs(any_device, 12)
+    with pytest.warns(UserWarning, match=r"batch_too_large.*batch 12"):
+        y, _ = graphed(x, slot)
+    torch.testing.assert_close(y, reference(x, slot)[0])
+    assert graphed.stats.fallbacks == {"batch_too_large": 1}
+
+
+def test_fallback_warns_once_per_reason(any_device):
+    graphed, _, _ = _wrap(any_device)
+    x, slot = _inputs(any_device, 10)
+    with pytest.warns(UserWarning):
+        graphed(x, slot)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graphed(x, slot)
+    assert graphed.stats.fallbacks["batch_too_large"] == 2
+
+
+def test_strict_raises_instead_of_falling_back(any_device):
+    graphed, _, _ = _wrap(any_device, strict=True)
+    graphed(*_inputs(any_device, 2))
+    with pytest.raises(DevgraphError, match=r"strict=True.*batch 9"):
+        graphed(*_inputs(any_device, 9))
+
+
+def test_different_non_tensor_argument_falls_back():
+    class Scaled(torch.nn.Module):
+        def forward(self, x, scale: float = 1.0):
+            return x * scale
+
+    graphed = devgraph.wrap(Scaled(), device="cpu", batch_sizes=[4])
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(graphed(x), x)
+    torch.testing.assert_close(graphed(x, scale=1.0), x)
+    with pytest.warns(UserWarning, match=r"signature_mismatch.*'scale'"):
+        torch.testing.assert_close(graphed(x, scale=3.0), x * 3)
+
+
+def test_changed_feature_shape_falls_back():
+    graphed = devgraph.wrap(torch.nn.Identity(), device="cpu", batch_sizes=[4])
+    graphed(torch.randn(2, 3))
+    with pytest.warns(UserWarning, match="signature_mismatch"):
+        graphed(torch.randn(2, 5))
+
+
+def test_tensors_inside_containers_fall_back():
+    class Pair(torch.nn.Module):
+        def forward(self, pair):
+            return pair[0] + pair[1]
+
+    graphed = devgraph.wrap(Pair(), device="cpu", batch_sizes=[2])
+    with pytest.warns(UserWarning, match=r"unsupported_call.*'pair' holds tensors"):
+        graphed((torch.ones(2), torch.ones(2)))
+
+
+def test_outputs_are_overwritten_by_the_next_call_unless_cloned(any_device):
+    graphed, _, _ = _wrap(any_device)
+    first, _ = graphed(*_inputs(any_device, 2, seed=1))
+    kept = first.clone()
+    graphed(*_inputs(any_device, 2, seed=2))
+    assert not torch.equal(first, kept)
+    cloned, _, _ = _wrap(any_device, clone_outputs=True)
+    first, _ = cloned(*_inputs(any_device, 2, seed=1))
+    kept = first.clone()
+    cloned(*_inputs(any_device, 2, seed=2))
+    assert torch.equal(first, kept)
+
+
+def test_explicit_capture_from_example_inputs(any_device):
+    graphed, _, _ = _wrap(any_device)
+    graphed.capture(*_inputs(any_device, 1))
+    assert graphed.runner.captured
+    assert graphed.stats.captured_sizes == (1, 2, 4, 8)
+    assert graphed.stats.capture_seconds > 0
+
+
+def test_capture_logs_one_summary_line(any_device, caplog):
+    graphed, _, _ = _wrap(any_device)
+    with caplog.at_level(logging.INFO, logger="devgraph"):
+        graphed.capture(*_inputs(any_device, 1))
+    lines = [r.getMessage() for r in caplog.records if "captured" in r.getMessage()]
+    assert len(lines) == 1 and "batch sizes 1, 2, 4, 8" in lines[0] and "MiB" in lines[0]
+
+
+def test_pool_bytes_are_counted_on_the_reference_backend():
+    graphed, _, _ = _wrap(devgraph.device("cpu"))
+    graphed.capture(*_inputs(devgraph.device("cpu"), 1))
+    assert graphed.stats.pool_bytes > 0
+
+
+def test_capture_error_names_batch_size_and_remedy():
+    class Syncs(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # a host sync: data-dependent Python control flow
+                return x
+            return -x
+
+    graphed = devgraph.wrap(Syncs(), device="cpu", batch_sizes=[1, 4])
+    with pytest.raises(CaptureError) as info:
+        graphed(torch.ones(2, 2))
+    err = info.value
+    assert err.batch_size == 4  # the largest is captured first
+    assert "test_runner.py" in err.source and "x.sum() > 0" in err.source
+    assert "max_batch_size" in err.remedy and "Tensor.__bool__" == err.op
+
+
+def test_debug_names_a_moved_parameter(any_device):
+    graphed, model, _ = _wrap(any_device, debug=True)
+    graphed(*_inputs(any_device, 2))
+    model.lin.weight.data = model.lin.weight.data.clone()
+    with pytest.raises(DevgraphError, match=r"parameter 'lin.weight'.*capture address.*capture\(\) again"):
+        graphed(*_inputs(any_device, 2))
+
+
+def test_debug_from_environment(monkeypatch):
+    monkeypatch.setenv("DEVGRAPH_DEBUG", "1")
+    assert devgraph.wrap(torch.nn.Identity(), device="cpu").runner.config.debug
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(DevgraphError, match=r"unknown option\(s\) \['max_batch'\].*max_batch_size"):
+        devgraph.wrap(torch.nn.Identity(), device="cpu", max_batch=4)
+
+
+def test_host_args_without_an_updatable_op_is_a_clear_error():
+    class NoOp(torch.nn.Module):
+        def forward(self, x, lens):
+            return x + 1
+
+    graphed = devgraph.wrap(NoOp(), device="cpu", batch_sizes=[2], host_args=["lens"])
+    with pytest.raises(DevgraphError, match="no updatable task in the captured graph takes 'lens'"):
+        graphed(torch.ones(2, 2), [1, 2])
+
+
+def test_concurrent_calls_are_serialised(any_device):
+    graphed, _, reference = _wrap(any_device, clone_outputs=True)
+    graphed.capture(*_inputs(any_device, 1))
+    errors = []
+
+    def worker(seed):
+        for i in range(5):
+            x, slot = _inputs(any_device, 1 + (seed + i) % 8, seed=seed * 10 + i)
+            y, _ = graphed(x, slot)
+            expected = torch.tanh(reference.lin(x))
+            if not torch.allclose(y, expected, atol=1e-5):
+                errors.append((seed, i))
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
