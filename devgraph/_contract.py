@@ -194,19 +194,20 @@ class Graph(abc.ABC):
         self._pool = pool or self.device.pool()
         self._tasks = []
         self._state = "capturing"
-        ok = False
+        body_ok = False
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(stream)
                 self._begin_capture(stream, self._pool)
-                stack.callback(self._finish_capture, lambda: ok)
+                stack.callback(self._finish_capture, lambda: body_ok)
                 stack.enter_context(_capture.capturing(self, auto_update_ops))
                 yield self
-                ok = True
-        finally:
-            self._state = "captured" if ok else "new"
-            if not ok:
-                self._tasks = []
+                body_ok = True
+        except BaseException:
+            self._state = "new"  # the block or the backend's capture end failed
+            self._tasks = []
+            raise
+        self._state = "captured"
 
     def _finish_capture(self, ok: Callable[[], bool]) -> None:
         if ok():

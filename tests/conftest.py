@@ -6,6 +6,12 @@ import pytest
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
+import torch  # noqa: E402
+
+# One intra-op thread per xdist worker: with -n 2 on 2 cores, torch's default of one thread per
+# core oversubscribes the machine and makes small ops ~10x slower.
+torch.set_num_threads(int(os.environ.get("DEVGRAPH_TEST_THREADS", "1")))
+
 
 @pytest.fixture
 def fresh_plugins():

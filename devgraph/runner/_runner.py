@@ -138,11 +138,14 @@ class GraphRunner:
         self._template = example.template(cfg)
         self._captured = example
         pool = self.device.pool()
+        # One side stream for every bucket: CUDA's allocator reuses a shared pool's freed blocks
+        # only on the stream that allocated them.
+        stream = self.device.stream()
         start = time.perf_counter()
         with _gc_frozen():
             before = self.device.memory_stats().reserved  # after the collection: dead pools are gone
             for size in _progress(sorted(self.sizes, reverse=True), f"devgraph capture ({self.device})"):
-                self._graphs[size], self._outputs[size] = self._capture_one(example, size, pool)
+                self._graphs[size], self._outputs[size] = self._capture_one(example, size, pool, stream)
         self.stats.capture_seconds = time.perf_counter() - start
         self.stats.pool_bytes = self.device.memory_stats().reserved - before
         self.stats.captured_sizes = tuple(self.sizes)
@@ -163,13 +166,12 @@ class GraphRunner:
         values.update(host)
         return call.bind(self._signature, values)
 
-    def _capture_one(self, example: Call, size: int, pool: Any) -> tuple[Graph, Any]:
+    def _capture_one(self, example: Call, size: int, pool: Any, stream: Any) -> tuple[Graph, Any]:
         cfg = self.config
         for name, buf in self._buffers.items():
             buf.fill_(cfg.pad_value(name))  # padded rows are what warm-up and capture see
         host = {name: [cfg.pad_value(name)] * size for name in example.host}
         args, kwargs = self._args_for(example, size, host)
-        stream = self.device.stream()
         with stream:
             for _ in range(cfg.warmup_iters):
                 self.fn(*args, **kwargs)
