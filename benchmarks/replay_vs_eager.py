@@ -1,0 +1,210 @@
+"""Launch overhead: eager vs devgraph replay vs a hand-written ``torch.cuda.CUDAGraph``.
+
+The workload is many tiny kernels (``--steps`` x [matmul, silu, mul, add] on a 1 x ``--hidden``
+activation), so eager time is dominated by per-kernel launch cost -- the case graph capture exists
+for. Each iteration is timed with the device's timing events (start, call, end, wait for end), so a
+sample is the latency of one call; the table reports the median after ``--warmup`` iterations.
+
+On ``cpu`` the devgraph column is the *reference simulator* (a correctness backend that re-executes
+recorded ops from Python): expect it to be slower than eager there.
+
+    python benchmarks/replay_vs_eager.py                 # best available device
+    python benchmarks/replay_vs_eager.py --device cuda --iters 2000
+
+Writes ``<out>/replay_vs_eager_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import devgraph
+
+logger = logging.getLogger("devgraph.benchmarks")
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def make_workload(
+    device: torch.device, hidden: int, steps: int
+) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    """A static input and a function of it issuing ``4 * steps`` small kernels."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(hidden, hidden, generator=gen) / hidden**0.5).to(device) for _ in range(steps)]
+    x = torch.randn(1, hidden, generator=gen).to(device)
+
+    def fn() -> torch.Tensor:
+        y = x
+        for w in weights:
+            y = torch.nn.functional.silu(y @ w) + y * 0.5
+        return y
+
+    return x, fn
+
+
+def time_calls(dev: devgraph.Device, call: Callable[[], Any], iters: int, warmup: int) -> list[float]:
+    """Per-call latency samples in microseconds, measured with the device's timing events."""
+    for _ in range(warmup):
+        call()
+    dev.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, end = dev.event(enable_timing=True), dev.event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0)
+    return samples
+
+
+def devgraph_replay(
+    dev: devgraph.Device, fn: Callable[[], torch.Tensor]
+) -> tuple[Callable[[], Any], torch.Tensor]:
+    """Capture ``fn`` with devgraph (warm-up on the capture stream first, as runners do)."""
+    stream = dev.stream()
+    stream.wait_stream(dev.current_stream())
+    with stream:
+        for _ in range(3):
+            fn()
+    dev.current_stream().wait_stream(stream)
+    graph = dev.graph()
+    with graph.capture(stream=stream):
+        out = fn()
+    dev.synchronize()
+    return graph.replay, out
+
+
+def torch_cuda_graph_replay(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
+    """The same capture written by hand with ``torch.cuda.CUDAGraph`` (the baseline devgraph wraps)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph.replay, out
+
+
+def device_name(dev: devgraph.Device) -> str:
+    """A human name of the hardware (GPU model, or the host CPU for the reference backend)."""
+    if dev.name == "cpu":
+        return platform.processor() or platform.machine() or "cpu"
+    module = getattr(torch, dev.torch_device.type, None)  # torch.cuda, torch.npu, ...
+    getter = getattr(module, "get_device_name", None)
+    return str(getter(dev.index)) if getter else str(dev)
+
+
+def summarise(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {
+        "median_us": statistics.median(ordered),
+        "p10_us": pick(0.10),
+        "p90_us": pick(0.90),
+        "mean_us": statistics.fmean(ordered),
+        "samples": len(ordered),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    dev = devgraph.device(args.device)
+    x, fn = make_workload(dev.torch_device, args.hidden, args.steps)
+    with torch.inference_mode():
+        expected = fn().clone()
+        calls: dict[str, tuple[Callable[[], Any], torch.Tensor | None]] = {"eager": (fn, None)}
+        calls["devgraph"] = devgraph_replay(dev, fn)
+        if dev.name == "cuda":
+            calls["torch.cuda.CUDAGraph"] = torch_cuda_graph_replay(fn)
+        results: dict[str, dict[str, float]] = {}
+        for label, (call, out) in calls.items():
+            results[label] = summarise(time_calls(dev, call, args.iters, args.warmup))
+            if out is not None:
+                dev.synchronize()
+                results[label]["max_abs_err"] = float((out - expected).abs().max())
+    eager = results["eager"]["median_us"]
+    for row in results.values():
+        row["speedup_vs_eager"] = eager / row["median_us"] if row["median_us"] else float("nan")
+    return {
+        "benchmark": "replay_vs_eager",
+        "backend": dev.name,
+        "device": str(dev),
+        "device_name": device_name(dev),
+        "note": "cpu reference simulator: correctness backend, not a speed path" if dev.name == "cpu" else "",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "devgraph": devgraph.__version__,
+        "python": platform.python_version(),
+        "workload": {
+            "hidden": args.hidden,
+            "steps": args.steps,
+            "kernels_per_call": 4 * args.steps,
+            "dtype": str(x.dtype),
+        },
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "timing": "per-call latency between device timing events (start, call, end, end.synchronize())",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "results": results,
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    label = report["backend"] + (
+        " (reference simulator: correctness, not speed)" if report["backend"] == "cpu" else ""
+    )
+    lines = [
+        f"replay_vs_eager on {label} -- {report['device_name']}, torch {report['torch']}",
+        f"{report['workload']['kernels_per_call']} kernels per call, median of {report['iters']} iterations",
+        f"{'mode':<22}{'median us':>12}{'p10 us':>10}{'p90 us':>10}{'speedup':>10}{'max err':>10}",
+    ]
+    for mode, row in report["results"].items():
+        err = f"{row['max_abs_err']:.1e}" if "max_abs_err" in row else "-"
+        lines.append(
+            f"{mode:<22}{row['median_us']:>12.1f}{row['p10_us']:>10.1f}{row['p90_us']:>10.1f}"
+            f"{row['speedup_vs_eager']:>9.2f}x{err:>10}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=None, help="devgraph backend (default: best available)")
+    parser.add_argument("--iters", type=int, default=200, help="timed iterations per mode")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed iterations per mode")
+    parser.add_argument("--hidden", type=int, default=1024, help="width of the activation and weights")
+    parser.add_argument("--steps", type=int, default=20, help="chained [matmul, silu, mul, add] steps")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the JSON result")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    report = run(args)
+    print(render(report))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"replay_vs_eager_{report['backend']}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    logger.info("wrote %s", path)
+    for mode, row in report["results"].items():
+        if row.get("max_abs_err", 0.0) > 1e-3:
+            logger.error("%s output differs from eager by %.3g", mode, row["max_abs_err"])
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""The CUDA backend: devgraph's contract over ``torch.cuda.CUDAGraph``, streams, events and pools.
+
+Capture follows ``torch.cuda.graph``: synchronise the device, make the side stream current, then
+``CUDAGraph.capture_begin(pool=...)`` / ``capture_end()`` on that stream. A ``CudaPool`` is a
+``torch.cuda.graph_pool_handle()``; graphs captured with the same pool share memory. Captures
+without an explicit stream all use the device's one ``capture_stream()``, because the caching
+allocator reuses a pool's freed blocks only on the stream that allocated them.
+
+Task update on CUDA -- the documented no-op path
+------------------------------------------------
+A CUDA graph cannot re-issue one of its captured kernels with new host arguments: the launch
+parameters are baked into the instantiated graph. CUDA engines therefore keep per-step attention
+metadata (sequence lengths, block tables) in *device tensors* that the kernel reads at run time,
+and refill those tensors before every replay. devgraph's CUDA kernel of
+``devgraph::paged_decode_attention`` does exactly that: it reads ``seq_lens`` (a device tensor) and
+ignores ``seq_lens_host``. So on this backend:
+
+* ``graph.update(host_args)`` / ``graph.replay(host_args)`` for ops in ``DEVICE_METADATA_OPS`` only
+  record the new host values on the task (``TaskGroup.host_args``); nothing is re-issued. The caller
+  must write the new lengths into the device tensor it captured with (as every CUDA engine does).
+* Task groups are captured as ordinary graph work (``_task_group_begin/_end`` are no-ops, the
+  group's ``handle`` stays None), so backend-neutral code that opens them still captures.
+* Re-issuing work -- ``graph.task_update(group)``, or ``update()`` of any op *not* in
+  ``DEVICE_METADATA_OPS`` -- raises ``DevgraphError``: the op must read its changing metadata from
+  device tensors to be used in a CUDA graph.
+
+Importing this module makes no CUDA call, so it imports (and fails only on use) with a CPU-only torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
+from devgraph._errors import CaptureError, DevgraphError
+from devgraph._tasks import TaskGroup
+
+__all__ = [
+    "DEVICE_METADATA_OPS",
+    "CudaDevice",
+    "CudaEvent",
+    "CudaGraph",
+    "CudaPool",
+    "CudaStream",
+]
+
+logger = logging.getLogger("devgraph.cuda")
+
+#: Ops whose CUDA kernel reads its per-step metadata from device tensors: updating their host
+#: arguments is a no-op on CUDA (see the module docstring).
+DEVICE_METADATA_OPS: frozenset[str] = frozenset({"devgraph::paged_decode_attention"})
+
+#: Fragments of the CUDA errors raised when captured code does something a capture forbids.
+_CAPTURE_VIOLATIONS = (
+    "operation not permitted when stream is capturing",
+    "operation failed due to a previous error during capture",
+    "stream capture",
+    "cudaErrorStreamCapture",
+)
+
+_CAPTURE_REMEDY = (
+    "something inside the captured block made CUDA wait for the host or used an API that graph "
+    "capture forbids (torch.cuda.synchronize(), an event/stream synchronize, a pageable host copy, "
+    "an op that syncs internally such as repeat_interleave without output_size or boolean-mask "
+    "indexing, or a library doing lazy initialisation on first use). Run the block once eagerly "
+    "before capture (warm-up), move the offending call out of the block, or run that part eagerly "
+    "(piecewise mode, splitting_ops=[...]). Capturing the same code on devgraph.device('cpu') "
+    "names the offending op and line for most host syncs."
+)
+
+
+class CudaStream(Stream):
+    """A devgraph stream over a ``torch.cuda.Stream``."""
+
+    def __init__(
+        self, device: CudaDevice, priority: int = 0, torch_stream: torch.cuda.Stream | None = None
+    ) -> None:
+        super().__init__(device, priority)
+        self.torch_stream = torch_stream or torch.cuda.Stream(device=device.index, priority=priority)
+
+    def synchronize(self) -> None:
+        self.torch_stream.synchronize()
+
+    def query(self) -> bool:
+        return bool(self.torch_stream.query())
+
+    def wait_event(self, event: Event) -> None:
+        self.torch_stream.wait_event(_torch_event(event))
+
+    def wait_stream(self, other: Stream) -> None:
+        if not isinstance(other, CudaStream):
+            raise DevgraphError(f"a cuda stream cannot wait on {other!r}")
+        self.torch_stream.wait_stream(other.torch_stream)
+
+    def _enter(self) -> Any:
+        # torch.cuda.stream() also makes the stream's device current, and restores both on exit.
+        ctx = torch.cuda.stream(self.torch_stream)
+        ctx.__enter__()
+        return ctx
+
+    def _exit(self, token: Any) -> None:
+        token.__exit__(None, None, None)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CudaStream) and self.torch_stream == other.torch_stream
+
+    def __hash__(self) -> int:
+        return hash(self.torch_stream)
+
+    def __repr__(self) -> str:
+        return f"<CudaStream {self.device} 0x{self.torch_stream.cuda_stream:x}>"
+
+
+class CudaEvent(Event):
+    """A devgraph event over a ``torch.cuda.Event``."""
+
+    def __init__(self, device: CudaDevice, enable_timing: bool = False) -> None:
+        super().__init__(device, enable_timing)
+        self.torch_event = torch.cuda.Event(enable_timing=enable_timing)
+
+    def record(self, stream: Stream | None = None) -> None:
+        self.torch_event.record(_torch_stream(stream or self.device.current_stream()))
+
+    def wait(self, stream: Stream | None = None) -> None:
+        self.torch_event.wait(_torch_stream(stream or self.device.current_stream()))
+
+    def query(self) -> bool:
+        return bool(self.torch_event.query())
+
+    def synchronize(self) -> None:
+        self.torch_event.synchronize()
+
+    def elapsed_time(self, end: Event) -> float:
+        self._check_timing(end)
+        return float(self.torch_event.elapsed_time(_torch_event(end)))
+
+
+class CudaPool(MemoryPool):
+    """A graph memory pool: a ``torch.cuda.graph_pool_handle()`` token."""
+
+    def __init__(self, device: CudaDevice) -> None:
+        super().__init__(device)
+        self.handle = torch.cuda.graph_pool_handle()
+
+
+class CudaGraph(Graph):
+    """A devgraph graph over ``torch.cuda.CUDAGraph`` (see the module docstring for task update)."""
+
+    def __init__(self, device: CudaDevice, keep_graph: bool = False) -> None:
+        super().__init__(device, keep_graph)
+        self.torch_graph: torch.cuda.CUDAGraph | None = None
+
+    @contextlib.contextmanager
+    def capture(
+        self,
+        stream: Stream | None = None,
+        pool: MemoryPool | None = None,
+        *,
+        auto_update_ops: Sequence[str] = (),
+    ) -> Iterator[Graph]:
+        """``Graph.capture`` (see there), with two CUDA specifics.
+
+        * With ``stream=None`` the device's one capture stream is used, not a new stream: the caching
+          allocator reuses a pool's free blocks only on the stream they were allocated on, so graphs
+          sharing a pool must also share the capture stream (as ``torch.cuda.graph`` does).
+        * CUDA's own capture errors ("operation not permitted when stream is capturing") are raised
+          as ``CaptureError`` with the user's line and a remedy.
+        """
+        stream = stream or self.device.capture_stream()  # type: ignore[attr-defined]
+        try:
+            with super().capture(stream, pool, auto_update_ops=auto_update_ops) as graph:
+                yield graph
+        except BaseException as exc:
+            self._forget_failed_capture()
+            if isinstance(exc, DevgraphError) or not isinstance(exc, RuntimeError):
+                raise
+            if not _is_capture_violation(exc):
+                raise
+            from devgraph._capture import user_source_line
+
+            text = str(exc).strip()
+            first_line = text.splitlines()[0] if text else type(exc).__name__
+            raise CaptureError(
+                f"CUDA refused an operation during graph capture: {first_line}",
+                source=_user_line(exc.__traceback__) or user_source_line(),
+                remedy=_CAPTURE_REMEDY,
+            ) from exc
+
+    def _forget_failed_capture(self) -> None:
+        # Graph.capture marks the graph captured once the block ran, even if capture_end then failed.
+        if self.torch_graph is None and self._state == "captured":
+            self._state = "new"
+            self._tasks = []
+
+    def _begin_capture(self, stream: Stream, pool: MemoryPool) -> None:
+        if not isinstance(stream, CudaStream) or stream.device != self.device:
+            raise DevgraphError(
+                f"a graph on {self.device} must capture on a stream of that device, not {stream!r}"
+            )
+        if not isinstance(pool, CudaPool) or pool.device != self.device:
+            raise DevgraphError(f"a graph on {self.device} cannot capture into {pool!r}")
+        if stream.torch_stream == torch.cuda.default_stream(self.device.index):
+            raise DevgraphError(
+                "cannot capture on the default stream (CUDA refuses it): pass a side stream, "
+                "device.stream(), or none to get one"
+            )
+        # Like torch.cuda.graph: finish outstanding work so nothing queued before the block is
+        # mistaken for captured work. gc.collect() is left to the runner (it is slow per capture).
+        torch.cuda.synchronize(self.device.index)
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if self.keep_graph else torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=pool.handle)
+        self.torch_graph = graph
+
+    def _end_capture(self) -> None:
+        assert self.torch_graph is not None
+        try:
+            self.torch_graph.capture_end()
+        except BaseException:
+            self.torch_graph = None
+            raise
+
+    def _abort_capture(self) -> None:
+        graph, self.torch_graph = self.torch_graph, None
+        if graph is None:
+            return
+        # End the capture so the stream leaves capture mode; an invalidated capture fails to end,
+        # and the error that invalidated it is already propagating.
+        try:
+            graph.capture_end()
+            graph.reset()
+        except RuntimeError as exc:
+            logger.debug("ending an aborted capture failed (expected after a CUDA capture error): %s", exc)
+
+    def _replay(self) -> None:
+        assert self.torch_graph is not None
+        self.torch_graph.replay()
+
+    def _reset(self) -> None:
+        graph, self.torch_graph = self.torch_graph, None
+        if graph is not None:
+            graph.reset()
+
+    # -- task update: the documented no-op path ------------------------------------------------
+
+    def _task_group_begin(self, group: TaskGroup) -> None:
+        group.handle = None  # captured as ordinary graph work
+
+    def _task_group_end(self, group: TaskGroup) -> None:
+        pass
+
+    def _needs_reissue(self, group: TaskGroup) -> bool:
+        return group.op not in DEVICE_METADATA_OPS
+
+    def _task_update_begin(self, group: TaskGroup) -> None:
+        if group.op in DEVICE_METADATA_OPS:
+            raise DevgraphError(
+                f"task {group.index} ({group.op}) cannot be re-issued on CUDA, and need not be: its "
+                "CUDA kernel reads the lengths from the device tensor it was captured with. Write the "
+                "new values into that tensor, then graph.update(host_args) (records the host values) "
+                "or graph.replay(host_args)."
+            )
+        raise DevgraphError(
+            f"task {group.index} ({group.op}) cannot be re-issued with new host arguments on CUDA: a "
+            "CUDA graph bakes every captured kernel's launch arguments in at capture. Make the op read "
+            "the changing values from device tensors (refilled before each replay) and list it in "
+            "devgraph.backends.cuda._device.DEVICE_METADATA_OPS, or run it eagerly between graph "
+            "pieces (piecewise mode, splitting_ops=[...])."
+        )
+
+    def _task_update_end(self, group: TaskGroup) -> None:
+        pass
+
+
+class CudaDevice(Device):
+    """One CUDA GPU (``torch.device("cuda", index)``)."""
+
+    name = "cuda"
+    dispatch_key = "CUDA"
+    updatable_ops = ("devgraph::paged_decode_attention",)
+
+    def __init__(self, index: int = 0) -> None:
+        super().__init__(index)
+        # cuda_stream handle -> the devgraph wrapper, so current_stream() returns the very object
+        # a caller entered with `with stream:`.
+        self._streams: weakref.WeakValueDictionary[int, CudaStream] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+        self._capture_stream: CudaStream | None = None
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda", self.index)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.index)
+
+    def stream(self, priority: int = 0) -> Stream:
+        stream = CudaStream(self, priority)
+        with self._lock:
+            self._streams[stream.torch_stream.cuda_stream] = stream
+        return stream
+
+    def capture_stream(self) -> CudaStream:
+        """The side stream graphs capture on by default (one per device, so shared pools reuse blocks)."""
+        with self._lock:
+            if self._capture_stream is None:
+                self._capture_stream = CudaStream(self)
+                self._streams[self._capture_stream.torch_stream.cuda_stream] = self._capture_stream
+            return self._capture_stream
+
+    def current_stream(self) -> Stream:
+        current = torch.cuda.current_stream(self.index)
+        with self._lock:
+            known = self._streams.get(current.cuda_stream)
+            if known is None:
+                known = CudaStream(self, current.priority, torch_stream=current)
+                self._streams[current.cuda_stream] = known
+        return known
+
+    def event(self, enable_timing: bool = False) -> Event:
+        return CudaEvent(self, enable_timing)
+
+    def graph(self, keep_graph: bool = False) -> Graph:
+        return CudaGraph(self, keep_graph)
+
+    def pool(self) -> MemoryPool:
+        return CudaPool(self)
+
+    def memory_stats(self) -> MemoryStats:
+        """Bytes of torch's CUDA caching allocator on this GPU (graph pools included)."""
+        return MemoryStats(
+            allocated=torch.cuda.memory_allocated(self.index),
+            reserved=torch.cuda.memory_reserved(self.index),
+            peak_allocated=torch.cuda.max_memory_allocated(self.index),
+        )
+
+    def weak_ref(self, tensor: torch.Tensor) -> torch.Tensor:
+        from devgraph import weak_ref_tensor
+
+        return weak_ref_tensor(tensor)
+
+
+def _torch_stream(stream: Stream) -> torch.cuda.Stream:
+    if not isinstance(stream, CudaStream):
+        raise DevgraphError(f"expected a cuda stream, got {stream!r}")
+    return stream.torch_stream
+
+
+def _torch_event(event: Event) -> torch.cuda.Event:
+    if not isinstance(event, CudaEvent):
+        raise DevgraphError(f"expected a cuda event, got {event!r}")
+    return event.torch_event
+
+
+def _is_capture_violation(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(fragment.lower() in text.lower() for fragment in _CAPTURE_VIOLATIONS)
+
+
+def _user_line(tb: TracebackType | None) -> str | None:
+    """``"file.py:LINE: code"`` of the innermost traceback frame outside torch, devgraph and the stdlib."""
+    from devgraph import _capture
+
+    skip = _capture._skip_dirs()
+    found = None
+    while tb is not None:
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        in_devgraph = path.startswith(_capture._DEVGRAPH_DIR) and not path.startswith(_capture._TESTING_DIR)
+        if not in_devgraph and not path.startswith(skip) and not path.startswith("<"):
+            code = linecache.getline(path, tb.tb_lineno).strip()
+            found = f"{path}:{tb.tb_lineno}: {code}" if code else f"{path}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return found
