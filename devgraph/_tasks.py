@@ -49,13 +49,17 @@ class TaskGroup:
             value = args[i] if i < len(args) else kwargs.get(name)
             if value is not None and not isinstance(value, torch.Tensor) and not _has_tensor(value):
                 host[name] = value
+        from devgraph._weakref import weak_ref_tensors
+
+        # Weak references, as vllm-ascend keeps its attention update parameters: the task must not
+        # keep capture-time intermediates alive, or graphs sharing a pool could not reuse them.
         return cls(
             index=index,
             op=func._schema.name,
             host_args=host,
             func=func,
-            args=tuple(args),
-            kwargs=dict(kwargs),
+            args=tuple(weak_ref_tensors(list(args))),
+            kwargs=weak_ref_tensors(dict(kwargs)),
             names=names,
         )
 

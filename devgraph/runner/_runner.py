@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map
 from devgraph._capture import user_stacklevel
 from devgraph._contract import Device, Graph
 from devgraph._errors import CaptureError, DevgraphError
+from devgraph._weakref import weak_ref_tensors
 from devgraph.runner._buckets import choose_bucket, normalise_batch_sizes
 from devgraph.runner._calls import Call, Unsupported, read_call, signature_of, template_mismatch
 from devgraph.runner._config import RunnerConfig, RunnerStats
@@ -188,7 +189,9 @@ class GraphRunner:
             raise err.with_batch_size(size, remedy) from err
         self.device.synchronize()
         self._check_host_args(graph)
-        return graph, out
+        # The graph's pool owns the output memory; a strong reference here would stop the next
+        # (smaller) bucket from reusing it. Outputs are overwritten by the next replay anyway.
+        return graph, weak_ref_tensors(out)
 
     def _check_host_args(self, graph: Graph) -> None:
         for call_name, op_name in self.config.host_args:

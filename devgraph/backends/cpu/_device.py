@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph._errors import DevgraphError
 from devgraph._tasks import TaskGroup
+from devgraph._weakref import weak_ref_tensor
 from devgraph.backends.cpu._pool import CpuPool
 from devgraph.backends.cpu._recorder import Recorder, Segment
 
@@ -169,15 +170,6 @@ class CpuGraph(Graph):
     def recorded_ops(self) -> list[str]:
         """Names of the recorded calls, in replay order (for tests and debugging)."""
         return [e.name for s in self._segments for e in s.entries]
-
-
-def weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``t``'s memory that does not keep that memory alive."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"weak_ref_tensor expects a tensor, got {type(t).__name__}")
-    storage = t.untyped_storage()
-    weak = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(weak, t.storage_offset(), t.shape, t.stride())
 
 
 class CpuDevice(Device):
