@@ -154,7 +154,9 @@ def _is_tensor_method(func: Any) -> bool:
     import torch
 
     owner = getattr(func, "__objclass__", None) or getattr(func, "__self__", None)
-    return owner is torch.Tensor or owner is torch._C.TensorBase or "Tensor" in getattr(func, "__qualname__", "")
+    return (
+        owner is torch.Tensor or owner is torch._C.TensorBase or "Tensor" in getattr(func, "__qualname__", "")
+    )
 
 
 def _moves_to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 import pluggy
@@ -129,7 +129,9 @@ def _specs() -> dict[str, tuple[BackendSpec, str]]:
 
                 def register(spec: BackendSpec, _origin: str = origin) -> None:
                     if not isinstance(spec, BackendSpec):
-                        raise DevgraphError(f"plugin {_origin!r} registered {spec!r}, not a devgraph.BackendSpec")
+                        raise DevgraphError(
+                            f"plugin {_origin!r} registered {spec!r}, not a devgraph.BackendSpec"
+                        )
                     if spec.name in _registry.specs:
                         other = _registry.specs[spec.name][1]
                         raise DevgraphError(

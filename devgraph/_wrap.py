@@ -47,11 +47,16 @@ class GraphedModule:
         return getattr(self.module, name)
 
     def __repr__(self) -> str:
-        return f"<GraphedModule {type(self.module).__name__} on {self.runner.device}, sizes {self.runner.sizes}>"
+        return (
+            f"<GraphedModule {type(self.module).__name__} on {self.runner.device}, sizes {self.runner.sizes}>"
+        )
 
 
 def _is_hf_model(model: Any) -> bool:
-    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
+    return any(
+        c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
+        for c in type(model).__mro__
+    )
 
 
 def wrap(model: Any, device: str | Device | None = None, **options: Any) -> Any:

@@ -13,8 +13,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 import devgraph
 from devgraph._contract import Device
 
@@ -69,11 +67,17 @@ def run_demo(device: str | None = None, steps: int = 16, batch_sizes: Sequence[i
     graphed = devgraph.wrap(graphed_model, device=dev, max_batch_size=max(batch_sizes))
     graphed.capture(**graphed_model.dummy_inputs(1))
     stats = graphed.stats
-    print(f"devgraph demo on {dev} ({type(dev).__name__}); tiny paged decoder: {eager.config.num_layers} layers, "
-          f"hidden {eager.config.hidden_size}, {eager.config.dtype}")
-    print(f"captured batch sizes {list(stats.captured_sizes)} in {stats.capture_seconds:.2f} s, "
-          f"pool {stats.pool_bytes / 2**20:.2f} MiB")
-    header = f"{'batch':>5}  {'eager ms/step':>13}  {'devgraph ms/step':>16}  {'speed-up':>8}  {'max |diff|':>10}"
+    print(
+        f"devgraph demo on {dev} ({type(dev).__name__}); tiny paged decoder: {eager.config.num_layers} layers, "
+        f"hidden {eager.config.hidden_size}, {eager.config.dtype}"
+    )
+    print(
+        f"captured batch sizes {list(stats.captured_sizes)} in {stats.capture_seconds:.2f} s, "
+        f"pool {stats.pool_bytes / 2**20:.2f} MiB"
+    )
+    header = (
+        f"{'batch':>5}  {'eager ms/step':>13}  {'devgraph ms/step':>16}  {'speed-up':>8}  {'max |diff|':>10}"
+    )
     print(header)
     print("-" * len(header))
     worst = 0.0
@@ -81,12 +85,16 @@ def run_demo(device: str | None = None, steps: int = 16, batch_sizes: Sequence[i
         row = _decode(dev, {"eager": eager, "devgraph": graphed}, batch, steps)
         worst = max(worst, row["max_abs_diff"])
         ratio = row["eager_ms"] / row["devgraph_ms"]
-        print(f"{batch:>5}  {row['eager_ms']:>13.3f}  {row['devgraph_ms']:>16.3f}  {ratio:>7.2f}x  "
-              f"{row['max_abs_diff']:>10.2e}")
+        print(
+            f"{batch:>5}  {row['eager_ms']:>13.3f}  {row['devgraph_ms']:>16.3f}  {ratio:>7.2f}x  "
+            f"{row['max_abs_diff']:>10.2e}"
+        )
     print(f"replays {stats.replays}, eager fallbacks {stats.eager_calls}")
     if dev.name == "cpu":
-        print("note: cpu is devgraph's reference simulator: replay re-executes the recorded ops, so it is "
-              "slower than eager; it proves correctness. Speed-ups come on cuda and npu.")
+        print(
+            "note: cpu is devgraph's reference simulator: replay re-executes the recorded ops, so it is "
+            "slower than eager; it proves correctness. Speed-ups come on cuda and npu."
+        )
     ok = worst <= 1e-3
     print("graphed logits match eager" if ok else f"MISMATCH: max |diff| {worst:.3e} > 1e-3")
     return 0 if ok else 1

@@ -6,7 +6,7 @@ import pytest
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-import torch  # noqa: E402
+import torch
 
 # One intra-op thread per xdist worker: with -n 2 on 2 cores, torch's default of one thread per
 # core oversubscribes the machine and makes small ops ~10x slower.

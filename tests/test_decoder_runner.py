@@ -61,7 +61,10 @@ def test_greedy_generation_through_the_runner_equals_eager(any_device):
 def test_decoder_graph_needs_task_update_for_host_lengths(any_device, update):
     """Lengths reach attention as a host list frozen at capture: stale without task update."""
     dev = any_device
-    eager, model = make_decoder(seed=1, device=dev.torch_device), make_decoder(seed=1, device=dev.torch_device)
+    eager, model = (
+        make_decoder(seed=1, device=dev.torch_device),
+        make_decoder(seed=1, device=dev.torch_device),
+    )
     managers = [KVBlockManager(eager.config, device=dev.torch_device) for _ in range(2)]
     static = model.dummy_inputs(2)
     graph = dev.graph()
@@ -94,7 +97,7 @@ def test_int32_slot_mapping_like_npu(any_device):
 
 
 def test_graphs_share_one_pool_on_the_reference_backend():
-    eager, graphed = _pair(devgraph.device("cpu"), batch_sizes=[1, 2, 4, 8])
+    _eager, graphed = _pair(devgraph.device("cpu"), batch_sizes=[1, 2, 4, 8])
     graphed.capture(**graphed.module.dummy_inputs(1))
     pools = {id(graphed.runner.graph(s).pool()) for s in (1, 2, 4, 8)}
     assert len(pools) == 1

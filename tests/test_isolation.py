@@ -80,6 +80,10 @@ def test_no_torch_cuda_attribute_changes_after_using_every_backend():
     if simulated_torch_npu is not None:
         with simulated_torch_npu():
             conformance.run(devgraph.device("npu"))
-    assert _snapshot(torch.cuda) == before_cuda
+    after_cuda = _snapshot(torch.cuda)
+    changed = [n for n in before_cuda if after_cuda.get(n) != before_cuda[n]]
+    assert not changed, f"torch.cuda attributes replaced: {changed}"
+    added = [n for n in set(after_cuda) - set(before_cuda) if not n.startswith("_")]
+    assert not added, f"attributes added to torch.cuda: {added}"  # torch's own lazy private submodules aside
     assert {n: id(getattr(torch, n)) for n in before_torch} == before_torch
     assert getattr(torch, "npu", None) is npu_before

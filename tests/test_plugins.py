@@ -107,7 +107,9 @@ def _fake_entry_points(*extra):
 def test_broken_plugin_error_names_plugin_and_switch(fresh_plugins, monkeypatch):
     broken = importlib.metadata.EntryPoint("broken", "devgraph_no_such_module_xyz", "devgraph")
     monkeypatch.setattr(_plugins.importlib.metadata, "entry_points", _fake_entry_points(broken))
-    with pytest.raises(devgraph.PluginLoadError, match=r"'broken = devgraph_no_such_module_xyz'.*DEVGRAPH_AUTOLOAD=0"):
+    with pytest.raises(
+        devgraph.PluginLoadError, match=r"'broken = devgraph_no_such_module_xyz'.*DEVGRAPH_AUTOLOAD=0"
+    ):
         devgraph.backends()
 
 

@@ -45,7 +45,7 @@ def _inputs(dev, n, seed=0):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8])
 def test_graphed_equals_eager_for_buckets_and_padded_sizes(any_device, n):
-    graphed, model, reference = _wrap(any_device)
+    graphed, _model, reference = _wrap(any_device)
     x, slot = _inputs(any_device, n, seed=n)
     y, s = graphed(x, slot)
     ry, rs = reference(x, slot)
@@ -64,7 +64,7 @@ def test_padded_rows_never_touch_real_state(any_device):
 
 
 def test_batch_above_largest_bucket_falls_back_to_eager(any_device):
-    graphed, model, reference = _wrap(any_device)
+    graphed, _model, reference = _wrap(any_device)
     x, slot = _inputs(any_device, 12)
     with pytest.warns(UserWarning, match=r"batch_too_large.*batch 12"):
         y, _ = graphed(x, slot)

@@ -53,7 +53,9 @@ class Call:
             t[name] = ("const", _const_key(v))
         return t
 
-    def bind(self, signature: inspect.Signature, values: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def bind(
+        self, signature: inspect.Signature, values: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` calling the function with ``values`` in this call's argument order."""
         bound = inspect.BoundArguments(signature, OrderedDict((n, values[n]) for n in self.order))
         return bound.args, bound.kwargs
@@ -97,7 +99,9 @@ def read_call(
             (static if name in static_names else batched)[name] = value
         elif name in host_names:
             if not isinstance(value, (list, tuple)):
-                raise Unsupported("unsupported_call", f"host argument {name!r} must be a list, got {type(value).__name__}")
+                raise Unsupported(
+                    "unsupported_call", f"host argument {name!r} must be a list, got {type(value).__name__}"
+                )
             host[name] = list(value)
         elif _holds_tensor(value):
             raise Unsupported(
@@ -120,7 +124,9 @@ def read_call(
         raise Unsupported("unsupported_call", f"batched arguments disagree on the batch size: {sizes}")
     for name, values in host.items():
         if len(values) != batch:
-            raise Unsupported("unsupported_call", f"host argument {name!r} has {len(values)} values for batch {batch}")
+            raise Unsupported(
+                "unsupported_call", f"host argument {name!r} has {len(values)} values for batch {batch}"
+            )
     return Call(batch, batched, static, host, consts, tuple(bound.arguments))
 
 

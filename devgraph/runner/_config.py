@@ -68,7 +68,9 @@ class RunnerConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.mode not in ("full", "piecewise", "full_and_piecewise"):
-            raise DevgraphError(f"mode must be 'full', 'piecewise' or 'full_and_piecewise', got {self.mode!r}")
+            raise DevgraphError(
+                f"mode must be 'full', 'piecewise' or 'full_and_piecewise', got {self.mode!r}"
+            )
         if self.warmup_iters < 0:
             raise DevgraphError(f"warmup_iters must be >= 0, got {self.warmup_iters}")
 

@@ -160,8 +160,12 @@ class GraphRunner:
             self.stats.pool_bytes / 2**20,
         )
 
-    def _args_for(self, call: Call, size: int, host: dict[str, list[Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        values: dict[str, Any] = {n: b.narrow(self.config.batch_dim(n), 0, size) for n, b in self._buffers.items()}
+    def _args_for(
+        self, call: Call, size: int, host: dict[str, list[Any]]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        values: dict[str, Any] = {
+            n: b.narrow(self.config.batch_dim(n), 0, size) for n, b in self._buffers.items()
+        }
         values.update(call.static)
         values.update(call.consts)
         values.update(host)
@@ -225,7 +229,9 @@ class GraphRunner:
         size = choose_bucket(call.batch, self.sizes)
         if size is None:
             kind = "batch_too_large" if call.batch > self.sizes[-1] else "empty_batch"
-            raise Unsupported(kind, f"batch {call.batch} is outside the captured buckets (1..{self.sizes[-1]})")
+            raise Unsupported(
+                kind, f"batch {call.batch} is outside the captured buckets (1..{self.sizes[-1]})"
+            )
         for name, x in call.batched.items():
             buf = self._buffers[name]
             d = cfg.batch_dim(name)

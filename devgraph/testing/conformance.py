@@ -57,7 +57,12 @@ def _replay_matches(device: Device, fn, inputs: list[torch.Tensor], what: str) -
 
 def check_elementwise(device: Device) -> None:
     """Replay of an elementwise chain equals eager."""
-    _replay_matches(device, lambda x, y: torch.sigmoid(x * 2 + y).exp() - y.abs(), [_t(device, 64), _t(device, 64)], "elementwise")
+    _replay_matches(
+        device,
+        lambda x, y: torch.sigmoid(x * 2 + y).exp() - y.abs(),
+        [_t(device, 64), _t(device, 64)],
+        "elementwise",
+    )
 
 
 def check_matmul(device: Device) -> None:

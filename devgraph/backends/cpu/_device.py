@@ -212,7 +212,9 @@ class CpuDevice(Device):
 
     def memory_stats(self) -> MemoryStats:
         """Bytes in graph pools (the reference backend does not see torch's CPU allocator)."""
-        return MemoryStats(allocated=self._pool_bytes, reserved=self._pool_bytes, peak_allocated=self._peak_bytes)
+        return MemoryStats(
+            allocated=self._pool_bytes, reserved=self._pool_bytes, peak_allocated=self._peak_bytes
+        )
 
     def weak_ref(self, tensor: torch.Tensor) -> torch.Tensor:
         return weak_ref_tensor(tensor)

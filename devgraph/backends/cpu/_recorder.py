@@ -76,7 +76,9 @@ class Entry:
 
     __slots__ = ("args", "func", "kwargs", "name", "outs", "rerun")
 
-    def __init__(self, func: Callable[..., Any], name: str, args: Any, kwargs: Any, rerun: bool = True) -> None:
+    def __init__(
+        self, func: Callable[..., Any], name: str, args: Any, kwargs: Any, rerun: bool = True
+    ) -> None:
         self.func = func
         self.name = name
         self.args = tree_map(lambda x: _describe(x) if isinstance(x, torch.Tensor) else x, args)
@@ -154,7 +156,10 @@ class Recorder(TorchDispatchMode):
         entry = Entry(fn, name, args, {})
         result = fn(*args)
         leaves, spec = tree_flatten(result)
-        placed = [self._place(entry, i, leaf) if isinstance(leaf, torch.Tensor) else leaf for i, leaf in enumerate(leaves)]
+        placed = [
+            self._place(entry, i, leaf) if isinstance(leaf, torch.Tensor) else leaf
+            for i, leaf in enumerate(leaves)
+        ]
         self.segment.entries.append(entry)
         return tree_unflatten(placed, spec)
 

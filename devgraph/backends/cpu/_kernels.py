@@ -1,0 +1,57 @@
+"""CPU kernels of the devgraph ops: the reference math of ``devgraph.ops._reference``.
+
+Paged decode attention reads its lengths from the host list ``seq_lens_host``, not from the device
+tensor ``seq_lens``, deliberately: that is what the NPU kernel does, so on the CPU reference backend
+a captured graph keeps the capture-time lengths until its task is updated, exactly as on an Ascend
+device (DESIGN.md, graph contract point 3). Forgetting the update gives stale results here too.
+
+The reference math lives in ``devgraph.ops`` and is imported when kernels are registered or run,
+never at import time: ``import devgraph.ops`` loads the kernels through the plugin hook, which
+imports this module, so a module-level import would be circular.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["paged_decode_attention", "register_all"]
+
+KEY = "CPU"
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_lens_host: Sequence[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The CPU kernel: attends over ``seq_lens_host`` tokens per sequence; ``seq_lens`` is not read."""
+    from devgraph.ops import _reference
+
+    if len(seq_lens_host) != query.shape[0]:
+        raise ValueError(
+            f"devgraph.paged_decode_attention: seq_lens_host must list B = {query.shape[0]} lengths on "
+            f"the CPU reference backend (it reads the host lengths, like NPU), got {len(seq_lens_host)}"
+        )
+    _reference.paged_decode_attention_host_lens(
+        query, key_cache, value_cache, block_table, seq_lens_host, scale, out
+    )
+
+
+def register_all(register: Callable[[str, str, Callable[..., Any]], None]) -> None:
+    """Register every CPU kernel: ``register(op_name, "CPU", kernel)``."""
+    from devgraph.ops import _reference
+
+    register("rms_norm", KEY, _reference.rms_norm)
+    register("add_rms_norm", KEY, _reference.add_rms_norm)
+    register("add_rms_norm_quant", KEY, _reference.add_rms_norm_quant)
+    register("add_rms_norm_dynamic_quant", KEY, _reference.add_rms_norm_dynamic_quant)
+    register("split_qkv_rms_norm_rope", KEY, _reference.split_qkv_rms_norm_rope)
+    register("paged_decode_attention", KEY, paged_decode_attention)

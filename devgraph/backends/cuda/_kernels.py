@@ -1,0 +1,59 @@
+"""CUDA kernels of the devgraph ops: the reference math, written to be CUDA-graph-capture safe.
+
+They are plain torch ops (no custom CUDA code): fixed output shapes, no host reads of device values.
+Correct rather than fast: attention gathers the whole block table and computes in float32. A faster
+kernel (FlashInfer, flash-attn) can replace one through the same hook: the last ``register`` of a
+key wins, so a plugin doing that marks its hookimpl ``trylast=True`` (pluggy calls it last).
+Paged decode attention reads its lengths from the *device* tensor ``seq_lens`` and masks over the
+whole block table (``max_blocks_per_seq * block_size`` positions), ignoring ``seq_lens_host``: a
+captured graph then replays with whatever lengths were last copied into ``seq_lens``, so on CUDA
+the task update of attention is a no-op.
+
+Nothing here touches ``torch.cuda`` at import or registration, so registering these kernels works
+on a CPU-only torch build too (the dispatcher accepts a ``CUDA`` kernel without a CUDA runtime).
+The reference math is imported lazily for the reason given in ``devgraph.backends.cpu._kernels``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["paged_decode_attention", "register_all"]
+
+KEY = "CUDA"
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_lens_host: Sequence[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The CUDA kernel: attends over ``seq_lens`` (device) tokens per sequence; the host list is unused.
+
+    Device-agnostic torch code, so tests run it on CPU tensors too.
+    """
+    from devgraph.ops import _reference
+
+    _reference.paged_decode_attention_device_lens(
+        query, key_cache, value_cache, block_table, seq_lens, scale, out
+    )
+
+
+def register_all(register: Callable[[str, str, Callable[..., Any]], None]) -> None:
+    """Register every CUDA kernel: ``register(op_name, "CUDA", kernel)``."""
+    from devgraph.ops import _reference
+
+    register("rms_norm", KEY, _reference.rms_norm)
+    register("add_rms_norm", KEY, _reference.add_rms_norm)
+    register("add_rms_norm_quant", KEY, _reference.add_rms_norm_quant)
+    register("add_rms_norm_dynamic_quant", KEY, _reference.add_rms_norm_dynamic_quant)
+    register("split_qkv_rms_norm_rope", KEY, _reference.split_qkv_rms_norm_rope)
+    register("paged_decode_attention", KEY, paged_decode_attention)
