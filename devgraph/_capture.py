@@ -160,13 +160,21 @@ def _is_tensor_method(func: Any) -> bool:
 
 
 def _moves_to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """True for ``t.to(cpu)`` of a tensor that is not on the CPU: a device-to-host copy.
+
+    ``t.to(x.device)`` of a tensor already there is a no-op on every device (transformers does it
+    every step for rotary tables), so it is allowed, on the CPU reference backend too.
+    """
     import torch
 
     target = kwargs.get("device")
     for a in args[1:]:
         if isinstance(a, (str, torch.device)):
             target = a
-    return target is not None and torch.device(target).type == "cpu"
+    if target is None or torch.device(target).type != "cpu":
+        return False
+    source = args[0]
+    return isinstance(source, torch.Tensor) and source.device.type != "cpu"
 
 
 def _call_as_task(graph: Graph, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -69,8 +69,10 @@ def wrap(model: Any, device: str | Device | None = None, **options: Any) -> Any:
             the best available.
         options: ``devgraph.runner.RunnerConfig`` fields (``max_batch_size``, ``batch_sizes``,
             ``pad_values``, ``host_args``, ``static_args``, ``batch_dims``, ``clone_outputs``,
-            ``strict``, ``debug``, ``warmup_iters``, ``mode``), plus adapter options. A model's own
-            ``devgraph_options()`` provides defaults.
+            ``strict``, ``debug``, ``warmup_iters``, ``mode``), with ``mode='piecewise'`` or
+            ``'full_and_piecewise'`` also ``devgraph.compile.CompileConfig`` fields (``splitting_ops``,
+            ``compile_backend``, ``passes``, ``capture_sizes``, ``capture_budget``, ``traffic``,
+            ``is_decode``), plus adapter options. A model's own ``devgraph_options()`` provides defaults.
     Raises:
         DevgraphError: an unknown option (the message lists the valid ones).
     """
@@ -79,21 +81,29 @@ def wrap(model: Any, device: str | Device | None = None, **options: Any) -> Any:
         from devgraph.adapters.hf import wrap_hf
 
         return wrap_hf(model, dev, **options)
+    from devgraph.compile import compile_option_names
     from devgraph.runner import GraphRunner, RunnerConfig
 
     defaults = model.devgraph_options() if hasattr(model, "devgraph_options") else {}
     merged = {**defaults, **options}
-    config = make_config(RunnerConfig, merged)
+    compile_names = compile_option_names()
+    compile_options = {k: merged.pop(k) for k in list(merged) if k in compile_names}
+    config = make_config(RunnerConfig, merged, extra_valid=compile_names)
     if config.mode != "full":
         from devgraph.compile import piecewise_runner
 
-        return GraphedModule(model, piecewise_runner(model, dev, config))
+        return GraphedModule(model, piecewise_runner(model, dev, config, **compile_options))
+    if compile_options:
+        raise DevgraphError(
+            f"option(s) {sorted(compile_options)} apply to mode='piecewise' or mode='full_and_piecewise' "
+            "only; add mode=... or drop them"
+        )
     return GraphedModule(model, GraphRunner(model, dev, config))
 
 
-def make_config(cls: Any, options: dict[str, Any]) -> Any:
-    """Build an attrs config, naming unknown options and the valid ones."""
-    valid = [f.name for f in attrs.fields(cls)]
+def make_config(cls: Any, options: dict[str, Any], extra_valid: Any = ()) -> Any:
+    """Build an attrs config, naming unknown options and the valid ones (plus ``extra_valid``)."""
+    valid = [f.name for f in attrs.fields(cls)] + list(extra_valid)
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise DevgraphError(f"unknown option(s) {unknown}; valid options: {', '.join(valid)}")

@@ -1,0 +1,182 @@
+"""The Hugging Face adapter: graphed greedy ``generate()`` gives exactly the tokens of eager ``generate()``.
+
+Tiny random decoders are built in code (no downloads). Every comparison is against the model's own
+``model.generate(do_sample=False)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import devgraph  # noqa: E402
+from devgraph import DevgraphError  # noqa: E402
+from devgraph.adapters.hf import GraphedCausalLM  # noqa: E402
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=128,
+)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+PROMPT_LEN = 7
+NEW_TOKENS = 6
+CACHE_LEN = 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls run fastest on one thread (xdist workers already share the cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_model(family: str, **overrides) -> torch.nn.Module:
+    config_name, model_name = FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**TINY, **overrides})
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config).eval()
+
+
+def prompts(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, TINY["vocab_size"], (batch, PROMPT_LEN), generator=gen)
+    return ids, torch.ones_like(ids)
+
+
+def eager_greedy(model, ids, mask, **kwargs) -> torch.Tensor:
+    return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS, **kwargs)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def graphed(request) -> GraphedCausalLM:
+    """Each family wrapped once per module: buckets 1 and 4."""
+    return devgraph.wrap(
+        tiny_model(request.param), devgraph.device("cpu"), batch_sizes=[1, 4], max_cache_len=CACHE_LEN
+    )
+
+
+@pytest.fixture(scope="module")
+def llama() -> GraphedCausalLM:
+    return devgraph.wrap(tiny_model("llama"), "cpu", batch_sizes=[1, 4], max_cache_len=CACHE_LEN)
+
+
+@pytest.mark.parametrize("batch", [1, 3], ids=["batch1", "batch3_padded_to_4"])
+def test_graphed_generate_matches_eager_greedy(graphed, batch):
+    ids, mask = prompts(batch, seed=2)  # no row of any family meets an eos token early
+    replays = graphed.stats.replays
+    out = graphed.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(out, eager_greedy(graphed.module, ids, mask))
+    assert graphed.stats.replays - replays == NEW_TOKENS - 1  # every decode step after prefill replayed
+    assert graphed.stats.fallbacks == {}
+
+
+def test_wrap_returns_graphed_causal_lm_for_hf_models():
+    graphed = devgraph.wrap(tiny_model("llama"), "cpu", batch_sizes=[1], max_cache_len=CACHE_LEN)
+    assert isinstance(graphed, GraphedCausalLM)
+    assert isinstance(graphed, devgraph.GraphedModule)
+    assert graphed.sizes == [1]
+
+
+def test_left_padded_batch_matches_eager(llama):
+    ids, mask = prompts(3, seed=2)
+    mask[0, :3] = 0  # three prompt lengths in one batch: 4, 6, 7
+    mask[1, :1] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    out = llama.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(out, eager_greedy(llama.module, ids, mask))
+    assert llama.stats.fallbacks == {}
+
+
+def test_eos_finishes_rows_and_pads_them_like_eager(llama):
+    ids, mask = prompts(3, seed=3)
+    free = eager_greedy(llama.module, ids, mask)
+    eos = int(free[1, PROMPT_LEN + 1])  # row 1 stops after its second token; others may run on
+    expected = eager_greedy(llama.module, ids, mask, eos_token_id=eos)
+    assert torch.equal(
+        llama.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos), expected
+    )
+
+
+def test_second_generate_reuses_the_captured_graphs(llama):
+    llama.generate(*prompts(1, seed=4), max_new_tokens=2)
+    captured = llama.stats.capture_seconds
+    ids, mask = prompts(1, seed=5)
+    assert torch.equal(
+        llama.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS),
+        eager_greedy(llama.module, ids, mask),
+    )
+    assert llama.stats.capture_seconds == captured
+
+
+def test_eager_attention_implementation_matches_eager():
+    model = tiny_model("llama", attn_implementation="eager")
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[4], max_cache_len=CACHE_LEN)
+    ids, mask = prompts(3, seed=6)
+    mask[2, :2] = 0
+    assert torch.equal(
+        graphed.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), eager_greedy(model, ids, mask)
+    )
+    assert graphed.stats.replays == NEW_TOKENS - 1
+
+
+def test_batch_above_largest_bucket_falls_back_with_warning_and_matches():
+    model = tiny_model("llama")
+    graphed = devgraph.wrap(model, "cpu", max_batch_size=2, max_cache_len=CACHE_LEN)
+    ids, mask = prompts(3, seed=7)
+    with pytest.warns(UserWarning, match="batch_too_large"):
+        out = graphed.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(out, eager_greedy(model, ids, mask))
+    assert graphed.stats.fallbacks == {"batch_too_large": 1}
+    assert graphed.stats.replays == 0
+
+
+def test_prompt_overflowing_the_cache_falls_back_with_warning():
+    model = tiny_model("llama")
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=PROMPT_LEN + 2)
+    ids, mask = prompts(1, seed=8)
+    with pytest.warns(UserWarning, match="max_cache_len"):
+        out = graphed.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(out, eager_greedy(model, ids, mask))
+    assert graphed.stats.fallbacks == {"sequence_too_long": 1}
+
+
+def test_strict_raises_instead_of_falling_back():
+    graphed = devgraph.wrap(
+        tiny_model("llama"), "cpu", max_batch_size=1, max_cache_len=CACHE_LEN, strict=True
+    )
+    with pytest.raises(DevgraphError, match="strict=True"):
+        graphed.generate(*prompts(2, seed=9), max_new_tokens=2)
+
+
+def test_call_runs_the_model_eagerly():
+    model = tiny_model("qwen2")
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=CACHE_LEN)
+    ids, _ = prompts(2, seed=10)
+    with torch.no_grad():
+        assert torch.equal(graphed(ids).logits, model(ids).logits)
+    assert not graphed.runner.captured
+
+
+def test_unknown_option_names_the_valid_ones():
+    with pytest.raises(DevgraphError, match=r"unknown option\(s\) \['pad_values'\].*max_cache_len"):
+        devgraph.wrap(tiny_model("llama"), "cpu", pad_values={"x": 0})
+
+
+def test_sliding_window_shorter_than_the_cache_is_refused():
+    model = tiny_model("mistral", sliding_window=16)
+    with pytest.raises(DevgraphError, match="max_cache_len <= 16"):
+        devgraph.wrap(model, "cpu", max_cache_len=CACHE_LEN)
