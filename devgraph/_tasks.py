@@ -49,17 +49,21 @@ class TaskGroup:
             value = args[i] if i < len(args) else kwargs.get(name)
             if value is not None and not isinstance(value, torch.Tensor) and not _has_tensor(value):
                 host[name] = value
+        from torch.utils._python_dispatch import _disable_current_modes
+
         from devgraph._weakref import weak_ref_tensors
 
         # Weak references, as vllm-ascend keeps its attention update parameters: the task must not
         # keep capture-time intermediates alive, or graphs sharing a pool could not reuse them.
+        with _disable_current_modes():  # building the weak tensors is not part of the captured work
+            weak_args, weak_kwargs = tuple(weak_ref_tensors(list(args))), weak_ref_tensors(dict(kwargs))
         return cls(
             index=index,
             op=func._schema.name,
             host_args=host,
             func=func,
-            args=tuple(weak_ref_tensors(list(args))),
-            kwargs=weak_ref_tensors(dict(kwargs)),
+            args=weak_args,
+            kwargs=weak_kwargs,
             names=names,
         )
 

@@ -4,9 +4,11 @@ import os
 
 import pytest
 
+pytest_plugins = ["devgraph.testing.pytest_plugin"]
+
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-import torch
+import torch  # noqa: E402  (after the env var above)
 
 # One intra-op thread per xdist worker: with -n 2 on 2 cores, torch's default of one thread per
 # core oversubscribes the machine and makes small ops ~10x slower.

@@ -15,9 +15,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import devgraph
 import devgraph.ops as ops
 from devgraph import DevgraphError, _plugins
+from devgraph.backends import _reference
 from devgraph.backends.cpu import _kernels as cpu_kernels
 from devgraph.backends.cuda import _kernels as cuda_kernels
-from devgraph.ops import _defs, _reference, _registry
+from devgraph.ops import _defs, _registry
 
 TOL = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-5},

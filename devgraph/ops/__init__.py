@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from devgraph.ops import _defs, _reference  # noqa: F401  (_reference first: backends import it lazily)
+from devgraph.ops import _defs  # noqa: F401
 from devgraph.ops._registry import has_kernel, kernel_for, load, op_names, route
 
 __all__ = [

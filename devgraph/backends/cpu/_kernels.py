@@ -1,4 +1,4 @@
-"""CPU kernels of the devgraph ops: the reference math of ``devgraph.ops._reference``.
+"""CPU kernels of the devgraph ops: the reference math of ``devgraph.backends._reference``.
 
 Paged decode attention reads its lengths from the host list ``seq_lens_host``, not from the device
 tensor ``seq_lens``, deliberately: that is what the NPU kernel does, so on the CPU reference backend
@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from devgraph.backends import _reference
+
 __all__ = ["paged_decode_attention", "register_all"]
 
 KEY = "CPU"
@@ -33,8 +35,6 @@ def paged_decode_attention(
     out: torch.Tensor,
 ) -> None:
     """The CPU kernel: attends over ``seq_lens_host`` tokens per sequence; ``seq_lens`` is not read."""
-    from devgraph.ops import _reference
-
     if len(seq_lens_host) != query.shape[0]:
         raise ValueError(
             f"devgraph.paged_decode_attention: seq_lens_host must list B = {query.shape[0]} lengths on "
@@ -47,8 +47,6 @@ def paged_decode_attention(
 
 def register_all(register: Callable[[str, str, Callable[..., Any]], None]) -> None:
     """Register every CPU kernel: ``register(op_name, "CPU", kernel)``."""
-    from devgraph.ops import _reference
-
     register("rms_norm", KEY, _reference.rms_norm)
     register("add_rms_norm", KEY, _reference.add_rms_norm)
     register("add_rms_norm_quant", KEY, _reference.add_rms_norm_quant)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from devgraph.backends import _reference
+
 __all__ = ["paged_decode_attention", "register_all"]
 
 KEY = "CUDA"
@@ -40,8 +42,6 @@ def paged_decode_attention(
 
     Device-agnostic torch code, so tests run it on CPU tensors too.
     """
-    from devgraph.ops import _reference
-
     _reference.paged_decode_attention_device_lens(
         query, key_cache, value_cache, block_table, seq_lens, scale, out
     )
@@ -49,8 +49,6 @@ def paged_decode_attention(
 
 def register_all(register: Callable[[str, str, Callable[..., Any]], None]) -> None:
     """Register every CUDA kernel: ``register(op_name, "CUDA", kernel)``."""
-    from devgraph.ops import _reference
-
     register("rms_norm", KEY, _reference.rms_norm)
     register("add_rms_norm", KEY, _reference.add_rms_norm)
     register("add_rms_norm_quant", KEY, _reference.add_rms_norm_quant)

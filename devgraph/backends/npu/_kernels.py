@@ -1,0 +1,201 @@
+"""NPU (``PrivateUse1``) kernels of the devgraph ops, built from torch_npu ops.
+
+======================== =================================================================
+devgraph op              torch_npu
+======================== =================================================================
+rms_norm                 ``npu_rms_norm(x, weight, epsilon=eps)[0]``
+add_rms_norm             ``npu_add_rms_norm`` -> ``(y, rstd, x_sum)``; returns ``(y, x_sum)``
+add_rms_norm_quant       ``npu_add_rms_norm`` + ``npu_quantize(y, scale, None, qint8, -1)``
+add_rms_norm_dynamic_... ``npu_add_rms_norm`` + ``npu_dynamic_quant(y)`` (fp16/bf16; other
+                         dtypes use the reference per-token math, as npu_dynamic_quant takes
+                         only fp16/bf16)
+split_qkv_rms_norm_rope  ``npu_rms_norm`` on q and k per head + ``npu_rotary_mul`` ("half",
+                         neox); partial rotary (rotary_dim < head_dim) uses the reference
+                         rotary math. torch_npu has no single op for the whole thing.
+paged_decode_attention   ``npu_fused_infer_attention_score.out`` over the paged cache
+                         (BNSD query, cache viewed [num_blocks, block_size, Hkv * D])
+======================== =================================================================
+
+The quantised ops are compositions, not torch_npu's single fused kernels
+(``npu_add_rms_norm_quant`` / ``npu_add_rms_norm_dynamic_quant``): those quantise the float32
+norm before rounding it to the input dtype, so they can differ from devgraph's definition by one
+int8 step; the composition matches it exactly.
+
+Attention reads its lengths from the host list ``seq_lens_host`` (``actual_seq_lengths_kv``), which
+a captured graph freezes: that is why the op is updatable (``NpuDevice.updatable_ops``). Inside
+graph work (capture, or a task update) its workspace and softmax-lse buffer are cached per static
+shape and reused, so a task update rewrites the task with the very buffers captured with it
+(vllm-ascend keeps its captured workspace for the same reason); eager calls let the op allocate.
+
+Every kernel imports ``torch_npu`` when it runs: whatever ``sys.modules`` holds then (the real
+module, or devgraph.testing's simulator).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from devgraph.backends import _reference
+
+__all__ = ["KEY", "graph_work", "paged_decode_attention", "register_all"]
+
+KEY = "PrivateUse1"
+
+_graph_work: contextvars.ContextVar[bool] = contextvars.ContextVar("devgraph_npu_graph_work", default=False)
+# (device, shapes, heads, block size, dtype) -> (workspace, softmax_lse) of attention in graph work.
+# Kept for the life of the process: captured graphs point at these buffers.
+_scratch: dict[tuple[Any, ...], tuple[torch.Tensor | None, torch.Tensor]] = {}
+
+
+def _torch_npu() -> Any:
+    import torch_npu
+
+    return torch_npu
+
+
+@contextlib.contextmanager
+def graph_work() -> Iterator[None]:
+    """Mark a task update in progress (``NpuGraph`` does): kernels reuse their captured buffers."""
+    token = _graph_work.set(True)
+    try:
+        yield
+    finally:
+        _graph_work.reset(token)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _torch_npu().npu_rms_norm(x, weight, epsilon=eps)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _rstd, x_sum = _torch_npu().npu_add_rms_norm(x, residual, weight, epsilon=eps)
+    return y, x_sum
+
+
+def add_rms_norm_quant(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    torch_npu = _torch_npu()
+    y, _rstd, x_sum = torch_npu.npu_add_rms_norm(x, residual, weight, epsilon=eps)
+    q = torch_npu.npu_quantize(y, scale.reshape(1), None, torch.qint8, -1, True)
+    return q, x_sum
+
+
+def add_rms_norm_dynamic_quant(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch_npu = _torch_npu()
+    y, _rstd, x_sum = torch_npu.npu_add_rms_norm(x, residual, weight, epsilon=eps)
+    if y.dtype not in (torch.float16, torch.bfloat16):
+        q, scale = _reference.quantize_int8_dynamic(y)
+        return q, scale, x_sum
+    rows = y.reshape(-1, y.shape[-1])  # npu_dynamic_quant wants at least 2 dims
+    q, scale = torch_npu.npu_dynamic_quant(rows)
+    scale = scale.reshape(*y.shape[:-1], 1).clamp(min=_reference.MIN_DYNAMIC_SCALE)
+    return q.reshape(y.shape), scale, x_sum
+
+
+def split_qkv_rms_norm_rope(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch_npu = _torch_npu()
+    tokens = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = torch_npu.npu_rms_norm(q.reshape(tokens, num_heads, head_dim), q_weight, epsilon=eps)[0]
+    k = torch_npu.npu_rms_norm(k.reshape(tokens, num_kv_heads, head_dim), k_weight, epsilon=eps)[0]
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, rotary_dim / 2]
+    if 2 * cos.shape[-1] == head_dim:
+        # npu_rotary_mul "half": r1 * x + r2 * cat(-x2, x1), the neox rotation with full-width cos/sin.
+        r1 = torch.cat([cos, cos], dim=-1).to(qkv.dtype).view(1, tokens, 1, head_dim)
+        r2 = torch.cat([sin, sin], dim=-1).to(qkv.dtype).view(1, tokens, 1, head_dim)
+        q = torch_npu.npu_rotary_mul(q.view(1, tokens, num_heads, head_dim), r1, r2)
+        k = torch_npu.npu_rotary_mul(k.view(1, tokens, num_kv_heads, head_dim), r1, r2)
+    else:
+        q, k = _reference.rotary_neox(q, cos, sin), _reference.rotary_neox(k, cos, sin)
+    return (
+        q.reshape(tokens, num_heads * head_dim),
+        k.reshape(tokens, num_kv_heads * head_dim),
+        v.clone(memory_format=torch.contiguous_format),
+    )
+
+
+def _attention_scratch(torch_npu: Any, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]):
+    """(workspace, softmax_lse) for one attention call: cached in graph work, fresh otherwise."""
+    query = args[0]
+    in_graph = _graph_work.get() or bool(torch_npu.npu.is_current_stream_capturing())
+    if not in_graph:
+        return None, torch.empty(1, dtype=torch.float32, device=query.device)
+    scratch = _scratch.get(key)
+    if scratch is None:
+        workspace = torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs)
+        scratch = (workspace, torch.empty(1, dtype=torch.float32, device=query.device))
+        _scratch[key] = scratch
+    return scratch
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_lens_host: Sequence[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Attends over ``seq_lens_host`` (host list) tokens per sequence; ``seq_lens`` is not read."""
+    torch_npu = _torch_npu()
+    batch, heads, dim = query.shape
+    num_blocks, block_size, kv_heads, _ = key_cache.shape
+    if len(seq_lens_host) != batch:
+        raise ValueError(
+            f"devgraph.paged_decode_attention: seq_lens_host must list B = {batch} lengths on npu "
+            f"(the kernel reads the host lengths: actual_seq_lengths_kv), got {len(seq_lens_host)}"
+        )
+    if block_table.dtype != torch.int32:
+        block_table = block_table.to(torch.int32)  # the op's page table is int32
+    args = (
+        query.unsqueeze(2),  # BNSD: [B, Hq, S=1, D]
+        key_cache.view(num_blocks, block_size, kv_heads * dim),
+        value_cache.view(num_blocks, block_size, kv_heads * dim),
+    )
+    kwargs = dict(
+        actual_seq_lengths_kv=[int(n) for n in seq_lens_host],
+        block_table=block_table,
+        num_heads=heads,
+        num_key_value_heads=kv_heads,
+        scale=float(scale),
+        input_layout="BNSD",
+        block_size=block_size,
+    )
+    key = (query.device, query.dtype, tuple(query.shape), tuple(key_cache.shape), tuple(block_table.shape))
+    workspace, lse = _attention_scratch(torch_npu, key, args, kwargs)
+    target = out.unsqueeze(2) if out.is_contiguous() else torch.empty_like(args[0])
+    torch_npu.npu_fused_infer_attention_score.out(*args, **kwargs, workspace=workspace, out=[target, lse])
+    if not out.is_contiguous():
+        out.copy_(target.squeeze(2))
+
+
+def register_all(register: Callable[[str, str, Callable[..., Any]], None]) -> None:
+    """Register every NPU kernel: ``register(op_name, "PrivateUse1", kernel)``."""
+    register("rms_norm", KEY, rms_norm)
+    register("add_rms_norm", KEY, add_rms_norm)
+    register("add_rms_norm_quant", KEY, add_rms_norm_quant)
+    register("add_rms_norm_dynamic_quant", KEY, add_rms_norm_dynamic_quant)
+    register("split_qkv_rms_norm_rope", KEY, split_qkv_rms_norm_rope)
+    register("paged_decode_attention", KEY, paged_decode_attention)

@@ -1,0 +1,700 @@
+"""The runtime half of the torch_npu simulator: streams, events, graphs, task groups, memory.
+
+Every public name mirrors ``torch_npu.npu`` 2.13.0 with the same parameters (names, order,
+defaults, keyword-only-ness; ``tests/test_npu_signatures.py`` checks them against the wheel). Work
+is synchronous on the CPU, so streams only track which one is current and events only keep time.
+
+Graphs reuse devgraph's CPU reference recorder (``Recorder``/``Segment``/``CpuPool``), so capture,
+replay, memory pools and frozen host arguments behave exactly as on the reference backend. What
+the simulator adds is the ACL graph machinery around task update:
+
+* ``ExternalEvent.wait/reset`` on a capturing stream become steps of the graph. At replay, a wait
+  on an event nobody recorded since the last reset raises ``RuntimeError("simulated NPU graph
+  would hang: ...")``: on hardware the graph would block forever.
+* ``graph_task_group_begin/end`` cut the capture into segments; ``graph_task_update_begin/end``
+  re-record one group's segment from the calls issued between them (new host arguments, same
+  output memory), as the hardware rewrites the captured tasks' parameters.
+* ``graph(..., auto_dispatch_capture=True)`` + ``NPUGraph.update(cpu_update_input)`` follow
+  ``torch_npu/npu/graphs.py`` (``_GraphDispatchMode``) step by step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from copy import deepcopy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from devgraph._weakref import weak_ref_tensor
+from devgraph.backends.cpu._pool import CpuPool, block_of
+from devgraph.backends.cpu._recorder import Recorder, Segment
+
+__all__ = [
+    "Event",
+    "ExternalEvent",
+    "NPUGraph",
+    "Stream",
+    "StreamContext",
+    "current_stream",
+    "device_count",
+    "graph",
+    "graph_pool_handle",
+    "graph_task_group_begin",
+    "graph_task_group_end",
+    "graph_task_update_begin",
+    "graph_task_update_end",
+    "is_available",
+    "is_current_stream_capturing",
+    "max_memory_allocated",
+    "memory_allocated",
+    "memory_reserved",
+    "reset_state",
+    "set_stream",
+    "stream",
+    "synchronize",
+]
+
+
+class _DeviceState:
+    """Process-wide state of the one simulated NPU (CpuPool accounts its bytes here)."""
+
+    name = "npu"
+
+    def __init__(self) -> None:
+        self._pool_bytes = 0
+        self._peak_bytes = 0
+        self.tls = threading.local()
+        self.capturing: dict[int, NPUGraph] = {}  # stream id -> graph capturing on it
+        self.updating: dict[int, _Update] = {}  # stream id -> task update in progress on it
+
+
+_STATE = _DeviceState()
+_stream_ids = itertools.count(1)  # 0 is the default stream
+
+
+def reset_state() -> None:
+    """Forget the current stream of this thread and any capture left open (simulator entry/exit)."""
+    _STATE.tls.stream_id = 0
+    for graph_ in list(_STATE.capturing.values()):
+        graph_._abandon()
+    _STATE.capturing.clear()
+    _STATE.updating.clear()
+
+
+# -- streams and events --------------------------------------------------------------------------
+
+
+class Stream:
+    """A simulated NPU stream. Work runs synchronously; equality is by stream id, as on hardware."""
+
+    stream_id: int
+    device_index: int
+    priority: int
+
+    def __new__(cls, device=None, priority=0, **kwargs):
+        self = super().__new__(cls)
+        self.stream_id = kwargs.get("stream_id", next(_stream_ids))
+        self.device_index = 0
+        self.priority = priority
+        return self
+
+    @property
+    def npu_stream(self) -> int:
+        return 0x1000 + self.stream_id
+
+    def wait_event(self, event):
+        event.wait(self)
+
+    def wait_stream(self, stream):
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event=None):
+        if event is None:
+            event = Event()
+        event.record(self)
+        return event
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def __eq__(self, other):
+        return isinstance(other, Stream) and other.stream_id == self.stream_id
+
+    def __hash__(self):
+        return hash((self.npu_stream, "npu:0"))
+
+    def __repr__(self):
+        return f"<torch_npu.npu.Stream device=npu:0 npu_stream={self.npu_stream:#x}> (simulated)"
+
+
+def current_stream(device=None):
+    return Stream(stream_id=getattr(_STATE.tls, "stream_id", 0))
+
+
+def set_stream(stream):
+    if stream is None:
+        return
+    _STATE.tls.stream_id = stream.stream_id
+
+
+class StreamContext:
+    """``with stream(s):`` makes ``s`` current for the block (a no-op for None)."""
+
+    def __init__(self, stream_ctx):
+        self.stream = stream_ctx
+        self.src_prev_stream = None
+
+    def __enter__(self):
+        if self.stream is None:
+            return
+        self.src_prev_stream = current_stream()
+        set_stream(self.stream)
+
+    def __exit__(self, exec_type, exec_value, traceback):
+        if self.stream is None:
+            return
+        set_stream(self.src_prev_stream)
+
+
+def stream(stream):
+    return StreamContext(stream)
+
+
+def synchronize(device=None):
+    pass
+
+
+def is_available():
+    return True
+
+
+def device_count() -> int:
+    return 1
+
+
+class Event:
+    """A simulated NPU event, timed with ``time.perf_counter_ns``."""
+
+    enable_timing: bool
+    _t: int | None
+
+    def __new__(cls, enable_timing=False, blocking=False, interprocess=False):
+        self = super().__new__(cls)
+        self.enable_timing = enable_timing
+        self._t = None
+        return self
+
+    def record(self, stream=None):
+        self._t = time.perf_counter_ns()
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end_event):
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self._t is None or end_event._t is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        return (end_event._t - self._t) / 1e6
+
+
+class _Step:
+    """A non-op step of a captured graph (event wait / reset / record), run at replay."""
+
+    __slots__ = ("fn", "name")
+
+    def __init__(self, name: str, fn: Callable[[], None]) -> None:
+        self.name = name
+        self.fn = fn
+
+    def run(self) -> None:
+        self.fn()
+
+
+class ExternalEvent:
+    """An event a graph can wait on before anyone records it (``graph_external=True``).
+
+    On a capturing stream, ``wait``/``reset``/``record`` become steps of the graph; elsewhere they
+    act at once. Reset clears the flag a record sets; a wait needs the flag set.
+    """
+
+    _ids = itertools.count()
+    _id: int
+    _recorded: bool
+
+    def __new__(cls):
+        self = super().__new__(cls)
+        self._recorded = False
+        self._id = next(cls._ids)
+        return self
+
+    def _act(self, stream, name: str, fn: Callable[[], None]) -> None:
+        stream = stream if stream is not None else current_stream()
+        graph_ = _STATE.capturing.get(stream.stream_id)
+        if graph_ is not None:
+            graph_._append_step(_Step(f"ExternalEvent[{self._id}].{name}", fn))
+        else:
+            fn()
+
+    def record(self, stream=None):
+        self._act(stream, "record", self._set)
+
+    def wait(self, stream=None):
+        self._act(stream, "wait", self._check)
+
+    def reset(self, stream=None):
+        self._act(stream, "reset", self._clear)
+
+    def _set(self) -> None:
+        self._recorded = True
+
+    def _clear(self) -> None:
+        self._recorded = False
+
+    def _check(self) -> None:
+        if not self._recorded:
+            raise RuntimeError(
+                f"simulated NPU graph would hang: a task waits on ExternalEvent {self._id}, which nobody "
+                "recorded since its last reset. Record it before each replay, e.g. by updating the task "
+                "(graph_task_update_begin/end then event.record(update_stream), or NPUGraph.update(...))."
+            )
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+
+def memory_allocated(device=None):
+    return _STATE._pool_bytes
+
+
+def memory_reserved(device=None):
+    return _STATE._pool_bytes
+
+
+def max_memory_allocated(device=None):
+    return _STATE._peak_bytes
+
+
+class _PoolToken:
+    """The opaque id ``graph_pool_handle()`` returns: here it carries its ``CpuPool``."""
+
+    __slots__ = ("__weakref__", "pool")
+
+    def __init__(self) -> None:
+        self.pool = CpuPool(_STATE)  # type: ignore[arg-type]  # _DeviceState has what CpuPool accounts into
+
+    def __repr__(self) -> str:
+        return f"<simulated NPU graph pool {id(self):#x}>"
+
+
+def graph_pool_handle():
+    return _PoolToken()
+
+
+# -- graphs and task groups ----------------------------------------------------------------------
+
+
+class _SimRecorder(Recorder):
+    """The CPU recorder, plus what ATB kernels read on the host at launch.
+
+    ``_npu_paged_attention`` reads ``context_lens`` (a CPU tensor) when it is launched, so the
+    captured task holds the values of that moment: record a copy, not the live tensor.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__ == "_npu_paged_attention.default" and len(args) > 7:
+            args = (*args[:7], args[7].clone(), *args[8:])
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _TaskGroupHandle:
+    """What ``graph_task_group_end`` returns: the group's segment in its graph."""
+
+    __slots__ = ("graph", "segment")
+
+    def __init__(self, graph_: NPUGraph, segment: Segment) -> None:
+        self.graph = graph_
+        self.segment = segment
+
+
+@dataclass
+class _Update:
+    recorder: _SimRecorder
+    handle: _TaskGroupHandle
+    segment: Segment
+
+
+def _capturing_graph(stream, what: str) -> NPUGraph:
+    graph_ = _STATE.capturing.get(stream.stream_id)
+    if graph_ is None:
+        raise RuntimeError(f"{what}: stream {stream!r} is not capturing a graph")
+    return graph_
+
+
+def is_current_stream_capturing():
+    return current_stream().stream_id in _STATE.capturing
+
+
+def graph_task_group_begin(stream):
+    _capturing_graph(stream, "graph_task_group_begin")._group_begin()
+
+
+def graph_task_group_end(stream):
+    return _capturing_graph(stream, "graph_task_group_end")._group_end()
+
+
+def graph_task_update_begin(stream, handle):
+    if not isinstance(handle, _TaskGroupHandle):
+        raise TypeError(f"graph_task_update_begin expects a handle from graph_task_group_end, got {handle!r}")
+    if stream.stream_id in _STATE.capturing:
+        raise RuntimeError("graph_task_update_begin: the update stream must not be capturing")
+    if stream.stream_id in _STATE.updating:
+        raise RuntimeError("graph_task_update_begin: a task update is already open on this stream")
+    if handle.graph._segments is None or handle.segment not in handle.graph._segments:
+        raise RuntimeError("graph_task_update_begin: the task group's graph was reset or never captured")
+    new = Segment(handle.segment.group_index)
+    recorder = _SimRecorder(handle.graph._pool_token.pool, new, reissue=list(handle.segment.fresh))
+    recorder.__enter__()
+    _STATE.updating[stream.stream_id] = _Update(recorder, handle, new)
+
+
+def graph_task_update_end(stream):
+    update = _STATE.updating.pop(stream.stream_id, None)
+    if update is None:
+        raise RuntimeError("graph_task_update_end without graph_task_update_begin on this stream")
+    update.recorder.__exit__(None, None, None)
+    old, new = update.handle.segment, update.segment
+    if update.recorder._reissued != len(old.fresh):
+        raise RuntimeError(
+            f"graph_task_update_end: the update issued {update.recorder._reissued} outputs, the task group "
+            f"captured {len(old.fresh)}; re-issue exactly the captured calls"
+        )
+    new.fresh = old.fresh
+    segments = update.handle.graph._segments
+    segments[segments.index(old)] = new
+    update.handle.segment = new
+
+
+class NPUGraph:
+    """A simulated ACL graph (``torch_npu.npu.NPUGraph``) over devgraph's CPU recorder."""
+
+    def __new__(cls):
+        return super().__new__(cls)
+
+    def __init__(self):
+        self.graph_dispatch_mode = _GraphDispatchMode()
+        self.auto_dispatch_capture = False
+        self._segments: list[Segment] | None = None
+        self._recorder: _SimRecorder | None = None
+        self._pool_token: _PoolToken | None = None
+        self._stream_id: int | None = None
+        self._group: Segment | None = None
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        if capture_error_mode not in ("global", "thread_local", "relaxed"):
+            raise RuntimeError(f"Unknown capture error mode {capture_error_mode!r}")
+        if self._recorder is not None or self._segments is not None:
+            raise RuntimeError(
+                "This NPUGraph instance already owns a captured graph (or is capturing). Call reset() "
+                "or create a new instance to capture a new graph."
+            )
+        s = current_stream()
+        if s.stream_id == 0:
+            raise RuntimeError(
+                "NPU graphs must be captured on a non-default stream. (However, after capture, it's ok "
+                "to replay them on the default stream.)"
+            )
+        if s.stream_id in _STATE.capturing:
+            raise RuntimeError("the current stream is already capturing another graph")
+        if pool is not None and not isinstance(pool, _PoolToken):
+            raise TypeError(f"pool must come from graph_pool_handle() or NPUGraph.pool(), got {pool!r}")
+        self._pool_token = pool if pool is not None else _PoolToken()
+        self._segments = [Segment()]
+        self._recorder = _SimRecorder(self._pool_token.pool, self._segments[0])
+        self._recorder.__enter__()
+        self._stream_id = s.stream_id
+        _STATE.capturing[s.stream_id] = self
+
+    def capture_end(self):
+        if self._recorder is None:
+            raise RuntimeError("capture_end() without capture_begin()")
+        self._recorder.__exit__(None, None, None)
+        self._recorder = None
+        _STATE.capturing.pop(self._stream_id, None)  # type: ignore[arg-type]
+        if self._group is not None:
+            self._group = None
+            self._segments = None
+            raise RuntimeError("capture ended inside a task group: graph_task_group_end was never called")
+
+    def replay(self):
+        if self._segments is None or self._recorder is not None:
+            raise RuntimeError("Called NPUGraph::replay without a preceding successful capture.")
+        with torch.inference_mode():
+            for segment in self._segments:
+                segment.run()
+
+    def reset(self):
+        if self._recorder is not None:
+            self._abandon()
+        self._segments = None
+        self._group = None
+
+    def pool(self):
+        return self._pool_token
+
+    def update(self, cpu_update_input):
+        if not self.auto_dispatch_capture:
+            raise RuntimeError(
+                "The current graph configuration does not support update,"
+                "Try to capture by setting auto_dispatch_capture=True during capture"
+            )
+        self.graph_dispatch_mode.update_capture_record(cpu_update_input)
+
+    # -- simulator internals ---------------------------------------------------------------------
+
+    def _devgraph_call_opaque(self, fn, args, name):
+        """Record ``fn(*args)`` as one step (the recorder cannot see inside code that bypasses the
+        dispatcher, such as inductor's CPU kernels); devgraph's NpuGraph.call_opaque calls this."""
+        if self._recorder is None:
+            return fn(*args)
+        with _disable_current_modes():
+            return self._recorder.record_call(fn, args, name)
+
+    def _abandon(self) -> None:
+        if self._recorder is not None:
+            self._recorder.__exit__(None, None, None)
+            self._recorder = None
+        _STATE.capturing.pop(self._stream_id, None)  # type: ignore[arg-type]
+        self._segments = None
+
+    def _append_step(self, step: _Step) -> None:
+        assert self._recorder is not None
+        self._recorder.segment.entries.append(step)  # type: ignore[arg-type]
+
+    def _group_begin(self) -> None:
+        assert self._recorder is not None and self._segments is not None
+        if self._group is not None:
+            raise RuntimeError("graph_task_group_begin: task groups cannot nest")
+        segment = Segment(len([s for s in self._segments if s.group_index is not None]))
+        self._segments.append(segment)
+        self._recorder.segment = segment
+        self._group = segment
+
+    def _group_end(self) -> _TaskGroupHandle:
+        assert self._recorder is not None and self._segments is not None
+        if self._group is None:
+            raise RuntimeError("graph_task_group_end without graph_task_group_begin")
+        handle = _TaskGroupHandle(self, self._group)
+        self._group = None
+        tail = Segment()
+        self._segments.append(tail)
+        self._recorder.segment = tail
+        return handle
+
+    @property
+    def _recorded_ops(self) -> list[str]:
+        """Names of the captured steps in replay order (for tests)."""
+        return [e.name for s in self._segments or () for e in s.entries]
+
+
+class graph:
+    """``with graph(npu_graph):`` captures the block into ``npu_graph`` on a side stream."""
+
+    default_capture_stream = None
+
+    def __init__(
+        self, npu_graph, pool=None, stream=None, auto_dispatch_capture=False, capture_error_mode="global"
+    ):
+        if self.__class__.default_capture_stream is None:
+            self.__class__.default_capture_stream = Stream()
+        self.pool = () if pool is None else (pool,)
+        self.capture_stream = stream if stream is not None else self.__class__.default_capture_stream
+        self.stream_ctx = StreamContext(self.capture_stream)
+        self.npu_graph = npu_graph
+        self.capture_error_mode = capture_error_mode
+        self.npu_graph.auto_dispatch_capture = auto_dispatch_capture
+
+    def __enter__(self):
+        synchronize()
+        self.stream_ctx.__enter__()
+        # The recorder (stream capture on hardware) must sit *below* the dispatch mode so that it
+        # records what the mode launches; torch_npu enters them the other way round because its
+        # capture is not a dispatch mode at all.
+        self.npu_graph.capture_begin(*self.pool, capture_error_mode=self.capture_error_mode)
+        if self.npu_graph.auto_dispatch_capture:
+            self.npu_graph.graph_dispatch_mode.__enter__()
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        try:
+            if self.npu_graph.auto_dispatch_capture:
+                self.npu_graph.graph_dispatch_mode.__exit__(exc_type, exc_value, traceback)
+            self.npu_graph.capture_end()
+        finally:
+            self.stream_ctx.__exit__(exc_type, exc_value, traceback)
+
+
+# -- auto_dispatch_capture (torch_npu/npu/graphs.py::_GraphDispatchMode) -------------------------
+
+
+class _Handler:
+    """The op handlers torch_npu registers in ``_npugraph_handlers`` (IFA v1 and paged attention)."""
+
+    UPDATE_SPECS: dict[str, list[tuple[str, Any, str]]] = {}
+
+    @classmethod
+    def prepare_capture(cls, func, args, kwargs):
+        return func, args, kwargs
+
+    @classmethod
+    def postprocess_result(cls, result, kwargs):
+        return result
+
+    @classmethod
+    def update_args(cls, record, update_input):
+        for loc, idx_or_name, key in cls.UPDATE_SPECS.get(record.op_cache_entry.__name__, []):
+            if key not in update_input:
+                continue
+            if loc == "arg" and len(record.args) > idx_or_name:
+                record.args[idx_or_name] = update_input[key]
+            elif loc == "kwarg":
+                record.kwargs[idx_or_name] = update_input[key]
+
+
+class _IFAHandler(_Handler):
+    UPDATE_SPECS = {
+        name: [("arg", 5, "actual_seq_lengths"), ("arg", 6, "actual_seq_lengths_kv")]
+        for name in (
+            "npu_fused_infer_attention_score",
+            "npu_fused_infer_attention_score.default",
+            "npu_fused_infer_attention_score.out",
+        )
+    }
+
+    @classmethod
+    def prepare_capture(cls, func, args, kwargs):
+        from devgraph.testing._npu_sim_ops import op
+
+        ifa = op("npu_fused_infer_attention_score")
+        if func is ifa.out:
+            return func, args, kwargs
+        workspace = op("_npu_fused_infer_attention_score_get_max_workspace")(*args, **kwargs)
+        keys = ("input_layout", "quant_scale2", "block_table", "num_heads", "num_key_value_heads",
+                "softmax_lse_flag", "query_rope")  # fmt: skip
+        output, softmax_lse = op("_npu_fused_infer_attention_score_infer_output")(
+            args[0], args[2], **{k: kwargs[k] for k in keys if k in kwargs}
+        )
+        kwargs = {**kwargs, "workspace": workspace, "out": [output, softmax_lse]}
+        return ifa.out, args, kwargs
+
+    @classmethod
+    def postprocess_result(cls, result, kwargs):
+        return kwargs["out"]
+
+
+class _PagedAttentionHandler(_Handler):
+    UPDATE_SPECS = {"_npu_paged_attention.default": [("arg", 7, "context_lens")]}
+
+
+_HANDLERS: dict[str, type[_Handler]] = {
+    **dict.fromkeys(_IFAHandler.UPDATE_SPECS, _IFAHandler),
+    "_npu_paged_attention.default": _PagedAttentionHandler,
+}
+
+
+@dataclass
+class _GraphDispatchRecord:
+    event: Any = None
+    handle: Any = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    args: list[Any] = field(default_factory=list)
+    op_cache_entry: Any = None
+
+
+def _keep(value: Any) -> Any:
+    """How a dispatch record holds an argument: tensors in a graph pool weakly (torch_npu's
+    ``TensorWeakRef`` for device tensors), other tensors as they are, everything else deep-copied."""
+    if isinstance(value, torch.Tensor):
+        return weak_ref_tensor(value) if block_of(value) is not None else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_keep(v) for v in value)
+    return deepcopy(value)
+
+
+class _GraphDispatchMode(TorchDispatchMode):
+    """Captures every call of a handled op as a task group behind an ExternalEvent."""
+
+    tensor_schema_name: dict[str, list[str]] = {}
+    update_stream = None
+
+    def __new__(cls):
+        if cls.update_stream is None:
+            cls.update_stream = Stream()
+        return super().__new__(cls)
+
+    def __init__(self):
+        super().__init__()
+        self.graph_dispatch_records: list[_GraphDispatchRecord] = []
+
+    @classmethod
+    def is_infra_mode(cls):
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler_cls = _HANDLERS.get(func.__name__)
+        if handler_cls is None:
+            return func(*args, **kwargs)
+        s = current_stream()
+        event = ExternalEvent()
+        event.wait(s)
+        event.reset(s)
+        actual_func, args, kwargs = handler_cls.prepare_capture(func, args, kwargs)
+        graph_task_group_begin(s)
+        result = actual_func(*args, **kwargs)
+        handle = graph_task_group_end(s)
+        with _disable_current_modes():  # bookkeeping, not work the graph should hold
+            self.graph_dispatch_records.append(
+                _GraphDispatchRecord(
+                    event=event,
+                    handle=handle,
+                    kwargs={k: _keep(v) for k, v in kwargs.items()},
+                    args=[_keep(a) for a in args],
+                    op_cache_entry=actual_func,
+                )
+            )
+        return handler_cls.postprocess_result(result, kwargs)
+
+    def update_capture_record(self, cpu_update_input):
+        records = self.graph_dispatch_records
+        if len(cpu_update_input) == 1:
+            cpu_update_input = [cpu_update_input[0].copy() for _ in records]
+        if len(cpu_update_input) != len(records):
+            raise RuntimeError(
+                f"Currently, there are {len(records)} operators that need to be updated by capture, and "
+                f"there are only {len(cpu_update_input)} elements in the incoming cpu_update_input list"
+            )
+        with stream(self.update_stream):
+            for record, update_input in zip(records, cpu_update_input):
+                graph_task_update_begin(self.update_stream, record.handle)
+                for key in update_input:
+                    if key in record.kwargs:
+                        record.kwargs[key] = update_input[key]
+                _HANDLERS[record.op_cache_entry.__name__].update_args(record, update_input)
+                record.op_cache_entry(*record.args, **record.kwargs)
+                graph_task_update_end(self.update_stream)
+                record.event.record(self.update_stream)

@@ -1,0 +1,100 @@
+"""A torch_npu simulator: run devgraph's NPU backend, unchanged, on the CPU.
+
+``with simulated_torch_npu() as torch_npu:`` puts a fake ``torch_npu`` (and ``torch_npu.npu``) in
+``sys.modules`` for the block only, so ``import torch_npu`` inside it returns the simulator and
+``devgraph.device("npu")`` builds the real NPU backend on top of it. On exit the previous
+``sys.modules`` entries come back (absent, ``None``, or a real torch_npu) and cached ``npu`` devices
+are forgotten, on entry too, so a device never outlives the module it was built on.
+
+What it is: a CPU model of the subset of torch_npu 2.13.0 that devgraph calls, with the real
+signatures (``tests/test_npu_signatures.py`` checks them against the wheel):
+
+* ``torch_npu.npu``: ``Stream``, ``Event``, ``ExternalEvent``, ``current_stream``, ``set_stream``,
+  ``stream``, ``synchronize``, ``is_available``, ``device_count``, the memory counters,
+  ``NPUGraph``, ``graph`` (``auto_dispatch_capture`` included), ``graph_pool_handle`` and the four
+  ``graph_task_*`` functions; see ``devgraph.testing._npu_sim_runtime``.
+* ``torch_npu.<op>``: reference kernels of the ops the NPU kernels call, as dispatcher ops with
+  torch_npu's schemas; see ``devgraph.testing._npu_sim_ops``.
+
+What it is not: a performance model, or a model of anything else in torch_npu. Tensors are CPU
+tensors (``torch_npu._devgraph_simulated_device_type == "cpu"`` is the one seam the NPU backend
+reads), so the block also enters ``devgraph.ops.route(CPU="PrivateUse1")``: devgraph ops called
+on those tensors run their NPU (``PrivateUse1``) kernels. Nothing in ``torch`` is modified; in
+particular there is no ``torch.npu``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import sys
+import types
+from collections.abc import Iterator
+
+from devgraph.testing import _npu_sim_ops, _npu_sim_runtime
+
+__all__ = ["MODULE_NAMES", "SIMULATED_OPS", "simulated_torch_npu"]
+
+#: The ``sys.modules`` entries the simulator installs (and restores on exit).
+MODULE_NAMES = ("torch_npu", "torch_npu.npu")
+
+#: The torch_npu ops the simulator provides (as ``torch_npu.<name>``).
+SIMULATED_OPS = tuple(sorted({name.split(".")[0] for name in _npu_sim_ops.SCHEMAS}))
+
+_MISSING = object()
+
+_DOC = """A CPU *simulator* of torch_npu 2.13.0 (devgraph.testing.npu_simulator), not the real thing.
+
+It implements only what devgraph's NPU backend calls, with torch_npu's signatures. Installed in
+sys.modules by devgraph.testing.simulated_torch_npu() for the duration of a with-block.
+"""
+
+
+def _build() -> types.ModuleType:
+    """A fresh fake ``torch_npu`` module with its ``npu`` submodule."""
+    _npu_sim_ops.define_ops()
+    top = types.ModuleType("torch_npu", _DOC)
+    npu = types.ModuleType("torch_npu.npu", "Streams, events, graphs and memory of the simulated NPU.")
+    origin = "devgraph.testing.npu_simulator"
+    top.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None, origin=origin)
+    npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu.npu", None, origin=origin)
+    names = [n for n in _npu_sim_runtime.__all__ if n != "reset_state"]
+    npu.__dict__.update({name: getattr(_npu_sim_runtime, name) for name in names}, __all__=names)
+    top.__dict__.update(
+        __version__="2.13.0",
+        SIMULATOR=True,
+        # The seam devgraph's NPU backend reads: its tensors live on this torch device type.
+        _devgraph_simulated_device_type="cpu",
+        npu=npu,
+        **{name: _npu_sim_ops.op(name) for name in SIMULATED_OPS},
+    )
+    return top
+
+
+@contextlib.contextmanager
+def simulated_torch_npu() -> Iterator[types.ModuleType]:
+    """Install the torch_npu simulator in ``sys.modules`` for the block; yield the fake module.
+
+    Nests (the inner block restores the outer simulator). Not for use from several threads at
+    once: ``sys.modules`` is process-wide.
+    """
+    from devgraph import _plugins
+    from devgraph.ops import route
+
+    module = _build()
+    saved = {name: sys.modules.get(name, _MISSING) for name in MODULE_NAMES}
+    _npu_sim_runtime.reset_state()
+    _plugins.forget_devices("npu")
+    sys.modules["torch_npu"] = module
+    sys.modules["torch_npu.npu"] = module.__dict__["npu"]
+    try:
+        with route(CPU="PrivateUse1"):
+            yield module
+    finally:
+        for name, previous in saved.items():
+            if previous is _MISSING:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = previous  # type: ignore[assignment]
+        _npu_sim_runtime.reset_state()
+        _plugins.forget_devices("npu")
