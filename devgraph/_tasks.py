@@ -124,15 +124,15 @@ def apply_host_args(
             f"update() got {len(per_task)} host-argument mappings for {len(tasks)} updatable tasks; "
             "pass one per task in capture order, or a single mapping to broadcast"
         )
-    for task, kwargs in zip(tasks, per_task):
-        if not kwargs:
+    for task, given in zip(tasks, per_task):
+        if not given:
             continue
         if not task.is_auto:
             raise DevgraphError(
                 f"task {task.index} is an explicit task group; re-issue its work inside "
                 "`with graph.task_update(group):` instead of update()"
             )
-        bad = [k for k in kwargs if not task.takes(k)]
+        bad = [k for k in given if not task.takes(k)]
         if bad:
             raise DevgraphError(f"task {task.index} ({task.op}) takes no argument(s) {bad}")
-        yield task, dict(kwargs)
+        yield task, dict(given)

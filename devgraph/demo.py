@@ -8,6 +8,7 @@ is *slower* than eager: there the demo shows correctness; speed-ups come on cuda
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -41,10 +42,10 @@ def _decode(device: Device, models: dict[str, Any], batch: int, steps: int) -> d
     times: dict[str, list[float]] = {k: [] for k in models}
     max_diff = 0.0
     for step in range(steps + 2):
-        logits = {}
+        logits: dict[str, Any] = {}
         for name, model in models.items():
             kwargs = managers[name].decode_batch(list(range(batch)), tokens)
-            logits[name], ms = _timed(device, lambda m=model, kw=kwargs: m(**kw))
+            logits[name], ms = _timed(device, functools.partial(model, **kwargs))
             logits[name] = logits[name].clone()
             if step >= 2:  # the first steps include lazy initialisation and capture
                 times[name].append(ms)

@@ -8,7 +8,7 @@ devices), never tensor values, so they are safe inside graph capture.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -270,7 +270,7 @@ def _fake_paged_decode_attention(
     )
 
 
-_FAKES = {
+_FAKES: dict[str, tuple[Callable[..., Any], Callable[..., None]]] = {
     "rms_norm": (_fake_rms_norm, check_rms_norm),
     "add_rms_norm": (_fake_add_rms_norm, check_add_rms_norm),
     "add_rms_norm_quant": (_fake_add_rms_norm_quant, check_add_rms_norm_quant),

@@ -266,7 +266,7 @@ class GraphRunner:
                     "the graphs would read stale memory. Call .capture() again after moving or replacing it."
                 )
         if isinstance(self.fn, torch.nn.Module):
-            live = {f"parameter {n!r}": p for n, p in self.fn.named_parameters()}
+            live: dict[str, torch.Tensor] = {f"parameter {n!r}": p for n, p in self.fn.named_parameters()}
             live.update({f"buffer {n!r}": b for n, b in self.fn.named_buffers()})
             for what, tensor in live.items():
                 if what in self._addresses and self._addresses[what][1] != tensor.data_ptr():

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -157,6 +157,10 @@ def _rope_tables(config: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
 class DecoderLayer(nn.Module):
     """One pre-norm transformer block whose attention reads and writes the paged KV cache."""
 
+    # Registered buffers (declared for type checkers; nn.Module.__getattr__ is untyped).
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         c = config
@@ -223,6 +227,10 @@ class PagedDecoder(nn.Module):
     with ``KVBlockManager.decode_batch``.
     """
 
+    # Registered buffers (declared for type checkers; nn.Module.__getattr__ is untyped).
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, config: DecoderConfig | None = None) -> None:
         super().__init__()
         self.config = config = config or DecoderConfig()
@@ -285,7 +293,7 @@ class PagedDecoder(nn.Module):
     @torch.no_grad()
     def clear_kv_cache(self) -> None:
         """Zero every layer's KV cache (not needed between runs: slots are written before being read)."""
-        for layer in self.layers:
+        for layer in cast("Sequence[DecoderLayer]", self.layers):
             layer.k_cache.zero_()
             layer.v_cache.zero_()
 
@@ -497,7 +505,7 @@ def dense_reference_logits(
         n = ids.numel()
         cos, sin = cos_all[:n].unsqueeze(1), sin_all[:n].unsqueeze(1)
         h = w(weight)[ids]
-        for layer in model.layers:
+        for layer in cast("Sequence[DecoderLayer]", model.layers):
             x = _dense_rms_norm(h, w(layer.input_norm), c.rms_eps)
             q, k, v = (x @ w(layer.qkv_proj.weight).T).split([q_size, kv_size, kv_size], dim=-1)
             q = _apply_rope(q.reshape(n, c.num_heads, c.head_dim), cos, sin)

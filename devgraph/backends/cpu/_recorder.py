@@ -41,7 +41,7 @@ class _Ref:
 
     def __init__(self, block: Block, t: torch.Tensor) -> None:
         self.block = block
-        self.offset = t.storage_offset()
+        self.offset = int(t.storage_offset())
         self.size = tuple(t.shape)
         self.stride = tuple(t.stride())
         self.dtype = t.dtype
