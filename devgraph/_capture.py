@@ -15,6 +15,7 @@ import linecache
 import os
 import sys
 from collections.abc import Iterator, Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from devgraph._errors import CaptureError
@@ -44,16 +45,35 @@ def current_graph() -> Graph | None:
     return _current.get()
 
 
-def user_source_line() -> str | None:
-    """``"file.py:LINE: code"`` of the innermost frame outside torch, devgraph and the stdlib."""
+def _is_user_path(path: str, skip: tuple[str, ...]) -> bool:
+    inside_devgraph = path.startswith(_DEVGRAPH_DIR) and not path.startswith(_TESTING_DIR)
+    return not inside_devgraph and not path.startswith(skip) and not path.startswith("<")
+
+
+def _render(path: str, lineno: int) -> str:
+    code = linecache.getline(path, lineno).strip()
+    return f"{path}:{lineno}: {code}" if code else f"{path}:{lineno}"
+
+
+def user_source_line(tb: TracebackType | None = None) -> str | None:
+    """``"file.py:LINE: code"`` of the innermost user frame (outside torch, devgraph and the stdlib).
+
+    Walks the current stack, or the traceback ``tb`` of an exception when given.
+    """
     skip = _skip_dirs()
+    if tb is not None:
+        found = None
+        while tb is not None:
+            path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+            if _is_user_path(path, skip):
+                found = _render(path, tb.tb_lineno)
+            tb = tb.tb_next
+        return found
     frame = sys._getframe(1)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        inside_devgraph = path.startswith(_DEVGRAPH_DIR) and not path.startswith(_TESTING_DIR)
-        if not inside_devgraph and not path.startswith(skip) and not path.startswith("<"):
-            code = linecache.getline(path, frame.f_lineno).strip()
-            return f"{path}:{frame.f_lineno}: {code}" if code else f"{path}:{frame.f_lineno}"
+        if _is_user_path(path, skip):
+            return _render(path, frame.f_lineno)
         frame = frame.f_back  # type: ignore[assignment]
     return None
 

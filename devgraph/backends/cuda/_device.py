@@ -30,17 +30,15 @@ Importing this module makes no CUDA call, so it imports (and fails only on use) 
 from __future__ import annotations
 
 import contextlib
-import linecache
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from types import TracebackType
 from typing import Any
 
 import torch
 
+from devgraph._capture import user_source_line
 from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph._tasks import TaskGroup
@@ -181,26 +179,17 @@ class CudaGraph(Graph):
             with super().capture(stream, pool, auto_update_ops=auto_update_ops) as graph:
                 yield graph
         except BaseException as exc:
-            self._forget_failed_capture()
             if isinstance(exc, DevgraphError) or not isinstance(exc, RuntimeError):
                 raise
             if not _is_capture_violation(exc):
                 raise
-            from devgraph._capture import user_source_line
-
             text = str(exc).strip()
             first_line = text.splitlines()[0] if text else type(exc).__name__
             raise CaptureError(
                 f"CUDA refused an operation during graph capture: {first_line}",
-                source=_user_line(exc.__traceback__) or user_source_line(),
+                source=user_source_line(exc.__traceback__) or user_source_line(),
                 remedy=_CAPTURE_REMEDY,
             ) from exc
-
-    def _forget_failed_capture(self) -> None:
-        # Graph.capture marks the graph captured once the block ran, even if capture_end then failed.
-        if self.torch_graph is None and self._state == "captured":
-            self._state = "new"
-            self._tasks = []
 
     def _begin_capture(self, stream: Stream, pool: MemoryPool) -> None:
         if not isinstance(stream, CudaStream) or stream.device != self.device:
@@ -364,19 +353,3 @@ def _torch_event(event: Event) -> torch.cuda.Event:
 def _is_capture_violation(exc: BaseException) -> bool:
     text = str(exc)
     return any(fragment.lower() in text.lower() for fragment in _CAPTURE_VIOLATIONS)
-
-
-def _user_line(tb: TracebackType | None) -> str | None:
-    """``"file.py:LINE: code"`` of the innermost traceback frame outside torch, devgraph and the stdlib."""
-    from devgraph import _capture
-
-    skip = _capture._skip_dirs()
-    found = None
-    while tb is not None:
-        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-        in_devgraph = path.startswith(_capture._DEVGRAPH_DIR) and not path.startswith(_capture._TESTING_DIR)
-        if not in_devgraph and not path.startswith(skip) and not path.startswith("<"):
-            code = linecache.getline(path, tb.tb_lineno).strip()
-            found = f"{path}:{tb.tb_lineno}: {code}" if code else f"{path}:{tb.tb_lineno}"
-        tb = tb.tb_next
-    return found
