@@ -215,3 +215,14 @@ def paged_decode_attention_device_lens(
     positions = torch.arange(span, device=seq_lens.device)
     mask = positions[None, :] < seq_lens.to(torch.int64)[:, None]  # [B, S]
     out.copy_(_attend(query, keys, values, scale, mask))
+
+
+#: Ops whose reference math serves as a kernel unchanged on any torch device (the CPU and CUDA
+#: backends register these; attention differs per backend in where it reads the lengths).
+DEVICE_AGNOSTIC_KERNELS = {
+    "rms_norm": rms_norm,
+    "add_rms_norm": add_rms_norm,
+    "add_rms_norm_quant": add_rms_norm_quant,
+    "add_rms_norm_dynamic_quant": add_rms_norm_dynamic_quant,
+    "split_qkv_rms_norm_rope": split_qkv_rms_norm_rope,
+}

@@ -49,9 +49,6 @@ def paged_decode_attention(
 
 def register_all(register: Callable[[str, str, Callable[..., Any]], None]) -> None:
     """Register every CUDA kernel: ``register(op_name, "CUDA", kernel)``."""
-    register("rms_norm", KEY, _reference.rms_norm)
-    register("add_rms_norm", KEY, _reference.add_rms_norm)
-    register("add_rms_norm_quant", KEY, _reference.add_rms_norm_quant)
-    register("add_rms_norm_dynamic_quant", KEY, _reference.add_rms_norm_dynamic_quant)
-    register("split_qkv_rms_norm_rope", KEY, _reference.split_qkv_rms_norm_rope)
+    for name, kernel in _reference.DEVICE_AGNOSTIC_KERNELS.items():
+        register(name, KEY, kernel)
     register("paged_decode_attention", KEY, paged_decode_attention)
