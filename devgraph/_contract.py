@@ -368,6 +368,9 @@ class Device(abc.ABC):
     capture_stream_budget: int | None = None
     #: ops whose calls the runner captures as updatable tasks on this device.
     updatable_ops: tuple[str, ...] = ()
+    #: how piecewise mode compiles graph pieces unless the user says otherwise
+    #: ("eager", "inductor", "torchair"; see devgraph.compile).
+    default_compile_backend: str = "eager"
 
     def __init__(self, index: int = 0) -> None:
         self.index = index

@@ -16,7 +16,8 @@ Precision: reductions and softmax run in float32 whatever the input dtype; resul
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -219,7 +220,7 @@ def paged_decode_attention_device_lens(
 
 #: Ops whose reference math serves as a kernel unchanged on any torch device (the CPU and CUDA
 #: backends register these; attention differs per backend in where it reads the lengths).
-DEVICE_AGNOSTIC_KERNELS = {
+DEVICE_AGNOSTIC_KERNELS: dict[str, Callable[..., Any]] = {
     "rms_norm": rms_norm,
     "add_rms_norm": add_rms_norm,
     "add_rms_norm_quant": add_rms_norm_quant,

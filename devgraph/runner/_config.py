@@ -15,8 +15,11 @@ from devgraph._errors import DevgraphError
 __all__ = ["RunnerConfig", "RunnerStats"]
 
 
-def _frozen_map(value: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
-    return tuple(sorted((value or {}).items()))
+# Converters accept their own output too, so ``attrs.evolve(config, ...)`` works.
+
+
+def _frozen_map(value: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(dict(value or {}).items()))
 
 
 def _host_args(value: Any) -> tuple[tuple[str, str], ...]:
@@ -26,7 +29,7 @@ def _host_args(value: Any) -> tuple[tuple[str, str], ...]:
         value = (value,)
     if isinstance(value, Mapping):
         return tuple(sorted(value.items()))
-    return tuple((name, name) for name in value)
+    return tuple(tuple(item) if isinstance(item, tuple) else (item, item) for item in value)  # type: ignore[misc]
 
 
 def _debug_default() -> bool:

@@ -18,6 +18,7 @@ quantisation ``2L - 1`` quant fusions and 1 plain one (the final norm is not qua
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 import attrs
 import torch
@@ -68,6 +69,8 @@ class HFRMSNorm(nn.Module):
 
 class _Quant(nn.Module):
     """int8 activation quantisation + dequantisation before a projection (fake-quant W8A8)."""
+
+    scale: torch.Tensor
 
     def __init__(self, mode: str | None) -> None:
         super().__init__()
@@ -144,6 +147,8 @@ class _LlamaLayer(nn.Module):
 class TinyLlama(nn.Module):
     """A Hugging Face-style Llama over the tokens of one sequence (see the module docstring)."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, config: FusionConfig | None = None) -> None:
         super().__init__()
         self.config = c = config or FusionConfig()
@@ -167,6 +172,8 @@ class TinyLlama(nn.Module):
 
 class _RotaryEmbedding(nn.Module):
     """vLLM's neox ``RotaryEmbedding`` (``forward_native``), with a ``cos_sin_cache[max_pos, rot]``."""
+
+    cos_sin_cache: torch.Tensor
 
     def __init__(self, head_size: int, rotary_dim: int, max_positions: int, base: float) -> None:
         super().__init__()
@@ -273,8 +280,11 @@ class TinyQwen3(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
+_M = TypeVar("_M", bound=nn.Module)
+
+
 @torch.no_grad()
-def _init(model: nn.Module, seed: int) -> nn.Module:
+def _init(model: _M, seed: int) -> _M:
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if p.dim() == 2 and "embed" not in name:

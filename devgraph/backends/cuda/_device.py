@@ -276,6 +276,7 @@ class CudaDevice(Device):
     name = "cuda"
     dispatch_key = "CUDA"
     updatable_ops = ("devgraph::paged_decode_attention",)
+    default_compile_backend = "inductor"
 
     def __init__(self, index: int = 0) -> None:
         super().__init__(index)

@@ -16,6 +16,7 @@ never hangs: it replays with the arguments it last had (stale, as on the CPU ref
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import threading
@@ -249,6 +250,8 @@ class NpuDevice(Device):
         self._streams: weakref.WeakValueDictionary[Any, NpuStream] = weakref.WeakValueDictionary()
         self._updates: Any = None
         self._update_lock = threading.Lock()
+        # torchair (Ascend's graph compiler) compiles pieces where it can be imported; else eager.
+        self.default_compile_backend = "torchair" if importlib.util.find_spec("torchair") else "eager"
 
     @property
     def simulated(self) -> bool:

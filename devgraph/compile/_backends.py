@@ -1,0 +1,82 @@
+"""Compile backends for one piece: eager, inductor, torchair.
+
+A compiled piece is a callable over the piece's inputs plus a flag, ``opaque``: True when the
+compiled code may launch kernels without going through the torch dispatcher (inductor's CPU
+code does). Capture runs an opaque piece through ``Graph.call_opaque`` so that every backend can
+capture it: stream capture (cuda, npu) records what it launches; the CPU reference backend records
+it as one task replayed on the same tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+from torch import fx
+
+from devgraph._errors import DevgraphError
+
+__all__ = ["CompiledPiece", "compile_piece"]
+
+logger = logging.getLogger("devgraph.compile")
+
+
+@attrs.frozen
+class CompiledPiece:
+    """A piece ready to run: ``fn(*inputs)``; ``opaque`` as in the module docstring."""
+
+    fn: Callable[..., Any]
+    backend: str
+    opaque: bool
+    seconds: float = 0.0
+
+
+def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    return gm
+
+
+def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx
+
+    compiled: Any = compile_fx(gm, list(example_inputs))
+    return compiled
+
+
+def _torchair(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    try:
+        import torchair  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise DevgraphError(
+            f"compile_backend='torchair' needs torchair, which cannot be imported here ({exc}); it ships "
+            "with torch_npu (or `pip install torchair`) and needs an Ascend NPU. Use compile_backend='eager' "
+            "to run the pieces uncompiled."
+        ) from None
+    backend = torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
+    return backend(gm, list(example_inputs))
+
+
+_BACKENDS: dict[str, tuple[Callable[..., Callable[..., Any]], bool]] = {
+    "eager": (_eager, False),
+    "inductor": (_inductor, True),
+    "torchair": (_torchair, True),
+}
+
+
+def compile_piece(backend: str, name: str, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledPiece:
+    """Compile piece ``name`` with ``backend`` for fake ``example_inputs`` (symbolic sizes kept).
+
+    Raises:
+        DevgraphError: an unknown backend, or one that cannot run here (torchair without torch_npu).
+    """
+    if backend not in _BACKENDS:
+        raise DevgraphError(f"unknown compile backend {backend!r}; choose one of {sorted(_BACKENDS)}")
+    compile_fn, opaque = _BACKENDS[backend]
+    start = time.perf_counter()
+    fn = compile_fn(gm, example_inputs)
+    seconds = time.perf_counter() - start
+    if backend != "eager":
+        logger.debug("devgraph: compiled %s with %s in %.2f s", name, backend, seconds)
+    return CompiledPiece(fn, backend, opaque, seconds)

@@ -1,0 +1,387 @@
+"""The devgraph ``torch.compile`` backend and the one-shot trace the piecewise runner does with it.
+
+``DevgraphBackend`` is a Dynamo backend. It lowers Dynamo's graph to aten ops (``make_fx`` over
+Dynamo's fake inputs, *without* functionalization, so in-place ops stay where the model put them),
+binds host-list arguments to run-time values, runs the ``PassManager``, cuts the graph at the
+splitting ops, compiles every piece with the chosen compile backend and returns a
+``PiecewiseModule``. Used directly (``torch.compile(model, backend=DevgraphBackend(...))``) it
+gives split, fused, compiled pieces without graph capture.
+
+``trace_call`` is how the piecewise runner uses it: one trace with the token dimension marked
+dynamic, after which the runner calls the ``PiecewiseModule`` itself, bypassing Dynamo's guards
+(as vLLM does), so calls of any size reuse one graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten
+
+from devgraph._contract import Device
+from devgraph._errors import DevgraphError
+from devgraph.compile._backends import CompiledPiece, compile_piece
+from devgraph.compile._config import CompileConfig
+from devgraph.compile._ops import bind_host_args, keep_composite_ops_whole
+from devgraph.compile._pieces import PiecewiseModule
+from devgraph.compile._split import SplitGraph, split_graph
+
+__all__ = ["CompiledGraph", "DevgraphBackend", "Traced", "lower_to_aten", "trace_call"]
+
+logger = logging.getLogger("devgraph.compile")
+
+_SYM_OPS = {
+    torch.ops.aten.sym_size.int,
+    torch.ops.aten.sym_numel.default,
+    torch.ops.aten.sym_stride.int,
+    torch.ops.aten.sym_storage_offset.default,
+}
+
+
+@attrs.frozen
+class CompiledGraph:
+    """What ``DevgraphBackend`` built from one Dynamo graph.
+
+    Attributes:
+        module: the split, compiled model (see ``PiecewiseModule``).
+        graph: the aten graph after the passes, before the split (for inspection).
+        split: the split graph and its pieces.
+        example_inputs: Dynamo's real example inputs of the tensor placeholders, in order.
+        symint_positions: positions of SymInt arguments in Dynamo's calling convention (dropped).
+        fake_inputs: fake (symbolic) values of the tensor placeholders.
+        fake_outputs: fake values of the graph's outputs.
+        pass_counts: matches each pass rewrote, by pass name.
+        compile_seconds: time spent in the backend.
+    """
+
+    module: PiecewiseModule
+    graph: fx.GraphModule
+    split: SplitGraph
+    example_inputs: tuple[Any, ...]
+    symint_positions: tuple[int, ...]
+    fake_inputs: tuple[Any, ...]
+    fake_outputs: tuple[Any, ...]
+    pass_counts: dict[str, int]
+    compile_seconds: float
+
+
+def lower_to_aten(gm: fx.GraphModule, fake_inputs: Sequence[Any], fake_mode: Any) -> fx.GraphModule:
+    """``gm`` retraced to aten ops over ``fake_inputs`` (symbolic sizes kept), not functionalized."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with fake_mode, enable_python_dispatcher(), torch.no_grad():
+        return make_fx(gm, pre_dispatch=False)(*fake_inputs)
+
+
+def _replace_symint_placeholders(gm: fx.GraphModule, fakes: Sequence[Any]) -> tuple[int, ...]:
+    """Compute each SymInt input from a tensor input's size instead; return their positions."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tensors = [(n, f) for n, f in zip(placeholders, fakes) if isinstance(f, torch.Tensor)]
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    dropped = []
+    for i, (node, fake) in enumerate(zip(placeholders, fakes)):
+        if isinstance(fake, torch.Tensor):
+            continue
+        if not isinstance(fake, torch.SymInt):
+            raise DevgraphError(
+                f"the traced graph takes a non-tensor input {node.name} = {fake!r}; piecewise mode supports "
+                "tensor inputs (and sizes derived from them) only"
+            )
+        source = next(
+            (
+                (t, d)
+                for t, f in tensors
+                for d, s in enumerate(f.shape)
+                if isinstance(s, torch.SymInt) and s.node.expr == fake.node.expr
+            ),
+            None,
+        )
+        if source is None:
+            raise DevgraphError(f"the traced graph takes a size {fake} that no input tensor has")
+        with gm.graph.inserting_before(first):
+            size = gm.graph.call_function(torch.ops.aten.sym_size.int, source)
+        size.meta["val"] = fake
+        node.replace_all_uses_with(size)
+        gm.graph.erase_node(node)
+        dropped.append(i)
+    return tuple(dropped)
+
+
+def _drop_dead_shape_nodes(gm: fx.GraphModule) -> None:
+    """Remove unused size queries (make_fx leaves some); they would pin pattern nodes' users."""
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_function" and not node.users and node.target in _SYM_OPS:
+            gm.graph.erase_node(node)
+
+
+def _propagate(gm: torch.nn.Module, fakes: Sequence[Any], fake_mode: Any) -> dict[str, tuple[Any, ...]]:
+    """Run ``gm`` on fakes: refresh ``meta['val']`` and return each submodule's fake inputs."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    seen: dict[str, tuple[Any, ...]] = {}
+
+    class Prop(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            result = super().run_node(n)
+            n.meta["val"] = result
+            return result
+
+        def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+            seen[target] = tuple(args)
+            return super().call_module(target, args, kwargs)
+
+    with fake_mode, enable_python_dispatcher(), torch.no_grad():
+        Prop(gm).run(*fakes)
+    return seen
+
+
+class DevgraphBackend:
+    """A ``torch.compile`` backend: aten lowering, passes, split at splitting ops, per-piece compile.
+
+    Args:
+        device: the devgraph device (pass contexts, default compile backend); None: the best one.
+        config: a ``CompileConfig``.
+        host_args: op argument names fed from run-time host lists (``host_arg``) instead of the
+            traced values; ``host`` holds the values used when Dynamo runs the result.
+    """
+
+    def __init__(
+        self, device: Device | None = None, config: CompileConfig | None = None, host_args: Sequence[str] = ()
+    ) -> None:
+        if device is None:
+            from devgraph import device as _device
+
+            device = _device()
+        self.device = device
+        self.config = config or CompileConfig()
+        self.host_args = tuple(host_args)
+        self.host: Mapping[str, Any] | None = None
+        self.compiled: list[CompiledGraph] = []
+        self.last_outputs: Any = None
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        result = self.compile(gm, example_inputs)
+        self.compiled.append(result)
+        dropped = set(result.symint_positions)
+        module = result.module
+
+        def run(*args: Any) -> Any:
+            tensors = [a for i, a in enumerate(args) if i not in dropped]
+            out = module(*tensors, host=self.host)
+            self.last_outputs = out
+            return out
+
+        return run
+
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledGraph:
+        """Build a ``CompiledGraph`` from Dynamo's graph and example inputs (inside Dynamo's compile)."""
+        from devgraph.compile.passes import PassContext, PassManager, resolve_passes
+
+        start = time.perf_counter()
+        config, device = self.config, self.device
+        splitting = config.all_splitting_ops()
+        keep_composite_ops_whole(gm, splitting)
+        fake_mode = torch._guards.TracingContext.get().fake_mode
+        assert fake_mode is not None, "DevgraphBackend runs inside Dynamo's compile"
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        fakes = [
+            fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else n.meta.get("example_value", x)
+            for n, x in zip(placeholders, example_inputs)
+        ]
+        aten = lower_to_aten(gm, fakes, fake_mode)
+        dropped = _replace_symint_placeholders(aten, fakes)
+        _drop_dead_shape_nodes(aten)
+        bind_host_args(aten, self.host_args)
+        backend = config.backend_for(device)
+        context = PassContext(device=device, compile_backend=backend, splitting_ops=splitting)
+        manager = PassManager(resolve_passes(config.passes, device), context)
+        counts = manager(aten.graph)
+        aten.graph.lint()
+        aten.recompile()
+        tensor_fakes = tuple(f for i, f in enumerate(fakes) if i not in set(dropped))
+        _propagate(aten, tensor_fakes, fake_mode)
+        split = split_graph(aten, splitting)
+        piece_inputs = _propagate(split.module, tensor_fakes, fake_mode)
+        compiled: dict[str, CompiledPiece] = {}
+        for piece in split.pieces:
+            if piece.is_splitting_op:
+                continue
+            chosen = backend if piece.does_work else "eager"
+            if chosen != "eager":
+                _check_compilable(piece.name, piece.graph_module)
+            compiled[piece.name] = compile_piece(chosen, piece.name, piece.graph_module, piece_inputs[piece.name])
+        module = PiecewiseModule(split, compiled, device)
+        output = next(n for n in aten.graph.nodes if n.op == "output")
+        fake_outputs = tuple(
+            a.meta.get("val") if isinstance(a, fx.Node) else a for a in _flat(output.args[0])
+        )
+        seconds = time.perf_counter() - start
+        logger.info(
+            "devgraph: traced %d aten ops, split into %d pieces at %d splitting-op calls (%s), compiled with %s "
+            "in %.2f s; pass matches: %s",
+            sum(1 for n in aten.graph.nodes if n.op == "call_function"),
+            len(split.captured),
+            sum(p.is_splitting_op for p in split.pieces),
+            ", ".join(splitting),
+            backend,
+            seconds,
+            ", ".join(f"{k} {v}" for k, v in counts.items()) or "none",
+        )
+        return CompiledGraph(
+            module=module,
+            graph=aten,
+            split=split,
+            example_inputs=tuple(x for i, x in enumerate(example_inputs) if i not in set(dropped)),
+            symint_positions=dropped,
+            fake_inputs=tensor_fakes,
+            fake_outputs=fake_outputs,
+            pass_counts=counts,
+            compile_seconds=seconds,
+        )
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flat(v)]
+    return [value]
+
+
+def _check_compilable(name: str, gm: fx.GraphModule) -> None:
+    from devgraph.compile._ops import is_host_arg_node
+
+    for node in gm.graph.nodes:
+        if is_host_arg_node(node):
+            user = next(iter(node.users))
+            raise DevgraphError(
+                f"host argument {node.args[0]!r} reaches {user.target} inside compiled piece {name}; a compiled "
+                f"piece cannot take host lists. Add '{user.target._schema.name}' to splitting_ops, or use "
+                "compile_backend='eager'"
+            )
+
+
+# -- the runner's trace ------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Traced:
+    """A model traced once and compiled piecewise, with how to call it directly.
+
+    Attributes:
+        compiled: the backend's result.
+        inputs: per graph input, ``("arg", name)`` (a call argument) or ``("fixed", tensor)``
+            (a weight or buffer the graph reads).
+        outputs: per output leaf of the model, ``("out", index into the module's outputs)`` or
+            ``("const", value)``.
+        spec: the pytree spec of the model's output.
+        batch_dims: per module output, the dims that are the traced (token) dimension.
+    """
+
+    compiled: CompiledGraph
+    inputs: tuple[tuple[str, Any], ...]
+    outputs: tuple[tuple[str, Any], ...]
+    spec: Any
+    batch_dims: tuple[tuple[int, ...], ...]
+
+
+def _fresh_function(call: Callable[..., Any]) -> Callable[..., Any]:
+    """A function with a code object of its own: Dynamo caches compiled code per code object, and a
+    shared one would hit its recompile limit after a few models."""
+    namespace: dict[str, Any] = {"_call": call}
+    code = compile("def devgraph_traced(*args):\n    return _call(*args)\n", "<devgraph trace>", "exec")
+    exec(code, namespace)
+    return namespace["devgraph_traced"]
+
+
+def _unwrap_dynamo_error(exc: BaseException) -> BaseException:
+    inner = getattr(exc, "inner_exception", None)
+    return inner if isinstance(inner, DevgraphError) else exc
+
+
+def trace_call(
+    invoke: Callable[[dict[str, torch.Tensor], bool], Any],
+    tensors: dict[str, torch.Tensor],
+    dynamic: Mapping[str, int],
+    backend: DevgraphBackend,
+    host: Mapping[str, Any],
+) -> Traced:
+    """Trace ``invoke(tensors, traced)`` once with Dynamo and ``backend``; return how to call it directly.
+
+    ``invoke(tensors, traced)`` calls the model; with ``traced`` it must pass empty host lists.
+    ``dynamic`` maps argument names to their token dimension. ``host`` (op argument -> list) is
+    what the host arguments are when Dynamo runs the result once.
+    """
+    names = list(tensors)
+    with torch.no_grad():
+        reference = invoke(tensors, False)  # the output's structure (and a warm-up)
+    ref_leaves, spec = tree_flatten(reference)
+
+    def call(*args: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(tree_flatten(invoke(dict(zip(names, args)), True))[0])
+
+    args = [tensors[n] for n in names]
+    for name, dim in dynamic.items():
+        torch._dynamo.mark_dynamic(tensors[name], dim)
+    backend.host = host
+    compiled_fn = torch.compile(_fresh_function(call), backend=backend, fullgraph=True, dynamic=False)
+    try:
+        with torch.no_grad():
+            leaves = compiled_fn(*args)
+    except DevgraphError:
+        raise
+    except Exception as exc:
+        inner = _unwrap_dynamo_error(exc)
+        if inner is not exc:
+            raise inner from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DevgraphError(
+            f"piecewise mode could not trace the model as one graph with Dynamo: {type(exc).__name__}: {first}. "
+            "Piecewise mode needs a forward Dynamo traces without graph breaks, whose token dimension stays "
+            "symbolic (no Python branching on it). Use mode='full', or see TORCH_LOGS=graph_breaks,dynamic"
+        ) from exc
+    finally:
+        backend.host = None
+    if not backend.compiled:
+        raise DevgraphError("Dynamo did not call the devgraph backend (was the model already compiled?)")
+    result = backend.compiled[-1]
+    module_outputs = _flat(backend.last_outputs)
+    outputs = []
+    for leaf, ref in zip(leaves, ref_leaves):
+        if isinstance(leaf, torch.Tensor):
+            index = next((k for k, o in enumerate(module_outputs) if o is leaf), None)
+            if index is None:
+                raise DevgraphError(
+                    "an output of the model is not computed by the traced graph (an input returned as is?); "
+                    "piecewise mode needs every output tensor computed in the forward"
+                )
+            outputs.append(("out", index))
+        else:
+            outputs.append(("const", ref))
+    inputs: list[tuple[str, Any]] = []
+    for example in result.example_inputs:
+        arg_name = next((n for n, t in zip(names, args) if t is example), None)
+        inputs.append(("arg", arg_name) if arg_name is not None else ("fixed", example))
+    symbols = {
+        tensors_fake.shape[dynamic[n]].node.expr
+        for n, tensors_fake in _fakes_by_name(result, inputs).items()
+        if n in dynamic and isinstance(tensors_fake.shape[dynamic[n]], torch.SymInt)
+    }
+    batch_dims = tuple(
+        tuple(
+            d
+            for d, s in enumerate(getattr(f, "shape", ()))
+            if isinstance(s, torch.SymInt) and s.node.expr in symbols
+        )
+        for f in result.fake_outputs
+    )
+    return Traced(result, tuple(inputs), tuple(outputs), spec, batch_dims)
+
+
+def _fakes_by_name(result: CompiledGraph, inputs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    return {slot[1]: fake for slot, fake in zip(inputs, result.fake_inputs) if slot[0] == "arg"}

@@ -1,0 +1,99 @@
+"""plan_capture_sizes: which sizes fit a backend's stream budget (property tests)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from devgraph import DevgraphError
+from devgraph.compile import padding_cost, plan_capture_sizes, spread_evenly
+
+sizes_st = st.lists(st.integers(1, 512), min_size=1, max_size=24, unique=True)
+traffic_st = st.dictionaries(st.integers(1, 600), st.floats(0.0, 100.0, allow_nan=False), max_size=20)
+
+
+@given(sizes=sizes_st, pieces=st.integers(1, 60), budget=st.integers(1, 400))
+def test_plan_stays_within_budget_and_partitions_the_sizes(sizes, pieces, budget):
+    plan = plan_capture_sizes(sizes, pieces, budget)
+    assert plan.streams <= budget
+    assert sorted(plan.sizes + plan.dropped) == sorted(sizes)
+    assert set(plan.sizes).isdisjoint(plan.dropped)
+    assert list(plan.sizes) == sorted(plan.sizes)
+
+
+@given(sizes=sizes_st, pieces=st.integers(1, 60), budget=st.integers(1, 400))
+def test_plan_keeps_as_many_sizes_as_the_budget_holds_and_always_the_largest(sizes, pieces, budget):
+    plan = plan_capture_sizes(sizes, pieces, budget)
+    assert len(plan.sizes) == min(len(sizes), budget // pieces)
+    if plan.sizes:
+        assert plan.sizes[-1] == max(sizes)
+
+
+@given(sizes=sizes_st, pieces=st.integers(1, 8))
+def test_no_budget_or_a_large_one_keeps_every_size(sizes, pieces):
+    assert plan_capture_sizes(sizes, pieces, None).sizes == tuple(sorted(sizes))
+    assert plan_capture_sizes(sizes, pieces, pieces * len(sizes)).dropped == ()
+
+
+@settings(max_examples=60)
+@given(sizes=sizes_st, pieces=st.integers(1, 20), budget=st.integers(1, 200), traffic=traffic_st)
+def test_plan_wastes_no_more_padding_than_vllm_ascends_even_spread(sizes, pieces, budget, traffic):
+    demand = sorted(traffic.items()) if traffic else [(s, 1.0) for s in sizes]
+    plan = plan_capture_sizes(sizes, pieces, budget, traffic or None)
+    baseline = spread_evenly(sizes, budget // pieces)
+    assert padding_cost(plan.sizes, demand) <= padding_cost(baseline, demand) + 1e-6
+
+
+@settings(max_examples=40)
+@given(
+    sizes=st.lists(st.integers(1, 64), min_size=2, max_size=9, unique=True),
+    count=st.integers(1, 8),
+    traffic=traffic_st,
+)
+def test_plan_is_the_least_padding_subset_that_keeps_the_largest(sizes, count, traffic):
+    demand = sorted(traffic.items()) if traffic else [(s, 1.0) for s in sizes]
+    plan = plan_capture_sizes(sizes, 1, count, traffic or None)
+    if count >= len(sizes):
+        assert plan.dropped == ()
+        return
+    largest = max(sizes)
+    others = sorted(set(sizes) - {largest})
+    best = min(padding_cost((*c, largest), demand) for c in itertools.combinations(others, count - 1))
+    assert padding_cost(plan.sizes, demand) == pytest.approx(best)
+
+
+def test_traffic_decides_which_sizes_survive():
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    # Traffic is all 3- and 30-token calls: keep the sizes just above them.
+    plan = plan_capture_sizes(sizes, pieces=10, budget=30, traffic={3: 50, 30: 50})
+    assert plan.sizes == (4, 32, 64)
+
+
+def test_vllm_ascend_rule_is_the_stream_count_reference():
+    # 2048 streams, 48 layers -> 49 pieces -> 41 sizes (vllm-ascend: streams // (layers + 1)).
+    sizes = list(range(1, 513))
+    plan = plan_capture_sizes(sizes, pieces=49, budget=2048)
+    assert len(plan.sizes) == 2048 // 49 == 41
+
+
+def test_planner_logs_what_it_dropped(caplog):
+    with caplog.at_level(logging.INFO, logger="devgraph.compile"):
+        plan = plan_capture_sizes([1, 2, 4, 8], pieces=3, budget=6)
+    assert plan.dropped and "dropped" in caplog.text and str(list(plan.dropped)) in caplog.text
+
+
+def test_a_budget_below_one_size_captures_nothing_and_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="devgraph.compile"):
+        plan = plan_capture_sizes([4, 8], pieces=10, budget=5)
+    assert plan.sizes == () and plan.dropped == (4, 8)
+    assert "cannot hold one size" in caplog.text
+
+
+@pytest.mark.parametrize("sizes, pieces", [([], 1), ([0, 4], 1), ([4], 0)])
+def test_bad_arguments_are_clear_errors(sizes, pieces):
+    with pytest.raises(DevgraphError):
+        plan_capture_sizes(sizes, pieces, 10)
