@@ -55,6 +55,8 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(name="tests-cuda", venv_backend="none")
 def tests_cuda(session: nox.Session) -> None:
-    """CUDA tests on a GPU machine, with the machine's own torch (no downloads; not a default)."""
-    env = {"PYTHONPATH": os.getcwd()}
-    session.run("python3", "-m", "pytest", "-q", "-m", "cuda or not cuda", "tests", *session.posargs, env=env)
+    """On a CUDA machine: the suite with the `cuda` tests, then the benchmarks (tools/gpu_checks.sh).
+
+    Uses the machine's own torch and installs nothing from the network (GPU hosts may have none).
+    """
+    session.run("bash", "tools/gpu_checks.sh", *session.posargs, external=True)
