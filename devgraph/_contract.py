@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Device", "Event", "Graph", "MemoryPool", "MemoryStats", "Stream"]
+
+logger = logging.getLogger("devgraph")
 
 
 @attrs.frozen
@@ -229,13 +232,14 @@ class Graph(abc.ABC):
 
     def replay(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None) -> None:
         """Re-run the captured work; with ``host_args``, ``update(host_args)`` first, atomically."""
-        if self._state != "captured":
-            raise DevgraphError(
-                "replay() of a graph that was never captured"
-                if self._state == "new"
-                else "replay() inside the graph's own capture block"
-            )
-        with self._lock:
+        with self._lock:  # a reset() on another thread cannot slip between the check and the replay
+            if self._state != "captured":
+                raise DevgraphError(
+                    "replay() of a graph that was never captured (or was reset): capture it first, "
+                    "`with graph.capture(): ...`"
+                    if self._state == "new"
+                    else "replay() inside the graph's own capture block"
+                )
             if host_args is not None:
                 self.update(host_args)
             self._replay()
@@ -287,8 +291,10 @@ class Graph(abc.ABC):
             self._task_update_begin(group)
             try:
                 yield
-            finally:
-                self._task_update_end(group)
+            except BaseException:
+                self._task_update_abort(group)  # keep the task as it was; the caller's error wins
+                raise
+            self._task_update_end(group)
 
     def update(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Give the updatable tasks new host arguments before the next replay.
@@ -350,6 +356,14 @@ class Graph(abc.ABC):
 
     @abc.abstractmethod
     def _task_update_end(self, group: TaskGroup) -> None: ...
+
+    def _task_update_abort(self, group: TaskGroup) -> None:
+        """The re-issue block raised: close the update (default: end it, hiding any error of its own
+        so the caller's error is the one that propagates)."""
+        try:
+            self._task_update_end(group)
+        except Exception as exc:  # the block's exception is the informative one
+            logger.debug("ending an aborted task update failed: %s", exc)
 
     def _needs_reissue(self, group: TaskGroup) -> bool:
         """Whether new host arguments must be re-issued into the graph (False: the op reads them

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import pluggy
@@ -120,28 +120,53 @@ def plugin_manager() -> pluggy.PluginManager:
         return _registry.pm
 
 
+def call_each_hookimpl(hook: Any, what: str, kwargs_for: Callable[[str], dict[str, Any]]) -> None:
+    """Call every implementation of ``hook`` one by one (pluggy's call order), so that an error
+    names the plugin at fault: ``kwargs_for(plugin_name)`` gives each call's arguments.
+
+    With ``DEVGRAPH_TRACE_HOOKS`` set every call is logged (pluggy's own tracing only sees calls
+    made through ``pm.hook``).
+
+    Raises:
+        DevgraphError: as raised by the implementation (registration conflicts...).
+        PluginLoadError: any other exception, naming the plugin and ``what`` it was doing.
+    """
+    pm = plugin_manager()
+    trace = bool(os.environ.get("DEVGRAPH_TRACE_HOOKS"))
+    for impl in reversed(hook.get_hookimpls()):
+        origin = pm.get_name(impl.plugin) or repr(impl.plugin)
+        if trace:
+            logger.debug("hook: %s from plugin %r", hook.name, origin)
+        try:
+            impl.function(**kwargs_for(origin))
+        except DevgraphError:
+            raise
+        except Exception as exc:
+            raise PluginLoadError(f"{origin} ({what})", exc) from exc
+
+
 def _specs() -> dict[str, tuple[BackendSpec, str]]:
     with _registry.lock:
-        if not _registry.specs:
-            pm = plugin_manager()
-            for impl in pm.hook.devgraph_register_backends.get_hookimpls():
-                origin = pm.get_name(impl.plugin) or repr(impl.plugin)
+        if _registry.specs:
+            return _registry.specs
+        specs: dict[str, tuple[BackendSpec, str]] = {}  # published only when every plugin registered
 
-                def register(spec: BackendSpec, _origin: str = origin) -> None:
-                    if not isinstance(spec, BackendSpec):
-                        raise DevgraphError(
-                            f"plugin {_origin!r} registered {spec!r}, not a devgraph.BackendSpec"
-                        )
-                    if spec.name in _registry.specs:
-                        other = _registry.specs[spec.name][1]
-                        raise DevgraphError(
-                            f"backend name {spec.name!r} is registered twice (plugins {other!r} and "
-                            f"{_origin!r}); uninstall one, or set DEVGRAPH_AUTOLOAD=0"
-                        )
-                    _registry.specs[spec.name] = (spec, _origin)
+        def register_for(origin: str) -> dict[str, Any]:
+            def register(spec: BackendSpec) -> None:
+                if not isinstance(spec, BackendSpec):
+                    raise DevgraphError(f"plugin {origin!r} registered {spec!r}, not a devgraph.BackendSpec")
+                if spec.name in specs:
+                    raise DevgraphError(
+                        f"backend name {spec.name!r} is registered twice (plugins {specs[spec.name][1]!r} "
+                        f"and {origin!r}); uninstall one, or set DEVGRAPH_AUTOLOAD=0"
+                    )
+                specs[spec.name] = (spec, origin)
 
-                impl.function(register=register)
-        return _registry.specs
+            return {"register": register}
+
+        call_each_hookimpl(plugin_manager().hook.devgraph_register_backends, "registering backends", register_for)
+        _registry.specs = specs
+        return specs
 
 
 def _probe(spec: BackendSpec) -> Probe:
@@ -214,7 +239,16 @@ def device(name: str | None = None, index: int | None = None) -> Device:
         if index < 0 or (p.device_count and index >= p.device_count):
             raise DevgraphError(f"{name} has {p.device_count} device(s); index {index} is out of range")
         module, _, cls_name = spec.device_class.partition(":")
-        cls = getattr(importlib.import_module(module), cls_name)
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except (ImportError, OSError) as exc:
+            hint = (
+                " (torch_npu is installed without the CANN runtime and torch autoloads it: set "
+                "TORCH_DEVICE_BACKEND_AUTOLOAD=0)"
+                if "libhccl" in str(exc) or "torch_npu" in str(exc)
+                else ""
+            )
+            raise BackendUnavailable(name, f"importing {module} failed: {exc}{hint}") from exc
         dev = cls(index)
         _registry.devices[key] = dev
         return dev

@@ -35,9 +35,14 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from devgraph import DevgraphError
     from devgraph.demo import run_demo
 
-    return run_demo(device=args.device, steps=args.steps, batch_sizes=args.batch_sizes)
+    try:
+        return run_demo(device=args.device, steps=args.steps, batch_sizes=args.batch_sizes)
+    except DevgraphError as exc:  # unknown/unavailable backend...: the message says what to do
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

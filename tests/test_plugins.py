@@ -152,3 +152,33 @@ def test_info_cli_json():
     rows = {r["name"]: r for r in json.loads(out)}
     assert rows["cpu"]["available"] is True
     assert set(rows["cpu"]) == {"name", "available", "reason", "version", "plugin", "device_count"}
+
+
+def test_failed_registration_is_reported_every_time(fresh_plugins, monkeypatch):
+    class Twice:
+        @devgraph.hookimpl
+        def devgraph_register_backends(self, register):
+            register(_plugins.BackendSpec("cpu", lambda: _plugins.Probe(True), "x:Y"))
+
+    _plugins.plugin_manager().register(Twice(), name="twice")
+    for _ in range(2):  # a half-built registry must not be published after the first failure
+        with pytest.raises(devgraph.DevgraphError, match="registered twice"):
+            devgraph.backends()
+
+
+def test_hook_calls_are_logged_when_tracing(fresh_plugins, monkeypatch, caplog):
+    monkeypatch.setenv("DEVGRAPH_TRACE_HOOKS", "1")
+    with caplog.at_level("DEBUG", logger="devgraph"):
+        devgraph.backends()
+    assert any("devgraph_register_backends from plugin 'cpu'" in r.getMessage() for r in caplog.records)
+
+
+def test_hook_error_names_the_plugin(fresh_plugins):
+    class Broken:
+        @devgraph.hookimpl
+        def devgraph_register_backends(self, register):
+            raise KeyError("oops")
+
+    _plugins.plugin_manager().register(Broken(), name="broken_backend_plugin")
+    with pytest.raises(devgraph.PluginLoadError, match=r"broken_backend_plugin \(registering backends\)"):
+        devgraph.backends()

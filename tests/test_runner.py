@@ -218,3 +218,43 @@ def test_concurrent_calls_are_serialised(any_device):
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_batch_dim_other_than_zero_cuts_outputs_on_that_dim():
+    class SeqFirst(torch.nn.Module):
+        def forward(self, x):  # x: [seq, batch, hidden]
+            return x * 2
+
+    graphed = devgraph.wrap(SeqFirst(), device="cpu", batch_sizes=[1, 4], batch_dims={"x": 1})
+    x = torch.randn(3, 2, 5)
+    out = graphed(x)
+    assert out.shape == (3, 2, 5)
+    torch.testing.assert_close(out, x * 2)
+
+
+def test_unbatched_outputs_are_returned_whole():
+    table = torch.randn(4, 3)
+
+    class WithTable(torch.nn.Module):
+        def forward(self, x):
+            return x + 1, table * 1  # the second output does not grow with the batch
+
+    graphed = devgraph.wrap(WithTable(), device="cpu", batch_sizes=[2, 4])
+    y, t = graphed(torch.randn(2, 3))
+    assert y.shape == (2, 3) and t.shape == (4, 3)
+
+
+def test_a_failed_bucket_capture_leaves_nothing_half_captured():
+    class SyncsWhenSmall(torch.nn.Module):
+        def forward(self, x):
+            if x.shape[0] == 1:  # shape-dependent Python is fine; the sync below is not
+                return x * x.sum().item()
+            return x * 2
+
+    graphed = devgraph.wrap(SyncsWhenSmall(), device="cpu", batch_sizes=[1, 4])
+    with pytest.raises(CaptureError) as info:
+        graphed(torch.ones(3, 2))
+    assert info.value.batch_size == 1
+    assert not graphed.runner.captured
+    with pytest.raises(CaptureError):  # tried again, fails the same way, never a KeyError
+        graphed(torch.ones(1, 2))

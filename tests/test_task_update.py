@@ -155,3 +155,19 @@ def test_update_from_a_worker_thread_while_replaying():
     valid = [_expected(args, lens) for lens in [[5, 9], *lengths]]
     for r in results:  # every replay saw one complete set of lengths, never a torn update
         assert any(torch.allclose(r, v) for v in valid)
+
+
+def test_an_error_inside_task_update_propagates_and_keeps_the_task():
+    graph, out, args = _capture(devgraph.device("cpu"), [5, 9])
+    with pytest.raises(ZeroDivisionError):
+        with graph.task_update(graph.tasks[0]):
+            1 / 0  # noqa: B018
+    graph.replay()
+    torch.testing.assert_close(out, _expected(args, [5, 9]))
+
+
+def test_replay_after_reset_says_to_capture_first():
+    graph, _, _ = _capture(devgraph.device("cpu"), [5, 9])
+    graph.reset()
+    with pytest.raises(DevgraphError, match=r"never captured \(or was reset\).*graph\.capture"):
+        graph.replay()

@@ -9,6 +9,8 @@ returns a ``GraphedCausalLM``. Its ``generate()`` follows transformers' greedy s
   slots; one cache per batch-size bucket), and every decode step (one token per row) is served by a
   ``GraphRunner`` replaying the step captured for that bucket. The cache's write position is a device
   tensor the captured step advances itself, so nothing on the host changes between replays.
+  Memory: one cache per bucket means KV memory of ``sum(buckets) * max_cache_len`` rows (about 2x the
+  largest bucket's with the default powers of two); choose ``batch_sizes`` and ``max_cache_len`` to fit.
 
 Host syncs in transformers' mask code: given a 2-D mask, ``create_causal_mask`` calls
 ``Tensor.to(device=...)`` and, for dynamic caches, ``bool(tensor)`` on mask values. The captured step

@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 import torch
 
-from devgraph._errors import DevgraphError, PluginLoadError
+from devgraph._errors import DevgraphError
 
 __all__ = [
     "NAMESPACE",
@@ -254,22 +254,18 @@ def load() -> None:
     """
     if getattr(_loading, "active", False):
         return  # a hook implementation that imports devgraph.ops while we are loading
-    from devgraph._plugins import plugin_manager
+    from devgraph._plugins import call_each_hookimpl, plugin_manager
     from devgraph.ops import _defs
 
     with _lock:
         _loading.active = True
         try:
             _defs.define_all()
-            pm = plugin_manager()
-            # The hook's implementations one by one, in pluggy's call order, so that a failure names
-            # the plugin it came from (a plain hook call would not).
-            for impl in reversed(pm.hook.devgraph_register_op_kernels.get_hookimpls()):
-                try:
-                    impl.function(register=register)
-                except Exception as exc:
-                    origin = pm.get_name(impl.plugin) or repr(impl.plugin)
-                    raise PluginLoadError(f"{origin} (registering op kernels)", exc) from exc
+            call_each_hookimpl(
+                plugin_manager().hook.devgraph_register_op_kernels,
+                "registering op kernels",
+                lambda origin: {"register": register},
+            )
         finally:
             _loading.active = False
 

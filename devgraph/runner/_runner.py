@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from devgraph._capture import user_stacklevel
 from devgraph._contract import Device, Graph
@@ -79,6 +79,7 @@ class GraphRunner:
         self._template: dict[str, Any] | None = None
         self._captured: Call | None = None
         self._addresses: dict[str, tuple[torch.Tensor, int]] = {}
+        self._out_dims: list[int | None] = []
         self._warned: set[str] = set()
         self._lock = threading.RLock()
 
@@ -143,10 +144,21 @@ class GraphRunner:
         # only on the stream that allocated them.
         stream = self.device.stream()
         start = time.perf_counter()
-        with _gc_frozen():
-            before = self.device.memory_stats().reserved  # after the collection: dead pools are gone
-            for size in _progress(sorted(self.sizes, reverse=True), f"devgraph capture ({self.device})"):
-                self._graphs[size], self._outputs[size] = self._capture_one(example, size, pool, stream)
+        graphs: dict[int, Graph] = {}
+        outputs: dict[int, Any] = {}
+        try:
+            with _gc_frozen():
+                before = self.device.memory_stats().reserved  # after the collection: dead pools are gone
+                for size in _progress(sorted(self.sizes, reverse=True), f"devgraph capture ({self.device})"):
+                    graphs[size], outputs[size] = self._capture_one(example, size, pool, stream)
+        except BaseException:
+            # All buckets or none: a half-captured runner would replay some sizes and not others.
+            for graph in graphs.values():
+                graph.reset()
+            self.reset()
+            raise
+        self._graphs, self._outputs = graphs, outputs
+        self._out_dims = _output_batch_dims(outputs)
         self.stats.capture_seconds = time.perf_counter() - start
         self.stats.pool_bytes = self.device.memory_stats().reserved - before
         self.stats.captured_sizes = tuple(self.sizes)
@@ -177,6 +189,7 @@ class GraphRunner:
             buf.fill_(cfg.pad_value(name))  # padded rows are what warm-up and capture see
         host = {name: [cfg.pad_value(name)] * size for name in example.host}
         args, kwargs = self._args_for(example, size, host)
+        stream.wait_stream(self.device.current_stream())  # the buffer fill above runs on the current stream
         with stream:
             for _ in range(cfg.warmup_iters):
                 self.fn(*args, **kwargs)
@@ -249,14 +262,16 @@ class GraphRunner:
         return self._slice(self._outputs[size], size, call.batch)
 
     def _slice(self, outputs: Any, size: int, batch: int) -> Any:
-        def cut(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            if t.dim() > 0 and t.shape[0] == size and batch != size:
-                t = t[:batch]
-            return t.clone() if self.config.clone_outputs else t
-
-        return tree_map(cut, outputs)
+        leaves, spec = tree_flatten(outputs)
+        cut = []
+        for leaf, dim in zip(leaves, self._out_dims):
+            if isinstance(leaf, torch.Tensor):
+                if dim is not None and batch != size:
+                    leaf = leaf.narrow(dim, 0, batch)
+                if self.config.clone_outputs:
+                    leaf = leaf.clone()
+            cut.append(leaf)
+        return tree_unflatten(cut, spec)
 
     def _check_addresses(self) -> None:
         for what, (tensor, ptr) in self._addresses.items():
@@ -288,6 +303,26 @@ class GraphRunner:
                 stacklevel=user_stacklevel(),
             )
         return self.fn(*args, **kwargs)
+
+
+def _output_batch_dims(outputs: dict[int, Any]) -> list[int | None]:
+    """Per output leaf, the dim that grows with the bucket (None: not batched).
+
+    With two or more buckets it is the dim whose size equals the bucket size in each of them; with
+    one bucket, the first dim equal to that size.
+    """
+    sizes = sorted(outputs)
+    flat = {s: tree_flatten(outputs[s])[0] for s in sizes}
+    dims: list[int | None] = []
+    for i, leaf in enumerate(flat[sizes[0]]):
+        found = None
+        if isinstance(leaf, torch.Tensor):
+            for d in range(leaf.dim()):
+                if all(isinstance(flat[s][i], torch.Tensor) and flat[s][i].shape[d] == s for s in sizes):
+                    found = d
+                    break
+        dims.append(found)
+    return dims
 
 
 def _ranges(sizes: list[int]) -> str:

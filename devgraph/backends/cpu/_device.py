@@ -155,6 +155,11 @@ class CpuGraph(Graph):
         self._segments[self._segments.index(old)] = new
         group.handle = new
 
+    def _task_update_abort(self, group: TaskGroup) -> None:
+        recorder, _, _ = self._update
+        recorder.__exit__(None, None, None)
+        del self._update  # the captured segment stays in place
+
     def call_opaque(self, fn: Callable[..., Any], *args: Any, name: str = "opaque") -> Any:
         """Run ``fn(*args)`` and, when capturing, record it as one task replayed on the same tensors.
 

@@ -4,10 +4,6 @@ Paged decode attention reads its lengths from the host list ``seq_lens_host``, n
 tensor ``seq_lens``, deliberately: that is what the NPU kernel does, so on the CPU reference backend
 a captured graph keeps the capture-time lengths until its task is updated, exactly as on an Ascend
 device (DESIGN.md, graph contract point 3). Forgetting the update gives stale results here too.
-
-The reference math lives in ``devgraph.ops`` and is imported when kernels are registered or run,
-never at import time: ``import devgraph.ops`` loads the kernels through the plugin hook, which
-imports this module, so a module-level import would be circular.
 """
 
 from __future__ import annotations

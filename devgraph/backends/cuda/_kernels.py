@@ -11,7 +11,6 @@ the task update of attention is a no-op.
 
 Nothing here touches ``torch.cuda`` at import or registration, so registering these kernels works
 on a CPU-only torch build too (the dispatcher accepts a ``CUDA`` kernel without a CUDA runtime).
-The reference math is imported lazily for the reason given in ``devgraph.backends.cpu._kernels``.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def builtin_passes() -> list[Pass]:
 
 def contributed_passes(device: Device | None) -> list[Pass]:
     """Passes plugins contribute for ``device`` through ``devgraph_register_passes``."""
-    from devgraph._plugins import plugin_manager
+    from devgraph._plugins import call_each_hookimpl, plugin_manager
 
     found: list[Pass] = []
 
@@ -129,7 +129,11 @@ def contributed_passes(device: Device | None) -> list[Pass]:
             )
         found.append(p)
 
-    plugin_manager().hook.devgraph_register_passes(register=register, device=device)
+    call_each_hookimpl(
+        plugin_manager().hook.devgraph_register_passes,
+        "registering passes",
+        lambda origin: {"register": register, "device": device},
+    )
     return found
 
 
