@@ -14,6 +14,7 @@ import contextvars
 import linecache
 import os
 import sys
+import sysconfig
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -31,13 +32,18 @@ _DEVGRAPH_DIR = os.path.dirname(os.path.abspath(__file__))
 _TESTING_DIR = os.path.join(_DEVGRAPH_DIR, "testing")
 
 
-def _skip_dirs() -> tuple[str, ...]:
+def _skip_dirs() -> tuple[str, str]:
+    """torch's package and the standard library (but not site-packages inside it: a model's own
+    library, transformers say, is where the user's offending line usually is)."""
     import torch
 
     return (
-        os.path.dirname(os.path.abspath(torch.__file__)),
-        os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep,
+        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+        sysconfig.get_paths()["stdlib"] + os.sep,
     )
+
+
+_SITE_DIRS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")})
 
 
 def current_graph() -> Graph | None:
@@ -46,8 +52,12 @@ def current_graph() -> Graph | None:
 
 
 def _is_user_path(path: str, skip: tuple[str, ...]) -> bool:
-    inside_devgraph = path.startswith(_DEVGRAPH_DIR) and not path.startswith(_TESTING_DIR)
-    return not inside_devgraph and not path.startswith(skip) and not path.startswith("<")
+    torch_dir, stdlib = skip
+    if path.startswith("<") or path.startswith(torch_dir):
+        return False
+    if path.startswith(_DEVGRAPH_DIR) and not path.startswith(_TESTING_DIR):
+        return False
+    return not path.startswith(stdlib) or path.startswith(_SITE_DIRS)
 
 
 def _render(path: str, lineno: int) -> str:
@@ -138,18 +148,44 @@ def _raise_sync(op: str, remedy: str) -> None:
 
 def _modes() -> tuple[type, type]:
     """Build the mode classes lazily so ``import devgraph`` does not import torch's mode machinery."""
+    import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    host_data_factories = {torch.tensor, torch.as_tensor}
+
     class HostSyncGuard(TorchFunctionMode):
+        def __init__(self, device_type: str) -> None:
+            super().__init__()
+            self.device_type = device_type
+
         def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
             name = getattr(func, "__name__", "")
             remedy = _FUNCTION_SYNCS.get(name)
             if remedy is not None and args and _is_tensor_method(func):
                 _raise_sync(f"Tensor.{name}", remedy)
-            if name == "to" and args and _moves_to_host(args, kwargs or {}):
+            if name == "to" and args and _moves_to_host(args, kwargs):
                 _raise_sync("Tensor.to(cpu)", _COPY_REMEDY)
-            return func(*args, **(kwargs or {}))
+            result = func(*args, **kwargs)
+            if (
+                func in host_data_factories
+                and args
+                and not isinstance(args[0], torch.Tensor)
+                and isinstance(result, torch.Tensor)
+                and result.device.type == self.device_type
+                and result.dim() > 0
+            ):
+                # A host-to-device copy of Python data: CUDA refuses it during capture, and a graph
+                # would replay the values frozen. (0-d values are kernel scalars on every device.)
+                raise CaptureError(
+                    "host data copied to the device inside graph capture would be frozen into the graph",
+                    op=f"torch.{name}",
+                    source=user_source_line(),
+                    remedy="create the tensor before capture and pass it in (copy new values into it "
+                    "before each replay), or pass the values as host_args of an updatable task",
+                )
+            return result
 
     class CaptureDispatchMode(TorchDispatchMode):
         def __init__(self, graph: Graph, auto_update_ops: Sequence[str]) -> None:
@@ -223,7 +259,7 @@ def capturing(graph: Graph, auto_update_ops: Sequence[str] = ()) -> Iterator[Non
     guard_cls, dispatch_cls = _MODE_CLASSES
     token = _current.set(graph)
     try:
-        with guard_cls(), dispatch_cls(graph, auto_update_ops):
+        with guard_cls(graph.device.torch_device.type), dispatch_cls(graph, auto_update_ops):
             yield
     finally:
         _current.reset(token)

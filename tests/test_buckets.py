@@ -33,15 +33,6 @@ def test_chosen_bucket_is_the_smallest_that_fits(sizes, n):
         assert all(s < n for s in sizes if s < bucket)
 
 
-@given(st.integers(1, 300))
-def test_padding_never_exceeds_bucket_gap(n):
-    sizes = default_batch_sizes(256)
-    bucket = choose_bucket(n, sizes)
-    if bucket is not None:
-        smaller = [s for s in sizes if s < bucket]
-        assert bucket - n < bucket - (smaller[-1] if smaller else 0)
-
-
 def test_max_batch_size_is_always_captured():
     assert normalise_batch_sizes([1, 2, 4], 6) == [1, 2, 4, 6]
 

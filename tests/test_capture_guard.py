@@ -56,3 +56,17 @@ def test_guard_is_only_active_inside_capture():
     _capture(lambda: x + 1)
     assert isinstance(x.sum().item(), float)
     assert devgraph._capture.current_graph() is None
+
+
+@pytest.mark.parametrize("factory", [torch.tensor, torch.as_tensor])
+def test_python_data_copied_to_the_device_inside_capture_is_refused(factory):
+    x = torch.randn(2)
+    with pytest.raises(CaptureError) as info:
+        _capture(lambda: x + factory([1.0, 2.0]))
+    assert info.value.op == f"torch.{factory.__name__}" and "before capture" in info.value.remedy
+
+
+def test_python_scalars_as_0d_tensors_are_allowed():
+    x = torch.randn(2)
+    out = _capture(lambda: x * torch.tensor(3.0))
+    torch.testing.assert_close(out, x * 3)
