@@ -50,6 +50,7 @@ def typecheck(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """devgraph's main job: graph the tiny reference decoder and compare with eager."""
     _install(session, "progress")
+    session.install("numpy")  # torch warns at import without it
     session.run("devgraph", "demo", *session.posargs)
 
 
