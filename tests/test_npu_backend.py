@@ -15,9 +15,12 @@ from devgraph import BackendUnavailable, DevgraphError
 from devgraph.backends import _reference
 from devgraph.backends.npu import _device as npu_device
 from devgraph.backends.npu import _kernels as npu_kernels
+from devgraph.ops import _registry
+from devgraph.testing import _npu_sim_runtime as npu_sim_runtime
 from devgraph.testing import conformance, simulated_torch_npu
 
 OP = "devgraph::paged_decode_attention"
+IFA = "devgraph_npu_sim::npu_fused_infer_attention_score"  # the simulated torch_npu op
 SCALE = 0.5
 
 
@@ -201,7 +204,10 @@ def test_attention_is_captured_behind_an_external_event(npu):
     assert task.op == OP and task.host_args["seq_lens_host"] == [5, 9]
     steps = graph.native._recorded_ops
     wait = steps.index(f"ExternalEvent[{task.handle[1]._id}].wait")
-    assert steps[wait + 1].endswith(".reset") and steps[wait + 2] == OP
+    assert steps[wait + 1].endswith(".reset")
+    # The graph holds what the NPU kernel launches, not the devgraph op as one opaque step.
+    assert OP not in steps
+    assert npu_sim_runtime._tasks(task.handle[0].segment) == [IFA]
 
 
 def test_replay_without_update_uses_the_captured_lengths(npu):
@@ -285,15 +291,68 @@ def test_simulated_task_update_rewrites_the_group(sim):
     graph, update_stream = npu.NPUGraph(), npu.Stream()
     x, factor = torch.ones(3), 2.0
     with npu.graph(graph):
+        y = torch.empty(3)  # graph memory: outlives any update
         npu.graph_task_group_begin(npu.current_stream())
-        y = x * factor  # a host scalar, frozen at capture
+        torch.mul(x, factor, out=y)  # a host scalar, frozen at capture
         handle = npu.graph_task_group_end(npu.current_stream())
     with npu.stream(update_stream):
         npu.graph_task_update_begin(update_stream, handle)
-        x * 10.0
+        torch.mul(x, 10.0, out=y)
         npu.graph_task_update_end(update_stream)
     graph.replay()
     torch.testing.assert_close(y, torch.full((3,), 10.0))
+
+
+def _captured_group(npu, x, y):
+    graph = npu.NPUGraph()
+    with npu.graph(graph):
+        npu.graph_task_group_begin(npu.current_stream())
+        torch.mul(x, 2.0, out=y)
+        handle = npu.graph_task_group_end(npu.current_stream())
+    return graph, handle
+
+
+_UPDATES_OVER_TEMPORARIES = {
+    # the task's own new output, freed when the update returns
+    "aten::mul writes a new [3] torch.float32 tensor": lambda x, y: x * 10.0,
+    # a task reading / writing a buffer allocated during the update
+    "aten::mul reads a [3] torch.float32 tensor that aten::empty_like allocated": (
+        lambda x, y: torch.mul(torch.empty_like(x), 10.0, out=y)
+    ),
+    "aten::mul writes a [3] torch.float32 tensor that aten::empty_like allocated": (
+        lambda x, y: torch.mul(x, 10.0, out=torch.empty_like(y))
+    ),
+}
+
+
+@pytest.mark.parametrize("message", list(_UPDATES_OVER_TEMPORARIES))
+def test_simulated_task_update_refuses_memory_allocated_during_the_update(sim, message):
+    npu = sim.npu
+    update_stream = npu.Stream()
+    x, y = torch.ones(3), torch.zeros(3)
+    graph, handle = _captured_group(npu, x, y)
+    with npu.stream(update_stream):
+        npu.graph_task_update_begin(update_stream, handle)
+        try:
+            with pytest.raises(RuntimeError, match="memory allocated during the update") as err:
+                _UPDATES_OVER_TEMPORARIES[message](x, y)
+        finally:
+            npu.graph_task_update_end(update_stream)
+    assert message in str(err.value)
+    graph.replay()  # the refused update left the captured task as it was
+    torch.testing.assert_close(y, torch.full((3,), 2.0))
+
+
+def test_simulated_task_update_must_reissue_the_captured_calls(sim):
+    npu = sim.npu
+    update_stream = npu.Stream()
+    x, y = torch.ones(3), torch.zeros(3)
+    _, handle = _captured_group(npu, x, y)
+    with npu.stream(update_stream):
+        npu.graph_task_update_begin(update_stream, handle)
+        torch.add(x, 10.0, out=y)
+        with pytest.raises(RuntimeError, match=r"issued \['aten::add'\].*captured \['aten::mul'\]"):
+            npu.graph_task_update_end(update_stream)
 
 
 # -- torch_npu's own auto-dispatch form -------------------------------------------------------------
@@ -465,6 +524,69 @@ def test_paged_decode_attention_with_strided_out_and_int64_table(npu):
     out = torch.zeros(q.shape[0], q.shape[2], q.shape[1]).transpose(1, 2)  # not contiguous
     ops.paged_decode_attention(q, k, v, table.long(), seq, [5, 9], SCALE, out)
     torch.testing.assert_close(out, _expected(q, k, v, table, [5, 9]))
+
+
+def _bad_call(case, kind):
+    """Attention arguments the NPU kernel can only take eagerly: an int64 table, or a strided out."""
+    q, table = case[0], case[3]
+    if kind == "int64 block_table":
+        return table.long(), torch.empty_like(q)
+    return table, torch.empty(q.shape[0], q.shape[2], q.shape[1]).transpose(1, 2)
+
+
+@pytest.mark.parametrize("kind", ["int64 block_table", "strided out"])
+def test_graph_work_refuses_attention_arguments_that_need_temporaries(npu, kind):
+    # Regression: the kernel converted the table / staged the output through per-call temporaries;
+    # a task update re-issued the task over new temporaries freed on return (use-after-free).
+    case = _attention_case()
+    q, k, v, _ = case
+    table, out = _bad_call(case, kind)
+    seq = torch.tensor([5, 9], dtype=torch.int32)
+    graph = npu.graph()
+    match = "Pass block_table as int32" if kind == "int64 block_table" else "out .* is not contiguous"
+    with pytest.raises(ValueError, match=match):
+        with graph.capture(auto_update_ops=npu.updatable_ops):
+            ops.paged_decode_attention(q, k, v, table, seq, [5, 9], SCALE, out)
+    ops.paged_decode_attention(q, k, v, table, seq, [5, 9], SCALE, out)  # eager: converted
+    torch.testing.assert_close(out, _expected(*case, [5, 9]))
+
+
+_TEMPORARY = {
+    "int64 block_table": "aten::_to_copy writes a new [2, 4] torch.int32 tensor",
+    "strided out": "writes a [2, 4, 1, 8] torch.float32 tensor that aten::empty_like allocated",
+}
+
+
+@pytest.mark.parametrize("kind", list(_TEMPORARY))
+def test_simulator_catches_a_kernel_that_makes_temporaries_in_a_task_update(npu, monkeypatch, kind):
+    fixed = npu_kernels.paged_decode_attention
+
+    def converting(query, key_cache, value_cache, block_table, seq_lens, seq_lens_host, scale, out):
+        # The kernel before the fix: a converted table and a staging output, made on every call.
+        if block_table.dtype != torch.int32:
+            block_table = block_table.to(torch.int32)
+        target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        fixed(query, key_cache, value_cache, block_table, seq_lens, seq_lens_host, scale, target)
+        if target is not out:
+            out.copy_(target)
+
+    monkeypatch.setitem(_registry._kernels, ("paged_decode_attention", "PrivateUse1"), converting)
+    case = _attention_case()
+    q, k, v, _ = case
+    table, out = _bad_call(case, kind)
+    seq = torch.tensor([5, 9], dtype=torch.int32)
+    graph = npu.graph()
+    with graph.capture(auto_update_ops=npu.updatable_ops):  # capture is fine: graph memory
+        ops.paged_decode_attention(q, k, v, table, seq, [5, 9], SCALE, out)
+    graph.replay()
+    torch.testing.assert_close(out, _expected(*case, [5, 9]))
+    with pytest.raises(
+        RuntimeError, match="simulated NPU task update reads/writes memory allocated during"
+    ) as err:
+        graph.update({"seq_lens_host": [12, 3]})
+    assert _TEMPORARY[kind] in str(err.value)
+    graph.replay()  # the refused update left the task as captured
+    torch.testing.assert_close(out, _expected(*case, [5, 9]))
 
 
 def test_paged_decode_attention_needs_host_lengths(npu):

@@ -11,9 +11,17 @@ the simulator adds is the ACL graph machinery around task update:
 * ``ExternalEvent.wait/reset`` on a capturing stream become steps of the graph. At replay, a wait
   on an event nobody recorded since the last reset raises ``RuntimeError("simulated NPU graph
   would hang: ...")``: on hardware the graph would block forever.
+* What a graph records is what the NPU kernels launch: a ``devgraph::`` op is a Python kernel over
+  torch_npu ops, not a launch, so its torch_npu / aten ops are recorded one by one (as stream
+  capture would), not the devgraph op as one step.
 * ``graph_task_group_begin/end`` cut the capture into segments; ``graph_task_update_begin/end``
-  re-record one group's segment from the calls issued between them (new host arguments, same
-  output memory), as the hardware rewrites the captured tasks' parameters.
+  re-record one group's segment from the calls issued between them, as the hardware rewrites the
+  captured tasks' parameters. The re-issued calls must be the captured ones (same ops, in order),
+  and they may only touch memory that outlives the update (graph-pool memory, or tensors that
+  existed before it): memory allocated during the update -- a fresh output, a converted copy, a
+  staging buffer -- is freed when the update returns while the rewritten task keeps its address,
+  so touching it raises ``RuntimeError("simulated NPU task update reads/writes memory allocated
+  during the update: ...")`` (a use-after-free at replay on hardware).
 * ``graph(..., auto_dispatch_capture=True)`` + ``NPUGraph.update(cpu_update_input)`` follow
   ``torch_npu/npu/graphs.py`` (``_GraphDispatchMode``) step by step.
 """
@@ -29,11 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
+from torch.utils._pytree import tree_flatten
 
 from devgraph._weakref import weak_ref_tensor
-from devgraph.backends.cpu._pool import CpuPool, block_of
-from devgraph.backends.cpu._recorder import Recorder, Segment
+from devgraph.backends.cpu._pool import CpuPool, block_of, storage_bytes
+from devgraph.backends.cpu._recorder import Entry, Recorder, Segment, _is_view
+from devgraph.testing._npu_sim_ops import NAMESPACE as _SIM_NAMESPACE
 
 __all__ = [
     "Event",
@@ -79,11 +89,15 @@ _stream_ids = itertools.count(1)  # 0 is the default stream
 
 
 def reset_state() -> None:
-    """Forget the current stream of this thread and any capture left open (simulator entry/exit)."""
+    """Forget the current stream of this thread and any capture or task update left open
+    (simulator entry/exit)."""
     _STATE.tls.stream_id = 0
     for graph_ in list(_STATE.capturing.values()):
         graph_._abandon()
     _STATE.capturing.clear()
+    for update in list(_STATE.updating.values()):
+        if _get_current_dispatch_mode() is update.recorder:  # else it would record all that follows
+            update.recorder.__exit__(None, None, None)
     _STATE.updating.clear()
 
 
@@ -309,17 +323,120 @@ def graph_pool_handle():
 # -- graphs and task groups ----------------------------------------------------------------------
 
 
-class _SimRecorder(Recorder):
-    """The CPU recorder, plus what ATB kernels read on the host at launch.
+#: Ops that only allocate memory (no task is launched): not re-run at replay, not tasks of a group.
+_ALLOCATIONS = frozenset(
+    {
+        "aten::empty",
+        "aten::empty_strided",
+        "aten::empty_like",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+        f"{_SIM_NAMESPACE}::_npu_fused_infer_attention_score_get_max_workspace",
+        f"{_SIM_NAMESPACE}::_npu_fused_infer_attention_score_infer_output",
+    }
+)
 
-    ``_npu_paged_attention`` reads ``context_lens`` (a CPU tensor) when it is launched, so the
-    captured task holds the values of that moment: record a copy, not the live tensor.
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return storage_bytes(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _describe_tensor(t: torch.Tensor) -> str:
+    return f"[{', '.join(map(str, t.shape))}] {t.dtype}"
+
+
+class _SimRecorder(Recorder):
+    """The CPU recorder, recording what the NPU kernels launch (capture, or a task update).
+
+    * A ``devgraph::`` op runs its (NPU) kernel with the recorder active, so the graph holds the
+      torch_npu / aten ops it launches, as stream capture would, not the devgraph op as one step.
+    * A conditional alias (``to``, ``reshape``...) that copies records the copy it makes.
+    * Allocations (``empty``, the attention workspace) are memory, not tasks: never re-run.
+    * An ``.out`` op returning its ``out`` tensors writes them; nothing new is placed in the pool.
+    * ``_npu_paged_attention`` reads ``context_lens`` (a CPU tensor) when it is launched, so the
+      captured task holds the values of that moment: record a copy, not the live tensor.
+    * ``updating=True`` (between ``graph_task_update_begin/end``): nothing is placed in the pool
+      (on hardware the update allocates from the ordinary allocator), and a task that reads or
+      writes memory allocated during the update raises ``RuntimeError`` -- that memory is freed
+      when the update returns while the rewritten task keeps its address.
     """
 
+    def __init__(self, pool: CpuPool, segment: Segment, *, updating: bool = False) -> None:
+        super().__init__(pool, segment)
+        self.updating = updating
+        self.failed = False  # a task touched memory allocated during the update
+        self._born: dict[int, tuple[str, torch.UntypedStorage]] = {}  # data_ptr -> (op, storage)
+        self._inputs: frozenset[int] = frozenset()
+        self._allocating = False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "devgraph":
+            with self:  # record what the kernel launches (its ops come back to this method)
+                return func.redispatch(_CPU_KEYS, *args, **kwargs)
         if func.__name__ == "_npu_paged_attention.default" and len(args) > 7:
             args = (*args[:7], args[7].clone(), *args[8:])
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        if _is_view(func):
+            # Metadata over memory already referenced, unless it is a conditional alias (``to``,
+            # ``reshape``, ``contiguous``) that copies: decomposed, a copy is recorded like any op.
+            with self:
+                result = func.decompose(*args, **kwargs)
+            return func(*args, **kwargs) if result is NotImplemented else result
+        name = func._schema.name
+        allocating = name in _ALLOCATIONS
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if self.updating and not allocating:
+            self._check_inputs(func, args, kwargs, inputs)
+        entry = Entry(func, name, args, kwargs, rerun=not allocating)
+        result = func(*args, **kwargs)
+        self._inputs = frozenset(_storage_ptr(t) for t in inputs if _nbytes(t))
+        self._allocating = allocating
+        result = self._place_outputs(func, entry, result)
+        if not (self.updating and allocating):  # an allocation during an update is no graph work
+            self.segment.entries.append(entry)
+        return result
+
+    def _check_inputs(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: list) -> None:
+        """Raise if a re-issued task reads or writes memory allocated during the update."""
+        written: set[int] = set()  # ids of the arguments it writes (``Tensor(a!)``, or ``out``)
+        for i, arg in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name == "out":
+                written.update(id(t) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+        for t in inputs:
+            born = self._born.get(_storage_ptr(t)) if _nbytes(t) else None
+            if born is not None:
+                how = "writes" if id(t) in written else "reads"
+                self._fail(
+                    f"{func._schema.name} {how} a {_describe_tensor(t)} tensor that {born[0]} allocated"
+                )
+
+    def _place(self, entry: Entry, leaf_index: int, t: torch.Tensor) -> torch.Tensor:
+        if not _nbytes(t) or _storage_ptr(t) in self._inputs:
+            return t  # empty, or an ``.out`` op handing back the tensor it wrote
+        if not self.updating:
+            return super()._place(entry, leaf_index, t)
+        if not self._allocating:
+            self._fail(f"{entry.name} writes a new {_describe_tensor(t)} tensor")
+        self._born[_storage_ptr(t)] = (entry.name, t.untyped_storage())  # held: no address reuse
+        return t
+
+    def _fail(self, what: str) -> None:
+        self.failed = True
+        raise RuntimeError(
+            f"simulated NPU task update reads/writes memory allocated during the update: {what}. On "
+            "hardware that memory is freed when the update returns while the rewritten task keeps its "
+            "address (use-after-free at replay), and the graph would never see the new values. A task "
+            "group may only be re-issued over memory that outlives the update: tensors that existed at "
+            "capture, or buffers allocated at capture and reused (devgraph.backends.npu._kernels keeps "
+            "its attention workspace that way)"
+        )
 
 
 class _TaskGroupHandle:
@@ -368,9 +485,14 @@ def graph_task_update_begin(stream, handle):
     if handle.graph._segments is None or handle.segment not in handle.graph._segments:
         raise RuntimeError("graph_task_update_begin: the task group's graph was reset or never captured")
     new = Segment(handle.segment.group_index)
-    recorder = _SimRecorder(handle.graph._pool_token.pool, new, reissue=list(handle.segment.fresh))
+    recorder = _SimRecorder(handle.graph._pool_token.pool, new, updating=True)
     recorder.__enter__()
     _STATE.updating[stream.stream_id] = _Update(recorder, handle, new)
+
+
+def _tasks(segment: Segment) -> list[str]:
+    """The launches of a segment (allocations and event steps are not tasks)."""
+    return [e.name for e in segment.entries if isinstance(e, Entry) and e.rerun]
 
 
 def graph_task_update_end(stream):
@@ -379,10 +501,12 @@ def graph_task_update_end(stream):
         raise RuntimeError("graph_task_update_end without graph_task_update_begin on this stream")
     update.recorder.__exit__(None, None, None)
     old, new = update.handle.segment, update.segment
-    if update.recorder._reissued != len(old.fresh):
+    if update.recorder.failed:
+        return  # the update raised (its error is the one to report): the group keeps its tasks
+    if _tasks(new) != _tasks(old):
         raise RuntimeError(
-            f"graph_task_update_end: the update issued {update.recorder._reissued} outputs, the task group "
-            f"captured {len(old.fresh)}; re-issue exactly the captured calls"
+            f"graph_task_update_end: the update issued {_tasks(new)}, the task group captured "
+            f"{_tasks(old)}; re-issue exactly the captured calls"
         )
     new.fresh = old.fresh
     segments = update.handle.graph._segments

@@ -26,6 +26,10 @@ a captured graph freezes: that is why the op is updatable (``NpuDevice.updatable
 graph work (capture, or a task update) its workspace and softmax-lse buffer are cached per static
 shape and reused, so a task update rewrites the task with the very buffers captured with it
 (vllm-ascend keeps its captured workspace for the same reason); eager calls let the op allocate.
+For the same reason graph work takes ``block_table`` as int32 and a contiguous ``out`` only
+(``ValueError`` otherwise): a converted table or a staging output would be a per-call temporary
+the task points at, freed as soon as a task update returns while the rewritten task keeps its
+address. Eager calls convert both.
 
 Every kernel imports ``torch_npu`` when it runs: whatever ``sys.modules`` holds then (the real
 module, or devgraph.testing's simulator).
@@ -134,10 +138,16 @@ def split_qkv_rms_norm_rope(
     )
 
 
-def _attention_scratch(torch_npu: Any, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]):
+def _in_graph_work(torch_npu: Any) -> bool:
+    """True while the work is captured into a graph or re-issued by a task update."""
+    return _graph_work.get() or bool(torch_npu.npu.is_current_stream_capturing())
+
+
+def _attention_scratch(
+    torch_npu: Any, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], in_graph: bool
+):
     """(workspace, softmax_lse) for one attention call: cached in graph work, fresh otherwise."""
     query = args[0]
-    in_graph = _graph_work.get() or bool(torch_npu.npu.is_current_stream_capturing())
     if not in_graph:
         return None, torch.empty(1, dtype=torch.float32, device=query.device)
     scratch = _scratch.get(key)
@@ -167,8 +177,25 @@ def paged_decode_attention(
             f"devgraph.paged_decode_attention: seq_lens_host must list B = {batch} lengths on npu "
             f"(the kernel reads the host lengths: actual_seq_lengths_kv), got {len(seq_lens_host)}"
         )
+    in_graph = _in_graph_work(torch_npu)
     if block_table.dtype != torch.int32:
-        block_table = block_table.to(torch.int32)  # the op's page table is int32
+        if in_graph:
+            raise ValueError(
+                f"devgraph.paged_decode_attention: block_table is {block_table.dtype}; inside graph "
+                "capture or a task update on npu it must be torch.int32, because a converted copy "
+                "would be a temporary the captured attention task points at (freed when a task update "
+                "returns: use-after-free at replay). Pass block_table as int32 (NPU's native index "
+                "dtype): build it with dtype=torch.int32 before capture"
+            )
+        block_table = block_table.to(torch.int32)  # eager only: the op's page table is int32
+    if in_graph and not out.is_contiguous():
+        raise ValueError(
+            f"devgraph.paged_decode_attention: out (shape {tuple(out.shape)}, stride {out.stride()}) "
+            "is not contiguous; inside graph capture or a task update on npu the attention task "
+            "writes out directly, and a staging buffer would be a temporary freed when a task update "
+            "returns (use-after-free at replay). Pass a contiguous out (out=None allocates one), and "
+            "copy it into a strided tensor outside the captured region if you need one"
+        )
     args = (
         query.unsqueeze(2),  # BNSD: [B, Hq, S=1, D]
         key_cache.view(num_blocks, block_size, kv_heads * dim),
@@ -184,7 +211,8 @@ def paged_decode_attention(
         block_size=block_size,
     )
     key = (query.device, query.dtype, tuple(query.shape), tuple(key_cache.shape), tuple(block_table.shape))
-    workspace, lse = _attention_scratch(torch_npu, key, args, kwargs)
+    workspace, lse = _attention_scratch(torch_npu, key, args, kwargs, in_graph)
+    # Eager only (graph work requires a contiguous out): stage a strided out through a buffer.
     target = out.unsqueeze(2) if out.is_contiguous() else torch.empty_like(args[0])
     torch_npu.npu_fused_infer_attention_score.out(*args, **kwargs, workspace=workspace, out=[target, lse])
     if not out.is_contiguous():
