@@ -135,7 +135,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for t, batch in batches.items():
             row: dict[str, float] = {}
             row["eager_us"] = _median(time_calls(dev, lambda b=batch: eager(**b), args.iters, args.warmup))
-            row["piecewise_us"] = _median(time_calls(dev, lambda b=batch: piecewise(**b), args.iters, args.warmup))
+            row["piecewise_us"] = _median(
+                time_calls(dev, lambda b=batch: piecewise(**b), args.iters, args.warmup)
+            )
             row["speedup"] = row["eager_us"] / row["piecewise_us"]
             results["prefill"][t] = row
             err[f"prefill {t}"] = float((piecewise(**batch).float() - eager(**batch).float()).abs().max())
@@ -167,7 +169,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         pw_decode.capture(**step_batches[largest])
         dev.synchronize()
-        results["build_seconds"]["full_decode"] = {"total": full_seconds, "capture": full.stats.capture_seconds}
+        results["build_seconds"]["full_decode"] = {
+            "total": full_seconds,
+            "capture": full.stats.capture_seconds,
+        }
         results["build_seconds"]["piecewise_decode"] = {
             "total": time.perf_counter() - start,
             "compile": pw_decode.stats.compile_seconds,
@@ -177,7 +182,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row = {
                 "eager_us": _median(time_calls(dev, lambda x=batch: eager(**x), args.iters, args.warmup)),
                 "full_us": _median(time_calls(dev, lambda x=batch: full(**x), args.iters, args.warmup)),
-                "piecewise_us": _median(time_calls(dev, lambda x=batch: pw_decode(**x), args.iters, args.warmup)),
+                "piecewise_us": _median(
+                    time_calls(dev, lambda x=batch: pw_decode(**x), args.iters, args.warmup)
+                ),
             }
             results["decode"][b] = row
             want = eager(**batch).float()
@@ -233,7 +240,10 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"{b:>15}{row['eager_us']:>12.1f}{row['full_us']:>10.1f}{row['piecewise_us']:>14.1f}")
     lines.append("")
     for what, row in r["build_seconds"].items():
-        lines.append(f"build {what}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        lines.append(
+            f"build {what}: "
+            + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+        )
     return "\n".join(lines)
 
 
@@ -305,7 +315,9 @@ def _svg(panels: list[tuple[str, dict, list[str]]], report: dict[str, Any]) -> s
             points = " ".join(
                 f"{sx(math.log2(int(x))):.1f},{sy(math.log10(max(rows[x][key], 1e-3))):.1f}" for x in rows
             )
-            parts.append(f'<polyline points="{points}" fill="none" stroke="{colours[key]}" stroke-width="2"/>')
+            parts.append(
+                f'<polyline points="{points}" fill="none" stroke="{colours[key]}" stroke-width="2"/>'
+            )
             parts.append(
                 f'<text x="{x0 + width - pad - 70}" y="{30 + pad + 14 * (i + 1)}" fill="{colours[key]}">'
                 f"{key.removesuffix('_us')}</text>"
@@ -319,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="devgraph backend (default: best available)")
     parser.add_argument("--prefill-sizes", type=_ints, default=None, help="comma-separated token counts")
     parser.add_argument("--decode-sizes", type=_ints, default=None, help="comma-separated batch sizes")
-    parser.add_argument("--compile-backend", default=None, help="eager, inductor, torchair (default: device's)")
+    parser.add_argument(
+        "--compile-backend", default=None, help="eager, inductor, torchair (default: device's)"
+    )
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--heads", type=int, default=None)

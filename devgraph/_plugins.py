@@ -164,7 +164,9 @@ def _specs() -> dict[str, tuple[BackendSpec, str]]:
 
             return {"register": register}
 
-        call_each_hookimpl(plugin_manager().hook.devgraph_register_backends, "registering backends", register_for)
+        call_each_hookimpl(
+            plugin_manager().hook.devgraph_register_backends, "registering backends", register_for
+        )
         _registry.specs = specs
         return specs
 

@@ -28,7 +28,15 @@ def test_benchmark_script_runs_and_writes_json(script, tmp_path):
     flags, result = RUNS[script]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--device", "cpu", "--out", str(tmp_path), *flags],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / f"{script}.py"),
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+            *flags,
+        ],
         capture_output=True,
         text=True,
         env=env,

@@ -91,7 +91,12 @@ def test_unknown_pass_name_lists_the_known_ones():
 
 def test_default_passes_are_the_builtins_in_order():
     names = [p.name for p in resolve_passes(None, devgraph.device("cpu"))]
-    assert names[:4] == ["split_qkv_rms_norm_rope", "add_rms_norm_quant", "add_rms_norm_dynamic_quant", "add_rms_norm"]
+    assert names[:4] == [
+        "split_qkv_rms_norm_rope",
+        "add_rms_norm_quant",
+        "add_rms_norm_dynamic_quant",
+        "add_rms_norm",
+    ]
     assert all(isinstance(p, Pass) for p in resolve_passes(None, None)[:4])
 
 
@@ -109,7 +114,9 @@ def test_torchair_without_torch_npu_is_a_clear_error():
 
 def test_compile_option_names_exclude_the_shared_mode():
     names = compile_option_names()
-    assert "mode" not in names and {"splitting_ops", "compile_backend", "passes", "capture_sizes"} <= set(names)
+    assert "mode" not in names and {"splitting_ops", "compile_backend", "passes", "capture_sizes"} <= set(
+        names
+    )
 
 
 def test_wrap_routes_piecewise_options_to_the_compile_config():

@@ -20,7 +20,9 @@ def decoders():
     torch.set_num_threads(1)
     config = DecoderConfig(num_layers=1)
     model, reference = make_decoder(config), make_decoder(config)
-    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4, 8], compile_backend="inductor")
+    graphed = devgraph.wrap(
+        model, device="cpu", mode="piecewise", capture_sizes=[2, 4, 8], compile_backend="inductor"
+    )
     yield graphed, reference, KVBlockManager(config)
     torch.set_num_threads(threads)
 
@@ -44,7 +46,9 @@ def test_each_compiled_piece_is_one_opaque_task(decoders):
     module = graphed.runner.module
     assert [r.compiled.backend for r in module.runners] == ["inductor", "inductor"]
     for graph in module.graphs(2):
-        assert graph.recorded_ops == [f"{graph_piece} (inductor)" for graph_piece in _piece_names(module, graph)]
+        assert graph.recorded_ops == [
+            f"{graph_piece} (inductor)" for graph_piece in _piece_names(module, graph)
+        ]
 
 
 def _piece_names(module, graph):

@@ -55,7 +55,9 @@ def _toy(**options):
 
     model = Toy().requires_grad_(False)
     options.setdefault("capture_sizes", [2, 4, 8])
-    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", splitting_ops=["devgraph::rms_norm"], **options)
+    graphed = devgraph.wrap(
+        model, device="cpu", mode="piecewise", splitting_ops=["devgraph::rms_norm"], **options
+    )
     return model, graphed
 
 
@@ -191,7 +193,9 @@ def test_host_lists_reach_splitting_ops_with_each_calls_values():
 def test_host_list_frozen_inside_a_captured_piece_is_a_clear_error():
     model = HostScaled().requires_grad_(False)
     graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[4], host_args=["factors"])
-    with pytest.raises(DevgraphError, match=r"host argument 'factors' reaches devgraph_test::scale_rows.*splitting_ops"):
+    with pytest.raises(
+        DevgraphError, match=r"host argument 'factors' reaches devgraph_test::scale_rows.*splitting_ops"
+    ):
         graphed(_x(3), [1, 2, 3])
 
 

@@ -166,7 +166,9 @@ def both_modes(device):
 
 def test_full_and_piecewise_sends_decode_to_full_graphs_and_prefill_to_pieces(both_modes):
     ids = both_modes.new_ids(3)
-    both_modes.check(both_modes.prefill({ids[0]: _tokens(5, 1), ids[1]: _tokens(9, 2), ids[2]: _tokens(2, 3)}))
+    both_modes.check(
+        both_modes.prefill({ids[0]: _tokens(5, 1), ids[1]: _tokens(9, 2), ids[2]: _tokens(2, 3)})
+    )
     stats = both_modes.graphed.stats
     assert stats.replays == 1 and stats.full.replays == 0
     for step in range(2):
@@ -178,7 +180,9 @@ def test_full_and_piecewise_sends_decode_to_full_graphs_and_prefill_to_pieces(bo
 
 def test_capture_budget_drops_sizes_and_pads_to_the_next_one(device):
     # 2 pieces per size (1 layer) and 5 streams: two of the four sizes fit.
-    dec = Decoders(device, DecoderConfig(num_layers=1), mode="piecewise", capture_sizes=[2, 4, 8, 16], capture_budget=5)
+    dec = Decoders(
+        device, DecoderConfig(num_layers=1), mode="piecewise", capture_sizes=[2, 4, 8, 16], capture_budget=5
+    )
     (sid,) = dec.new_ids(1)
     dec.check(dec.prefill({sid: _tokens(3, 1)}))
     stats = dec.graphed.stats
@@ -258,7 +262,11 @@ def test_fused_qwen3_pieces_equal_eager(device):
 
     model = make_tiny_qwen3()
     graphed = devgraph.wrap(
-        model, device=device, mode="piecewise", capture_sizes=[8], splitting_ops=["aten::scaled_dot_product_attention"]
+        model,
+        device=device,
+        mode="piecewise",
+        capture_sizes=[8],
+        splitting_ops=["aten::scaled_dot_product_attention"],
     )
     ids = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(6)

@@ -92,7 +92,15 @@ def test_each_pass_rewrites_the_expected_number_of_matches(case, expected):
 
 
 @pytest.mark.parametrize(
-    "case", ["llama", "llama-static", "llama-dynamic", "qwen3", "qwen3-partial-rotary", "llama-static-only-add-rms-norm"]
+    "case",
+    [
+        "llama",
+        "llama-static",
+        "llama-dynamic",
+        "qwen3",
+        "qwen3-partial-rotary",
+        "llama-static-only-add-rms-norm",
+    ],
 )
 def test_fused_graph_output_matches_the_model(case):
     _, fused, eager = _case(case)
@@ -119,7 +127,11 @@ def test_quant_fusion_swallows_the_quantisation():
 def test_head_sizes_come_from_the_graph():
     config = FusionConfig(num_heads=8, num_kv_heads=1, head_dim=4, hidden_size=16, num_layers=1)
     compiled, fused, eager = _compile(make_tiny_qwen3(config), "qwen3")
-    node = next(n for n in compiled.graph.graph.nodes if n.target == torch.ops.devgraph.split_qkv_rms_norm_rope.default)
+    node = next(
+        n
+        for n in compiled.graph.graph.nodes
+        if n.target == torch.ops.devgraph.split_qkv_rms_norm_rope.default
+    )
     assert node.args[5:8] == (8, 1, 4)
     torch.testing.assert_close(fused, eager, atol=1e-4, rtol=1e-4)
 

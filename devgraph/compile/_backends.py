@@ -65,7 +65,9 @@ _BACKENDS: dict[str, tuple[Callable[..., Callable[..., Any]], bool]] = {
 }
 
 
-def compile_piece(backend: str, name: str, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledPiece:
+def compile_piece(
+    backend: str, name: str, gm: fx.GraphModule, example_inputs: Sequence[Any]
+) -> CompiledPiece:
     """Compile piece ``name`` with ``backend`` for fake ``example_inputs`` (symbolic sizes kept).
 
     Raises:

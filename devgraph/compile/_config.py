@@ -120,7 +120,9 @@ class CompileConfig:
 
         resolve_splitting_ops(self.splitting_ops)  # raises naming the op and how to spell it
         if self.capture_budget is not None and self.capture_budget < 1:
-            raise DevgraphError(f"capture_budget must be a positive number of streams, got {self.capture_budget}")
+            raise DevgraphError(
+                f"capture_budget must be a positive number of streams, got {self.capture_budget}"
+            )
 
     def all_splitting_ops(self) -> tuple[str, ...]:
         """devgraph's attention ops followed by ``splitting_ops`` (normalised, de-duplicated)."""

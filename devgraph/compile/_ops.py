@@ -63,7 +63,9 @@ def _lookup(name: str) -> tuple[Any, str | None]:
     try:
         packet = getattr(getattr(torch.ops, ns), op)
     except (AttributeError, RuntimeError):
-        raise DevgraphError(f"unknown splitting op {name!r}: torch.ops.{ns} has no op {op!r}; {_SPELLING}") from None
+        raise DevgraphError(
+            f"unknown splitting op {name!r}: torch.ops.{ns} has no op {op!r}; {_SPELLING}"
+        ) from None
     if overload and overload not in packet.overloads():
         raise DevgraphError(
             f"unknown splitting op {name!r}: {ns}::{op} has overloads {sorted(packet.overloads())}; {_SPELLING}"
@@ -192,7 +194,9 @@ def keep_composite_ops_whole(gm: fx.GraphModule, names: Sequence[str]) -> int:
 
 # -- host arguments ----------------------------------------------------------------------------
 
-_HOST: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("devgraph_host", default=None)
+_HOST: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "devgraph_host", default=None
+)
 
 
 def host_arg(name: str) -> list[Any]:

@@ -111,7 +111,9 @@ class PieceRunner:
 
     def _run(self, graph: Graph, args: Sequence[Any]) -> Any:
         if self.compiled.opaque:
-            return graph.call_opaque(self.compiled.fn, *args, name=f"{self.piece.name} ({self.compiled.backend})")
+            return graph.call_opaque(
+                self.compiled.fn, *args, name=f"{self.piece.name} ({self.compiled.backend})"
+            )
         return self.compiled.fn(*args)
 
     def _capture(self, args: Sequence[Any]) -> Any:
@@ -140,9 +142,7 @@ class PieceRunner:
                 with _disable_current_modes():
                     out = _weak(self.device, out)
         host = tuple(
-            name
-            for name in (state.host or {})
-            if any(t.is_auto and t.takes(name) for t in graph.tasks)
+            name for name in (state.host or {}) if any(t.is_auto and t.takes(name) for t in graph.tasks)
         )
         self.entries[state.size] = _Entry(graph, tensors, scalars, _weak(self.device, out), host)
         return out
@@ -151,7 +151,9 @@ class PieceRunner:
         state = self.state
         entry = self.entries.get(state.size)  # type: ignore[arg-type]
         if entry is None:
-            raise DevgraphError(f"{self.piece.name} has no graph for size {state.size}; captured: {sorted(self.entries)}")
+            raise DevgraphError(
+                f"{self.piece.name} has no graph for size {state.size}; captured: {sorted(self.entries)}"
+            )
         for i, kept, address in entry.tensors:
             arg = args[i]
             if arg.data_ptr() != address:
@@ -258,7 +260,9 @@ class PiecewiseModule:
         """The captured graphs of ``size``, one per captured piece, in order."""
         return [r.entries[size].graph for r in self.runners if size in r.entries]
 
-    def _run(self, inputs: Sequence[Any], phase: str, size: int | None, host: Mapping[str, Any] | None) -> Any:
+    def _run(
+        self, inputs: Sequence[Any], phase: str, size: int | None, host: Mapping[str, Any] | None
+    ) -> Any:
         state = self.state
         state.phase, state.size, state.host = phase, size, host
         try:
@@ -272,7 +276,12 @@ class PiecewiseModule:
         return self._run(inputs, "eager", None, host)
 
     def capture(
-        self, inputs: Sequence[Any], size: int, pool: MemoryPool, stream: Stream, host: Mapping[str, Any] | None
+        self,
+        inputs: Sequence[Any],
+        size: int,
+        pool: MemoryPool,
+        stream: Stream,
+        host: Mapping[str, Any] | None,
     ) -> Any:
         """Capture every piece for ``size`` (inputs already padded to it) into ``pool`` on ``stream``."""
         self.state.pool, self.state.stream = pool, stream

@@ -88,7 +88,9 @@ class PiecewiseRunner:
         self.compile_config = compile_config or CompileConfig()
         mode = self.compile_config.mode
         if mode == "full":
-            raise DevgraphError("PiecewiseRunner serves mode='piecewise' or 'full_and_piecewise'; use GraphRunner")
+            raise DevgraphError(
+                "PiecewiseRunner serves mode='piecewise' or 'full_and_piecewise'; use GraphRunner"
+            )
         self.config = attrs.evolve(config or RunnerConfig(), mode=mode)
         full_sizes = normalise_batch_sizes(self.config.batch_sizes, self.config.max_batch_size)
         requested = self.compile_config.capture_sizes
@@ -250,7 +252,9 @@ class PiecewiseRunner:
         start = time.perf_counter()
         with _gc_frozen():
             before = self.device.memory_stats().reserved
-            for size in _progress(sorted(self.plan.sizes, reverse=True), f"devgraph piecewise capture ({self.device})"):
+            for size in _progress(
+                sorted(self.plan.sizes, reverse=True), f"devgraph piecewise capture ({self.device})"
+            ):
                 self._capture_size(example, size, pool, stream)
         self.stats.capture_seconds = time.perf_counter() - start
         self.stats.pool_bytes = self.device.memory_stats().reserved - before
@@ -405,7 +409,9 @@ class PiecewiseRunner:
         )
 
 
-def piecewise_runner(fn: Callable[..., Any], device: Device, config: RunnerConfig, **options: Any) -> PiecewiseRunner:
+def piecewise_runner(
+    fn: Callable[..., Any], device: Device, config: RunnerConfig, **options: Any
+) -> PiecewiseRunner:
     """The runner ``devgraph.wrap`` builds for ``mode='piecewise'`` / ``'full_and_piecewise'``.
 
     ``options`` are ``CompileConfig`` fields (``splitting_ops``, ``compile_backend``, ``passes``,

@@ -98,7 +98,11 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> SplitGraph:
             partition[node] = current
             split_ids.add(current)
             current += 1
-        elif is_getitem(node) and isinstance(node.args[0], fx.Node) and partition.get(node.args[0]) in split_ids:
+        elif (
+            is_getitem(node)
+            and isinstance(node.args[0], fx.Node)
+            and partition.get(node.args[0]) in split_ids
+        ):
             partition[node] = partition[node.args[0]]
         else:
             partition[node] = current

@@ -216,7 +216,9 @@ class DevgraphBackend:
             chosen = backend if piece.does_work else "eager"
             if chosen != "eager":
                 _check_compilable(piece.name, piece.graph_module)
-            compiled[piece.name] = compile_piece(chosen, piece.name, piece.graph_module, piece_inputs[piece.name])
+            compiled[piece.name] = compile_piece(
+                chosen, piece.name, piece.graph_module, piece_inputs[piece.name]
+            )
         module = PiecewiseModule(split, compiled, device)
         output = next(n for n in aten.graph.nodes if n.op == "output")
         fake_outputs = tuple(

@@ -85,7 +85,9 @@ class PassManager:
         self.report = {}
         for p in self.passes:
             if not p.is_applicable(self.context):
-                logger.debug("devgraph: pass %s is not applicable on %s, skipped", p.name, self.context.device)
+                logger.debug(
+                    "devgraph: pass %s is not applicable on %s, skipped", p.name, self.context.device
+                )
                 continue
             count = int(p(graph))
             self.report[p.name] = self.report.get(p.name, 0) + count

@@ -146,7 +146,9 @@ def match_rms_norm(out: fx.Node) -> RmsMatch | None:
             if eps is None or not is_call(mean, aten.mean.dim):
                 continue
             square = mean.args[0]
-            if not (is_call(square, aten.pow.Tensor_Scalar) and square.args[0] is x32 and square.args[1] == 2):
+            if not (
+                is_call(square, aten.pow.Tensor_Scalar) and square.args[0] is x32 and square.args[1] == 2
+            ):
                 continue
             x_val = meta(x32)
             if x_val is None or not last_dim_reduction(mean, x_val.dim()):

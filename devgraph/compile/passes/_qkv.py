@@ -163,7 +163,9 @@ def _match_rope(heads: fx.Node) -> _Rope | None:
     if rot_node is None or not isinstance(rot, int) or rot % 2 or len(heads.users) > 2:
         return None
     half = rot // 2
-    chunks = [u for u in rot_node.users if is_call(u, aten.split.Tensor) and u.args[1] == half and _last_dim(u, 2)]
+    chunks = [
+        u for u in rot_node.users if is_call(u, aten.split.Tensor) and u.args[1] == half and _last_dim(u, 2)
+    ]
     if len(chunks) != 1:
         return None
     items = _getitems(chunks[0])
@@ -201,7 +203,19 @@ def _match_rope(heads: fx.Node) -> _Rope | None:
     if table is None:
         return None
     cos_sin, shared = table
-    nodes: list[Any] = [rot_node, chunks[0], x1, x2, o1.args[0], o1.args[1], found[0], found[1], o1, o2, inner]
+    nodes: list[Any] = [
+        rot_node,
+        chunks[0],
+        x1,
+        x2,
+        o1.args[0],
+        o1.args[1],
+        found[0],
+        found[1],
+        o1,
+        o2,
+        inner,
+    ]
     if rot_node is heads:
         nodes.remove(heads)
     out = inner
@@ -232,7 +246,12 @@ def _match_side(item: fx.Node) -> _Side | None:
     nodes = [item]
     x = _follow_views(item, nodes)
     val = meta(x)
-    if val is None or val.dim() != 3 or not isinstance(val.shape[-1], int) or not isinstance(val.shape[-2], int):
+    if (
+        val is None
+        or val.dim() != 3
+        or not isinstance(val.shape[-1], int)
+        or not isinstance(val.shape[-2], int)
+    ):
         return None
     rms = _rms_from_input(x)
     if rms is None:
@@ -296,7 +315,11 @@ class SplitQkvRmsNormRopeFusion(Pass):
 
         def heads_view(heads: int) -> Any:
             def adapt(g: fx.Graph, item: fx.Node) -> fx.Node:
-                t = g.call_function(aten.sym_size.int, (qkv, 0)) if isinstance(tokens, torch.SymInt) else tokens
+                t = (
+                    g.call_function(aten.sym_size.int, (qkv, 0))
+                    if isinstance(tokens, torch.SymInt)
+                    else tokens
+                )
                 return g.call_function(aten.view.default, (item, [t, heads, d]))
 
             return adapt
@@ -309,7 +332,9 @@ class SplitQkvRmsNormRopeFusion(Pass):
         if fuse(graph, op, args, outputs, internal, adapters) is None:
             return False
         order = {n: i for i, n in enumerate(graph.nodes)}
-        for n in sorted({*q.rope.shared, *k.rope.shared, q.rope.cos_sin}, key=order.__getitem__, reverse=True):
+        for n in sorted(
+            {*q.rope.shared, *k.rope.shared, q.rope.cos_sin}, key=order.__getitem__, reverse=True
+        ):
             if not n.users:
                 graph.erase_node(n)  # the cos/sin lookup, now unused
         return True
