@@ -251,15 +251,21 @@ class GraphRunner:
             buf.narrow(d, 0, call.batch).copy_(x)
             if size > call.batch:
                 buf.narrow(d, call.batch, size - call.batch).fill_(cfg.pad_value(name))
-        host_args = {
-            op_name: call.host[call_name] + [cfg.pad_value(call_name)] * (size - call.batch)
-            for call_name, op_name in cfg.host_args
-        }
+        host_args = self.padded_host_args(call.host, size)
         if cfg.debug:
             self._check_addresses()
         self._graphs[size].replay(host_args or None)
         self.stats.replays += 1
         return self._slice(self._outputs[size], size, call.batch)
+
+    def padded_host_args(self, host: dict[str, list[Any]], size: int) -> dict[str, list[Any]]:
+        """The updatable tasks' host arguments for a call's host lists padded to bucket ``size``
+        (``{op argument: values}``, as ``Graph.replay(host_args=...)`` takes them)."""
+        cfg = self.config
+        return {
+            op_name: list(host[call_name]) + [cfg.pad_value(call_name)] * (size - len(host[call_name]))
+            for call_name, op_name in cfg.host_args
+        }
 
     def _slice(self, outputs: Any, size: int, batch: int) -> Any:
         leaves, spec = tree_flatten(outputs)
