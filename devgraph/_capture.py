@@ -236,15 +236,8 @@ def _moves_to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 def _call_as_task(graph: Graph, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     from devgraph._tasks import TaskGroup
 
-    group = TaskGroup.for_call(len(graph._tasks), func, args, kwargs)
-    graph._open_group = group
-    graph._task_group_begin(group)
-    try:
+    with graph._group(TaskGroup.for_call(len(graph.tasks), func, args, kwargs)):
         return func(*args, **kwargs)
-    finally:
-        graph._open_group = None
-        graph._task_group_end(group)
-        graph._tasks.append(group)
 
 
 _MODE_CLASSES: tuple[type, type] | None = None

@@ -268,9 +268,14 @@ class Graph(abc.ABC):
         """
         if self._state != "capturing":
             raise DevgraphError("task_group() is only valid inside graph.capture()")
+        with self._group(TaskGroup(index=len(self._tasks), op=op)) as group:
+            yield group
+
+    @contextlib.contextmanager
+    def _group(self, group: TaskGroup) -> Iterator[TaskGroup]:
+        """Capture the block's work as ``group`` (explicit groups and auto-captured calls alike)."""
         if self._open_group is not None:
             raise DevgraphError("task groups cannot nest")
-        group = TaskGroup(index=len(self._tasks), op=op)
         self._open_group = group
         self._task_group_begin(group)
         try:

@@ -41,13 +41,11 @@ class TaskGroup:
     @classmethod
     def for_call(cls, index: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TaskGroup:
         """A group for one auto-captured call of the torch op ``func``."""
-        import torch
-
         names = tuple(a.name for a in func._schema.arguments)
         host: dict[str, Any] = {}
         for i, name in enumerate(names):
             value = args[i] if i < len(args) else kwargs.get(name)
-            if value is not None and not isinstance(value, torch.Tensor) and not _has_tensor(value):
+            if value is not None and not holds_tensor(value):
                 host[name] = value
         from torch.utils._python_dispatch import _disable_current_modes
 
@@ -90,11 +88,16 @@ class TaskGroup:
         self.host_args.update(new_host_args)
 
 
-def _has_tensor(value: Any) -> bool:
+def holds_tensor(value: Any) -> bool:
+    """True when ``value`` is a tensor or a (nested) list/tuple/dict holding one."""
     import torch
 
+    if isinstance(value, torch.Tensor):
+        return True
     if isinstance(value, (list, tuple)):
-        return any(isinstance(v, torch.Tensor) or _has_tensor(v) for v in value)
+        return any(holds_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(holds_tensor(v) for v in value.values())
     return False
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
-
 from devgraph._contract import Device
 from devgraph._errors import DevgraphError
 from devgraph._plugins import device as _device
@@ -82,7 +80,7 @@ def wrap(model: Any, device: str | Device | None = None, **options: Any) -> Any:
 
         return wrap_hf(model, dev, **options)
     from devgraph.compile import compile_option_names
-    from devgraph.runner import GraphRunner, RunnerConfig
+    from devgraph.runner import GraphRunner, RunnerConfig, make_config
 
     defaults = model.devgraph_options() if hasattr(model, "devgraph_options") else {}
     merged = {**defaults, **options}
@@ -99,12 +97,3 @@ def wrap(model: Any, device: str | Device | None = None, **options: Any) -> Any:
             "only; add mode=... or drop them"
         )
     return GraphedModule(model, GraphRunner(model, dev, config))
-
-
-def make_config(cls: Any, options: dict[str, Any], extra_valid: Any = ()) -> Any:
-    """Build an attrs config, naming unknown options and the valid ones (plus ``extra_valid``)."""
-    valid = [f.name for f in attrs.fields(cls)] + list(extra_valid)
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise DevgraphError(f"unknown option(s) {unknown}; valid options: {', '.join(valid)}")
-    return cls(**options)

@@ -16,15 +16,12 @@ from devgraph.testing.models import DecoderConfig, KVBlockManager, make_decoder
 
 @pytest.fixture(scope="module")
 def decoders():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     config = DecoderConfig(num_layers=1)
     model, reference = make_decoder(config), make_decoder(config)
     graphed = devgraph.wrap(
         model, device="cpu", mode="piecewise", capture_sizes=[2, 4, 8], compile_backend="inductor"
     )
     yield graphed, reference, KVBlockManager(config)
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 8, 11])

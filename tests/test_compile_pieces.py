@@ -27,14 +27,6 @@ def _scale_rows_fake(x, factors):
     return torch.empty_like(x)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Toy(torch.nn.Module):
     """Two linear layers around an RMSNorm the tests split at (it returns a fresh tensor per call)."""
 

@@ -20,15 +20,6 @@ SIZES = [1, 2, 4, 8, 16, 32]
 ATOL = RTOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny kernels: OpenMP wake-ups on 2 threads cost milliseconds each on a 2-core runner.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=["cpu", "npu-sim"])
 def device(request):
     """Module-scoped (the function-scoped ``any_device`` would tear the simulator down between tests,

@@ -35,15 +35,6 @@ NEW_TOKENS = 6
 CACHE_LEN = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls run fastest on one thread (xdist workers already share the cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tiny_model(family: str, **overrides) -> torch.nn.Module:
     config_name, model_name = FAMILIES[family]
     config = getattr(transformers, config_name)(**{**TINY, **overrides})

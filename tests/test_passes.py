@@ -26,15 +26,6 @@ from devgraph.testing.fusion_models import FusionConfig, make_tiny_llama, make_t
 TOKENS = 7
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny kernels: OpenMP wake-ups on 2 threads cost milliseconds each on a 2-core runner.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _inputs(kind: str) -> tuple[torch.Tensor, ...]:
     ids = torch.randint(0, 64, (TOKENS,), generator=torch.Generator().manual_seed(0))
     return (ids, torch.arange(TOKENS)) if kind == "qwen3" else (ids,)

@@ -41,7 +41,7 @@ from devgraph._contract import Device
 from devgraph._errors import DevgraphError
 from devgraph._plugins import device as _device
 from devgraph._wrap import GraphedModule
-from devgraph.runner import GraphRunner, RunnerConfig, choose_bucket
+from devgraph.runner import GraphRunner, RunnerConfig, choose_bucket, make_config
 
 __all__ = ["GraphedCausalLM", "HFOptions", "wrap_hf"]
 
@@ -121,13 +121,7 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
             cannot capture (the message says why and what to change).
     """
     dev = device if isinstance(device, Device) else _device(device)
-    valid = [f.name for f in attrs.fields(HFOptions)] + list(RUNNER_OPTIONS)
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise DevgraphError(
-            f"unknown option(s) {unknown} for a Hugging Face model; valid options: {', '.join(valid)}"
-        )
-    hf = HFOptions(**{k: v for k, v in options.items() if k not in RUNNER_OPTIONS})
+    hf = make_config(HFOptions, options, extra_valid=RUNNER_OPTIONS, what=" for a Hugging Face model")
     batch_sizes, max_batch_size = hf.runner_sizes()
     runner_config = RunnerConfig(
         batch_sizes=batch_sizes,

@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import torch
 
+from devgraph._tasks import holds_tensor
 from devgraph.runner._config import RunnerConfig
 
 __all__ = ["Call", "Unsupported", "read_call", "template_mismatch"]
@@ -69,16 +70,6 @@ def _const_key(v: Any) -> Any:
         return repr(v)
 
 
-def _holds_tensor(v: Any) -> bool:
-    if isinstance(v, torch.Tensor):
-        return True
-    if isinstance(v, (list, tuple)):
-        return any(_holds_tensor(x) for x in v)
-    if isinstance(v, dict):
-        return any(_holds_tensor(x) for x in v.values())
-    return False
-
-
 def read_call(
     signature: inspect.Signature, config: RunnerConfig, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Call:
@@ -103,7 +94,7 @@ def read_call(
                     "unsupported_call", f"host argument {name!r} must be a list, got {type(value).__name__}"
                 )
             host[name] = list(value)
-        elif _holds_tensor(value):
+        elif holds_tensor(value):
             raise Unsupported(
                 "unsupported_call",
                 f"argument {name!r} holds tensors inside a {type(value).__name__}; pass tensors as separate "

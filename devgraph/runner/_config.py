@@ -12,7 +12,7 @@ import attrs
 
 from devgraph._errors import DevgraphError
 
-__all__ = ["RunnerConfig", "RunnerStats"]
+__all__ = ["RunnerConfig", "RunnerStats", "make_config"]
 
 
 # Converters accept their own output too, so ``attrs.evolve(config, ...)`` works.
@@ -101,3 +101,15 @@ class RunnerStats:
     capture_seconds: float = 0.0
     pool_bytes: int = 0
     captured_sizes: tuple[int, ...] = ()
+
+
+def make_config(cls: Any, options: Mapping[str, Any], extra_valid: Any = (), what: str = "") -> Any:
+    """Build the attrs config ``cls`` from ``options``, naming unknown options and the valid ones.
+
+    ``extra_valid`` are names the caller handles itself (listed as valid, not passed to ``cls``).
+    """
+    valid = [f.name for f in attrs.fields(cls)] + list(extra_valid)
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise DevgraphError(f"unknown option(s) {unknown}{what}; valid options: {', '.join(valid)}")
+    return cls(**{k: v for k, v in options.items() if k not in extra_valid})

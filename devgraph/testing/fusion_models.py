@@ -17,13 +17,12 @@ quantisation ``2L - 1`` quant fusions and 1 plain one (the final norm is not qua
 
 from __future__ import annotations
 
-import math
-from typing import TypeVar
-
 import attrs
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from devgraph.testing.models import init_weights
 
 __all__ = ["FusionConfig", "HFRMSNorm", "TinyLlama", "TinyQwen3", "make_tiny_llama", "make_tiny_qwen3"]
 
@@ -284,29 +283,13 @@ class TinyQwen3(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
-_M = TypeVar("_M", bound=nn.Module)
-
-
-@torch.no_grad()
-def _init(model: _M, seed: int) -> _M:
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if p.dim() == 2 and "embed" not in name:
-            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
-        elif p.dim() == 2:
-            p.copy_(torch.randn(p.shape, generator=gen))
-        else:
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-    return model.requires_grad_(False).eval()
-
-
 def make_tiny_llama(config: FusionConfig | None = None, seed: int = 0) -> TinyLlama:
     """A ``TinyLlama`` with deterministic random weights (norm weights ``1 + noise``)."""
     config = config or FusionConfig()
-    return _init(TinyLlama(config), seed).to(config.dtype)
+    return init_weights(TinyLlama(config), seed).to(config.dtype)
 
 
 def make_tiny_qwen3(config: FusionConfig | None = None, seed: int = 0) -> TinyQwen3:
     """A ``TinyQwen3`` with deterministic random weights (norm weights ``1 + noise``)."""
     config = config or FusionConfig()
-    return _init(TinyQwen3(config), seed).to(config.dtype)
+    return init_weights(TinyQwen3(config), seed).to(config.dtype)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import attrs
 import torch
@@ -329,6 +329,28 @@ def pad_batch(
     }
 
 
+_M = TypeVar("_M", bound=nn.Module)
+
+
+@torch.no_grad()
+def init_weights(model: _M, seed: int) -> _M:
+    """Deterministic random weights for a tiny test model, drawn on the CPU from ``seed``.
+
+    Linear weights have std ``1/sqrt(fan_in)`` (activations and logits of order one), embeddings
+    std 1, 1-d weights (norms) ``1 + noise`` so that a norm dropping its weight is caught. Returns the
+    model in eval mode with ``requires_grad`` off.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and "embed" not in name:
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+        elif p.dim() == 2:
+            p.copy_(torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+    return model.requires_grad_(False).eval()
+
+
 @torch.no_grad()
 def make_decoder(
     config: DecoderConfig | None = None, seed: int = 0, device: torch.device | str = "cpu"
@@ -342,15 +364,7 @@ def make_decoder(
     with ``requires_grad`` off (an inference reference: no autograd state in captured graphs).
     """
     config = config or DecoderConfig()
-    gen = torch.Generator().manual_seed(seed)
-    model = PagedDecoder(config)
-    for name, p in model.named_parameters():
-        if p.dim() == 2 and "embed" not in name:
-            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
-        elif p.dim() == 2:
-            p.copy_(torch.randn(p.shape, generator=gen))
-        else:
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+    model = init_weights(PagedDecoder(config), seed)
     model.to(device=device, dtype=config.dtype)
     # RoPE tables stay exact in float32 even for a low-precision model; forward casts the rows it uses.
     cos, sin = _rope_tables(config)
