@@ -1,7 +1,7 @@
 """Decode-step latency: eager vs devgraph vs a hand-written CUDA graph vs torch.compile (issue 4).
 
-Two bf16 decoders with random weights, one decode step (one new token per row) at a fixed context
-length, for each batch size:
+Two bf16 decoders with random weights (built in ``_decode_workloads.py``), one decode step (one new
+token per row) at a fixed context length, for each batch size:
 
 * ``llama``: a transformers ``LlamaForCausalLM`` built in code (hidden 1024, 8 layers, 16 heads,
   8 KV heads, MLP 2816, vocab 32000, ``sdpa``), stepping over a static KV cache. The step is the
@@ -50,14 +50,9 @@ names under ``--quick``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
-import gc
 import json
 import logging
-import math
-import platform
-import statistics
 import sys
 import time
 import traceback
@@ -66,18 +61,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import (
+    DEFAULT_OUT,
+    cuda_graph_capture,
+    logger,
+    pyplot,
+    report_header,
+    summarise,
+    time_calls,
+    write_json,
+)
+from _decode_workloads import BUILDERS, Skip, Workload, attempt, pool_segment_bytes, release_memory
 
-try:
-    import devgraph
-except ImportError:  # a source checkout that was never pip-installed
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import devgraph
-
+import devgraph
 from devgraph.runner import choose_bucket, default_batch_sizes
 
-logger = logging.getLogger("devgraph.benchmarks")
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 METHODS = ("eager", "devgraph", "devgraph_replay", "cuda_graph", "torch_compile")
 LABELS = {
     "eager": "eager",
@@ -98,55 +96,10 @@ TOLERANCE = {
 TARGETS = {"within_cuda_graph": 1.05, "speedup_at_batch1": 2.0, "pool_ratio": 1.25}
 FULL_SHAPE = dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816, vocab=32000)
 QUICK_SHAPE = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256)
-BLOCK_SIZE = 16
 CPU_NOTE = "cpu backend: the reference simulator (correctness, not speed); CUDA-only columns skipped"
 
 
-class Skip(Exception):
-    """This model cannot be benchmarked here (the message says why)."""
-
-
-@dataclasses.dataclass
-class Workload:
-    """One model's decode step, its inputs per batch, and its devgraph wrapper (captured)."""
-
-    name: str
-    shape: dict[str, Any]
-    step: Callable[..., torch.Tensor]  # the eager step module: what every method runs
-    inputs: dict[int, dict[str, Any]]  # batch -> step kwargs
-    prepare: Callable[[int], None]  # put batch b's cache state back (outside the timed window)
-    devgraph_call: Callable[[int], torch.Tensor]  # the honest devgraph call for batch b
-    runner: Any  # the all-buckets GraphRunner (None when its capture failed)
-    devgraph: dict[str, Any]  # capture seconds and pool bytes
-
-
 # -- measuring -----------------------------------------------------------------------------------
-
-
-def attempt(what: str, fn: Callable[[], Any]) -> tuple[Any, str | None]:
-    """``(fn(), None)``, or ``(None, reason)`` with the traceback logged when ``fn`` raises."""
-    try:
-        return fn(), None
-    except Exception as exc:
-        logger.warning("%s failed:\n%s", what, traceback.format_exc())
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return None, f"{type(exc).__name__}: {first}"[:500]
-
-
-def summarise(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-
-    def pick(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {
-        "median_ms": statistics.median(ordered),
-        "p10_ms": pick(0.10),
-        "p90_ms": pick(0.90),
-        "mean_ms": statistics.fmean(ordered),
-        "min_ms": ordered[0],
-        "samples": len(ordered),
-    }
 
 
 def time_method(
@@ -162,19 +115,7 @@ def time_method(
 
     ``output``: where the result lands when ``call`` returns nothing (a bare graph replay).
     """
-    start, end = dev.event(enable_timing=True), dev.event(enable_timing=True)
-    for _ in range(args.warmup):
-        prepare()
-        call()
-    dev.synchronize()
-    samples = []
-    for _ in range(args.iters):
-        prepare()
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
+    samples = time_calls(dev, call, args.iters, args.warmup, prepare)
     row: dict[str, Any] = summarise(samples)
     prepare()
     out = call()
@@ -186,238 +127,17 @@ def time_method(
     return row, out
 
 
-def release_memory(dev: devgraph.Device) -> None:
-    gc.collect()
-    if dev.name == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def pool_segment_bytes(dev: devgraph.Device, pool_ids: set[tuple[int, ...]]) -> int | None:
-    """Bytes of the caching allocator's segments owned by the given graph pools (CUDA only)."""
-    if dev.name != "cuda" or not pool_ids:
-        return None
-    index = torch.device(dev.torch_device).index or 0
-    return sum(
-        int(seg.get("total_size", 0))
-        for seg in torch.cuda.memory_snapshot()
-        if seg.get("device", index) == index and tuple(seg.get("segment_pool_id", ())) in pool_ids
-    )
-
-
-def runner_pool(dev: devgraph.Device, runner: Any) -> dict[str, Any]:
-    """Capture seconds and pool bytes of a captured runner, two ways.
-
-    ``stats_pool_bytes`` is devgraph's own number (allocator ``reserved`` growth over the capture,
-    warm-up activations included); ``segment_pool_bytes`` sums the segments of the graphs' private
-    pool from ``torch.cuda.memory_snapshot()`` (the pool alone; CUDA only).
-    """
-    pools: set[tuple[int, ...]] = set()
-    for size in runner.sizes:
-        torch_graph = getattr(runner.graph(size), "torch_graph", None)
-        if torch_graph is not None:
-            pools.add(tuple(torch_graph.pool()))
-    return {
-        "sizes": list(runner.sizes),
-        "capture_seconds": runner.stats.capture_seconds,
-        "stats_pool_bytes": runner.stats.pool_bytes,
-        "segment_pool_bytes": pool_segment_bytes(dev, pools),
-    }
-
-
-def capture_devgraph(
-    dev: devgraph.Device, largest_alone: Callable[[], Any], all_buckets: Callable[[], Any]
-) -> tuple[Any, dict[str, Any]]:
-    """Capture the largest bucket alone (pool bytes, then dropped), then every bucket (kept)."""
-    info: dict[str, Any] = {}
-    alone, err = attempt("devgraph capture of the largest bucket alone", largest_alone)
-    if err:
-        info["largest_alone_error"] = err
-    else:
-        info["largest_alone"] = runner_pool(dev, alone.runner)
-        alone.runner.reset()
-        del alone
-    release_memory(dev)
-    start = time.perf_counter()
-    graphed, err = attempt("devgraph capture of all buckets", all_buckets)
-    if err:
-        info["all_buckets_error"] = err
-        return None, info
-    info["all_buckets"] = runner_pool(dev, graphed.runner)
-    info["all_buckets"]["wall_seconds"] = time.perf_counter() - start  # incl. the adapter's caches
-    for key in ("stats_pool_bytes", "segment_pool_bytes"):
-        both = info["all_buckets"][key], info.get("largest_alone", {}).get(key)
-        info[f"ratio_{key}"] = both[0] / both[1] if both[0] is not None and both[1] else None
-    return graphed, info
-
-
-# -- the two models ------------------------------------------------------------------------------
-
-
-def build_llama(dev: devgraph.Device, args: argparse.Namespace) -> Workload:
-    """LlamaForCausalLM (random bf16) and the HF adapter's decode step over its static caches."""
-    try:
-        import transformers
-
-        from devgraph.adapters.hf import wrap_hf
-    except ImportError as exc:
-        raise Skip(f"transformers is not importable ({exc}); pip install 'transformers>=5'") from None
-    s, tdev, cache_len, largest = args.shape, dev.torch_device, args.cache_len, max(args.batches)
-    config = transformers.LlamaConfig(
-        vocab_size=s["vocab"],
-        hidden_size=s["hidden"],
-        intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        head_dim=s["hidden"] // s["heads"],
-        max_position_embeddings=max(2048, cache_len),
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(args.seed)
-    with torch.device(tdev):
-        model = transformers.LlamaForCausalLM(config)
-    model = model.to(torch.bfloat16).eval().requires_grad_(False)
-
-    # wrap_hf's checks run here: a model the adapter refuses is an error of the whole model.
-    graphed = wrap_hf(model, dev, max_batch_size=largest, max_cache_len=cache_len)
-    runner, info = capture_devgraph(
-        dev,
-        lambda: wrap_hf(model, dev, batch_sizes=[largest], max_cache_len=cache_len).capture(),
-        graphed.capture,  # allocates a static cache per bucket, then captures every bucket
-    )
-    step = graphed._step  # the module the runner captured: eager, hand-written graph and compile run it
-    missing = [b for b in args.batches if b not in step.caches]
-    if missing:
-        raise RuntimeError(f"no static cache for batch(es) {missing}: {info.get('all_buckets_error')}")
-
-    torch.manual_seed(args.seed + 1)
-    inputs = {}
-    for b in args.batches:
-        mask = torch.zeros(b, cache_len, dtype=torch.bool, device=tdev)
-        mask[:, : args.context + 1] = True  # the context and the slot this step writes
-        inputs[b] = {
-            "input_ids": torch.randint(3, s["vocab"], (b, 1), device=tdev),
-            "position_ids": torch.full((b, 1), args.context, dtype=torch.long, device=tdev),
-            "attention_mask": mask,
-        }
-        for layer in step.caches[b].layers:  # the "prefilled" context: random keys and values
-            layer.keys.normal_()
-            layer.values.normal_()
-
-    def prepare(b: int) -> None:
-        for layer in step.caches[b].layers:
-            layer.cumulative_length.fill_(args.context)  # the step advances it on the device
-
-    shape = {**s, "params": sum(p.numel() for p in model.parameters()), "dtype": "bfloat16"}
-    shape.update(attn_implementation="sdpa", max_cache_len=cache_len, transformers=transformers.__version__)
-    return Workload(
-        name="llama",
-        shape=shape,
-        step=step,
-        inputs=inputs,
-        prepare=prepare,
-        devgraph_call=lambda b: graphed.runner(**inputs[b]),
-        runner=graphed.runner if runner is not None else None,
-        devgraph=info,
-    )
-
-
-def build_paged(dev: devgraph.Device, args: argparse.Namespace) -> Workload:
-    """PagedDecoder (random bf16) with a paged cache big enough for the largest batch."""
-    from devgraph.testing.models import DecoderConfig, KVBlockManager, make_decoder
-
-    s, tdev, largest = args.shape, dev.torch_device, max(args.batches)
-    blocks_per_seq = math.ceil(args.cache_len / BLOCK_SIZE)
-    config = DecoderConfig(
-        vocab_size=s["vocab"],
-        hidden_size=s["hidden"],
-        intermediate_size=s["intermediate"],
-        num_layers=s["layers"],
-        num_heads=s["heads"],
-        num_kv_heads=s["kv_heads"],
-        block_size=BLOCK_SIZE,
-        num_blocks=largest * blocks_per_seq + 1,  # + the scratch block of padded rows
-        max_blocks_per_seq=blocks_per_seq,
-        dtype=torch.bfloat16,
-    )
-    model = make_decoder(config, seed=args.seed, device=tdev)
-
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    inputs = {}
-    for b in args.batches:
-        # Host-side bookkeeping only: the context's tokens are never run, their K/V are random.
-        manager = KVBlockManager(config, device="cpu")
-        rows = list(range(b))
-        for _ in range(args.context):
-            manager.decode_batch(rows, [0] * b)
-        tokens = torch.randint(0, s["vocab"], (b,), generator=gen).tolist()
-        step_kwargs = manager.decode_batch(rows, tokens)  # positions = context, seq_lens = context + 1
-        inputs[b] = {k: v.to(tdev) if isinstance(v, torch.Tensor) else v for k, v in step_kwargs.items()}
-
-    example = inputs[min(args.batches)]
-    graphed, info = capture_devgraph(
-        dev,
-        lambda: devgraph.wrap(model, dev, batch_sizes=[largest]).capture(**example),
-        lambda: devgraph.wrap(model, dev, max_batch_size=largest).capture(**example),
-    )
-    torch.manual_seed(args.seed + 2)
-    with torch.no_grad():
-        for layer in model.layers:  # after capture: its warm-ups wrote the scratch block
-            layer.k_cache.normal_()
-            layer.v_cache.normal_()
-
-    shape = {**s, "params": sum(p.numel() for p in model.parameters()), "dtype": "bfloat16"}
-    shape.update(block_size=BLOCK_SIZE, num_blocks=config.num_blocks, max_blocks_per_seq=blocks_per_seq)
-    return Workload(
-        name="paged",
-        shape=shape,
-        step=model,
-        inputs=inputs,
-        prepare=lambda b: None,  # the step rewrites the same slot with the same K/V
-        devgraph_call=lambda b: graphed(**inputs[b]),
-        runner=graphed.runner if graphed is not None else None,
-        devgraph=info,
-    )
-
-
-BUILDERS = {"llama": build_llama, "paged": build_paged}
-
-
 # -- the methods ---------------------------------------------------------------------------------
-
-
-def host_args_for(runner: Any, kwargs: dict[str, Any], bucket: int, batch: int) -> dict[str, Any] | None:
-    """What the runner passes to ``graph.replay``: its host lists, padded to the bucket."""
-    cfg = runner.config
-    host = {op: list(kwargs[name]) + [cfg.pad_value(name)] * (bucket - batch) for name, op in cfg.host_args}
-    return host or None
 
 
 def cuda_graph_method(
     dev: devgraph.Device, wl: Workload, b: int, args: argparse.Namespace, ref: torch.Tensor
 ) -> dict[str, Any]:
     """Capture the step by hand with ``torch.cuda.graph`` on static inputs; time ``replay()``."""
-    kwargs = wl.inputs[b]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up on the capture stream, as torch's docs do
-        for _ in range(3):
-            wl.prepare(b)
-            wl.step(**kwargs)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    start = time.perf_counter()
-    with torch.cuda.graph(graph, stream=stream):
-        out = wl.step(**kwargs)
-    torch.cuda.synchronize()
-    capture_s = time.perf_counter() - start
+    prepare = functools.partial(wl.prepare, b)
+    graph, out, capture_s = cuda_graph_capture(functools.partial(wl.step, **wl.inputs[b]), before=prepare)
     try:
-        row, _ = time_method(
-            dev, graph.replay, lambda: wl.prepare(b), args, ref, TOLERANCE["cuda_graph"], output=out
-        )
+        row, _ = time_method(dev, graph.replay, prepare, args, ref, TOLERANCE["cuda_graph"], output=out)
         row["capture_s"] = capture_s
         row["segment_pool_bytes"] = pool_segment_bytes(dev, {tuple(graph.pool())})
     finally:
@@ -521,10 +241,7 @@ def devgraph_methods(
         reason = wl.devgraph.get("all_buckets_error", "unknown")
         skipped = {"skipped": f"devgraph capture failed: {reason}"}
         return {"devgraph": skipped, "devgraph_replay": dict(skipped)}
-
-    def prepare() -> None:
-        wl.prepare(b)
-
+    prepare = functools.partial(wl.prepare, b)
     call, err = attempt(
         f"devgraph {wl.name} batch {b}",
         lambda: time_method(dev, lambda: wl.devgraph_call(b), prepare, args, ref, TOLERANCE["devgraph"]),
@@ -535,7 +252,7 @@ def devgraph_methods(
     bucket = choose_bucket(b, wl.runner.sizes)
     row["bucket"] = bucket
     graph = wl.runner.graph(bucket)
-    host = host_args_for(wl.runner, wl.inputs[b], bucket, b)
+    host = wl.runner.padded_host_args(wl.inputs[b], bucket) or None  # what the runner replays with
     replay, err = attempt(
         f"devgraph replay {wl.name} batch {b}",
         lambda: time_method(
@@ -556,10 +273,7 @@ def batch_methods(
 ) -> tuple[dict[str, Any], torch.Tensor]:
     """Eager, devgraph and the hand-written graph at batch ``b``; also eager's output (the reference)."""
     kwargs = wl.inputs[b]
-
-    def prepare() -> None:
-        wl.prepare(b)
-
+    prepare = functools.partial(wl.prepare, b)
     prepare()
     ref = wl.step(**kwargs).float().clone()
     row: dict[str, Any] = {}
@@ -666,14 +380,6 @@ def evaluate_targets(name: str, result: dict[str, Any], applicable: str | None) 
     return out
 
 
-def device_name(dev: devgraph.Device) -> str:
-    if dev.name == "cuda":
-        return torch.cuda.get_device_name(dev.torch_device)
-    if dev.name == "cpu":
-        return platform.processor() or platform.machine() or "cpu"
-    return str(dev)
-
-
 def mib(n: Any) -> str:
     return "-" if n is None else f"{n / 2**20:.1f} MiB"
 
@@ -758,20 +464,6 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@functools.cache
-def pyplot() -> Any:
-    """``matplotlib.pyplot`` on the Agg backend, or None (warned about once) when it is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not importable: no plot (pip install matplotlib)")
-        return None
-    return plt
-
-
 def plot(report: dict[str, Any], path: Path) -> bool:
     """Latency vs batch, one panel per model, one line per method; False when matplotlib is missing."""
     plt = pyplot()
@@ -815,16 +507,7 @@ MERGE_KEYS = ("batches", "context", "cache_len", "iters", "warmup", "quick", "se
 
 def new_report(dev: devgraph.Device, args: argparse.Namespace) -> dict[str, Any]:
     return {
-        "benchmark": "decode_step",
-        "backend": dev.name,
-        "device": str(dev),
-        "device_name": device_name(dev),
-        "note": CPU_NOTE if dev.name == "cpu" else "",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "devgraph": devgraph.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **report_header(dev, "decode_step", note=CPU_NOTE),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "config": {
             "models": list(args.models),
@@ -863,13 +546,14 @@ def merge_previous(report: dict[str, Any], path: Path, args: argparse.Namespace)
     for name, result in old.get("models", {}).items():
         if name not in args.models:
             report["models"][name] = result
-            logger.info("--merge: keeping %s from %s (%s)", name, path, result.get("date", old.get("date")))
+            when = result.get("timestamp", result.get("date")) or old.get("timestamp", old.get("date"))
+            logger.info("--merge: keeping %s from %s (%s)", name, path, when)
 
 
 def measure_model(dev: devgraph.Device, name: str, args: argparse.Namespace) -> dict[str, Any]:
     """One model's whole result: skipped (why), error (what), or shape, devgraph capture and batches."""
     logger.info("== %s", name)
-    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    result: dict[str, Any] = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     wl = None
     try:
         with torch.no_grad():
@@ -896,8 +580,7 @@ def save(report: dict[str, Any], stem: Path) -> bool:
     order = [n for n in BUILDERS if n in report["models"]]
     report["models"] = {n: report["models"][n] for n in order}
     report["targets"] = [t for n in order for t in evaluate_targets(n, report["models"][n], applicable)]
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(report, stem.with_suffix(".json"))
     return plot(report, stem.with_suffix(".png"))
 
 

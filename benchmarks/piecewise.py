@@ -16,16 +16,14 @@ Build time is trace + compile (Dynamo, passes, split, per-piece compile) and cap
     python benchmarks/piecewise.py                      # best device (CUDA when present)
     python benchmarks/piecewise.py --device cpu         # reference simulator smoke run (small sizes)
 
-Writes ``<out>/piecewise_<backend>.json`` and a plot ``piecewise_<backend>.png`` (matplotlib) or
-``.svg`` (without it).
+Writes ``<out>/piecewise_<backend>.json`` and, when matplotlib is importable, a plot
+``piecewise_<backend>.png``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import platform
 import statistics
 import sys
 import time
@@ -35,13 +33,11 @@ from typing import Any
 
 import attrs
 import torch
+from _common import DEFAULT_OUT, logger, pyplot, report_header, time_calls, write_json
 
 import devgraph
 from devgraph.testing.models import DecoderConfig, KVBlockManager, make_decoder
 
-logger = logging.getLogger("devgraph.benchmarks")
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 GPU_PREFILL = [64, 128, 256, 512, 1024, 2048, 4096]
 GPU_DECODE = [1, 8, 32, 64]
 CPU_PREFILL = [16, 32, 64]
@@ -81,26 +77,6 @@ def prefill_batch(manager: KVBlockManager, first_id: int, tokens: int, seq_len: 
     return batch
 
 
-def time_calls(dev: devgraph.Device, call: Callable[[], Any], iters: int, warmup: int) -> list[float]:
-    """Per-call latency samples in microseconds between device timing events."""
-    for _ in range(warmup):
-        call()
-    dev.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = dev.event(enable_timing=True), dev.event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0)
-    return samples
-
-
-def _median(samples: list[float]) -> float:
-    return statistics.median(samples)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     dev = devgraph.device(args.device)
     config = model_config(args, dev, max(args.prefill_sizes))
@@ -108,6 +84,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     eager = make_decoder(config, device=torch_device)
     results: dict[str, Any] = {"prefill": {}, "decode": {}, "build_seconds": {}}
     err: dict[str, float] = {}
+
+    def median_us(call: Callable[[], Any]) -> float:
+        return 1000.0 * statistics.median(time_calls(dev, call, args.iters, args.warmup))
 
     # -- prefill: eager vs piecewise ------------------------------------------------------------
     pw_model = make_decoder(config, device=torch_device)
@@ -134,10 +113,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with torch.inference_mode():
         for t, batch in batches.items():
             row: dict[str, float] = {}
-            row["eager_us"] = _median(time_calls(dev, lambda b=batch: eager(**b), args.iters, args.warmup))
-            row["piecewise_us"] = _median(
-                time_calls(dev, lambda b=batch: piecewise(**b), args.iters, args.warmup)
-            )
+            row["eager_us"] = median_us(lambda b=batch: eager(**b))
+            row["piecewise_us"] = median_us(lambda b=batch: piecewise(**b))
             row["speedup"] = row["eager_us"] / row["piecewise_us"]
             results["prefill"][t] = row
             err[f"prefill {t}"] = float((piecewise(**batch).float() - eager(**batch).float()).abs().max())
@@ -161,7 +138,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             eager(**batch)
             full_model(**batch)
             pw_decode.module(**batch)
-        step_batches = {b: _decode_step(manager, ids[:b]) for b in args.decode_sizes}
+        # One decode step per size at the sequences' current length (re-runnable: it writes the same
+        # slots every time it is called).
+        step_batches = {b: manager.decode_batch(ids[:b], [7] * b) for b in args.decode_sizes}
         start = time.perf_counter()
         full.capture(**step_batches[largest])
         dev.synchronize()
@@ -180,11 +159,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         for b, batch in step_batches.items():
             row = {
-                "eager_us": _median(time_calls(dev, lambda x=batch: eager(**x), args.iters, args.warmup)),
-                "full_us": _median(time_calls(dev, lambda x=batch: full(**x), args.iters, args.warmup)),
-                "piecewise_us": _median(
-                    time_calls(dev, lambda x=batch: pw_decode(**x), args.iters, args.warmup)
-                ),
+                "eager_us": median_us(lambda x=batch: eager(**x)),
+                "full_us": median_us(lambda x=batch: full(**x)),
+                "piecewise_us": median_us(lambda x=batch: pw_decode(**x)),
             }
             results["decode"][b] = row
             want = eager(**batch).float()
@@ -192,40 +169,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             err[f"decode piecewise {b}"] = float((pw_decode(**batch).float() - want).abs().max())
 
     return {
-        "benchmark": "piecewise",
-        "backend": dev.name,
-        "device": str(dev),
-        "device_name": _device_name(dev),
-        "note": "cpu reference simulator: correctness backend, not a speed path" if dev.name == "cpu" else "",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "devgraph": devgraph.__version__,
-        "python": platform.python_version(),
+        **report_header(dev, "piecewise"),
         "model": {k: str(v) for k, v in attrs.asdict(config).items()},
         "seq_len": args.seq_len,
         "compile_backend": args.compile_backend or "device default",
         "iters": args.iters,
         "warmup": args.warmup,
         "timing": "median per-call latency between device timing events",
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "max_abs_err_vs_eager": err,
         "results": results,
     }
-
-
-def _decode_step(manager: KVBlockManager, ids: list[int]) -> dict[str, Any]:
-    """The kwargs of one decode step for ``ids`` at their current length (re-runnable: it writes
-    the same slots every time it is called)."""
-    step = manager.decode_batch(ids, [7] * len(ids))
-    return step
-
-
-def _device_name(dev: devgraph.Device) -> str:
-    if dev.name == "cpu":
-        return platform.processor() or platform.machine() or "cpu"
-    module = getattr(torch, dev.torch_device.type, None)
-    getter = getattr(module, "get_device_name", None)
-    return str(getter(dev.index)) if getter else str(dev)
 
 
 def render(report: dict[str, Any]) -> str:
@@ -247,22 +200,16 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict[str, Any], stem: Path) -> Path:
-    """A two-panel plot (prefill, decode latency); PNG with matplotlib, else a plain SVG."""
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """A two-panel plot (prefill, decode latency); False when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
+        return False
     r = report["results"]
     panels = [
         ("prefill latency (us) vs tokens", r["prefill"], ["eager_us", "piecewise_us"]),
         ("decode latency (us) vs batch", r["decode"], ["eager_us", "full_us", "piecewise_us"]),
     ]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        path = stem.with_suffix(".svg")
-        path.write_text(_svg(panels, report))
-        return path
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, (title, rows, keys) in zip(axes, panels):
         xs = [int(x) for x in rows]
@@ -274,56 +221,9 @@ def plot(report: dict[str, Any], stem: Path) -> Path:
         ax.legend()
     fig.suptitle(f"devgraph piecewise on {report['backend']} ({report['device_name']})")
     fig.tight_layout()
-    path = stem.with_suffix(".png")
     fig.savefig(path, dpi=120)
-    return path
-
-
-def _svg(panels: list[tuple[str, dict, list[str]]], report: dict[str, Any]) -> str:
-    import math
-
-    width, height, pad = 480, 300, 50
-    colours = {"eager_us": "#d62728", "full_us": "#2ca02c", "piecewise_us": "#1f77b4"}
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * width}" height="{height + 30}" '
-        'font-family="sans-serif" font-size="11">',
-        f'<text x="10" y="16">devgraph piecewise on {report["backend"]} ({report["device_name"]}), log-log</text>',
-    ]
-    for p, (title, rows, keys) in enumerate(panels):
-        x0 = p * width
-        xs = [math.log2(int(x)) for x in rows]
-        ys = [math.log10(max(rows[x][k], 1e-3)) for x in rows for k in keys]
-        if not xs:
-            continue
-        lo_x, hi_x = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-        lo_y, hi_y = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
-
-        def sx(v: float, lo: float = lo_x, hi: float = hi_x, base: int = x0) -> float:
-            return base + pad + (v - lo) / (hi - lo) * (width - 2 * pad)
-
-        def sy(v: float, lo: float = lo_y, hi: float = hi_y) -> float:
-            return 30 + height - pad - (v - lo) / (hi - lo) * (height - 2 * pad)
-
-        parts.append(f'<text x="{x0 + pad}" y="40">{title}</text>')
-        parts.append(
-            f'<rect x="{x0 + pad}" y="{30 + pad}" width="{width - 2 * pad}" height="{height - 2 * pad}" '
-            'fill="none" stroke="#999"/>'
-        )
-        for x in rows:
-            parts.append(f'<text x="{sx(math.log2(int(x))) - 8:.0f}" y="{height + 5}">{x}</text>')
-        for i, key in enumerate(keys):
-            points = " ".join(
-                f"{sx(math.log2(int(x))):.1f},{sy(math.log10(max(rows[x][key], 1e-3))):.1f}" for x in rows
-            )
-            parts.append(
-                f'<polyline points="{points}" fill="none" stroke="{colours[key]}" stroke-width="2"/>'
-            )
-            parts.append(
-                f'<text x="{x0 + width - pad - 70}" y="{30 + pad + 14 * (i + 1)}" fill="{colours[key]}">'
-                f"{key.removesuffix('_us')}</text>"
-            )
-    parts.append("</svg>")
-    return "\n".join(parts) + "\n"
+    plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,11 +268,10 @@ def main(argv: list[str] | None = None) -> int:
 
     report = run(args)
     print(render(report))
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"piecewise_{report['backend']}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    figure = plot(report, stem)
-    logger.info("wrote %s and %s", stem.with_suffix(".json"), figure)
+    write_json(report, stem.with_suffix(".json"))
+    plotted = plot(report, stem.with_suffix(".png"))
+    logger.info("wrote %s.json%s", stem, " and .png" if plotted else "")
     tolerance = 0.1 if gpu else 1e-3
     bad = {k: v for k, v in report["max_abs_err_vs_eager"].items() if v > tolerance}
     if bad:

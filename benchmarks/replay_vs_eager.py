@@ -17,23 +17,24 @@ Writes ``<out>/replay_vs_eager_<device>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from _common import (
+    DEFAULT_OUT,
+    cuda_graph_capture,
+    logger,
+    report_header,
+    summarise,
+    time_calls,
+    write_json,
+)
 
 import devgraph
-
-logger = logging.getLogger("devgraph.benchmarks")
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
 def make_workload(
@@ -53,22 +54,6 @@ def make_workload(
     return x, fn
 
 
-def time_calls(dev: devgraph.Device, call: Callable[[], Any], iters: int, warmup: int) -> list[float]:
-    """Per-call latency samples in microseconds, measured with the device's timing events."""
-    for _ in range(warmup):
-        call()
-    dev.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = dev.event(enable_timing=True), dev.event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0)
-    return samples
-
-
 def devgraph_replay(
     dev: devgraph.Device, fn: Callable[[], torch.Tensor]
 ) -> tuple[Callable[[], Any], torch.Tensor]:
@@ -86,42 +71,6 @@ def devgraph_replay(
     return graph.replay, out
 
 
-def torch_cuda_graph_replay(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
-    """The same capture written by hand with ``torch.cuda.CUDAGraph`` (the baseline devgraph wraps)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out = fn()
-    torch.cuda.synchronize()
-    return graph.replay, out
-
-
-def device_name(dev: devgraph.Device) -> str:
-    """A human name of the hardware (GPU model, or the host CPU for the reference backend)."""
-    if dev.name == "cpu":
-        return platform.processor() or platform.machine() or "cpu"
-    module = getattr(torch, dev.torch_device.type, None)  # torch.cuda, torch.npu, ...
-    getter = getattr(module, "get_device_name", None)
-    return str(getter(dev.index)) if getter else str(dev)
-
-
-def summarise(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {
-        "median_us": statistics.median(ordered),
-        "p10_us": pick(0.10),
-        "p90_us": pick(0.90),
-        "mean_us": statistics.fmean(ordered),
-        "samples": len(ordered),
-    }
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     dev = devgraph.device(args.device)
     x, fn = make_workload(dev.torch_device, args.hidden, args.steps)
@@ -130,10 +79,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         calls: dict[str, tuple[Callable[[], Any], torch.Tensor | None]] = {"eager": (fn, None)}
         calls["devgraph"] = devgraph_replay(dev, fn)
         if dev.name == "cuda":
-            calls["torch.cuda.CUDAGraph"] = torch_cuda_graph_replay(fn)
+            graph, out, _ = cuda_graph_capture(fn)  # the same capture by hand: what devgraph wraps
+            calls["torch.cuda.CUDAGraph"] = (graph.replay, out)
         results: dict[str, dict[str, float]] = {}
         for label, (call, out) in calls.items():
-            results[label] = summarise(time_calls(dev, call, args.iters, args.warmup))
+            samples = time_calls(dev, call, args.iters, args.warmup)
+            results[label] = summarise([ms * 1000.0 for ms in samples], unit="us")
             if out is not None:
                 dev.synchronize()
                 results[label]["max_abs_err"] = float((out - expected).abs().max())
@@ -141,15 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for row in results.values():
         row["speedup_vs_eager"] = eager / row["median_us"] if row["median_us"] else float("nan")
     return {
-        "benchmark": "replay_vs_eager",
-        "backend": dev.name,
-        "device": str(dev),
-        "device_name": device_name(dev),
-        "note": "cpu reference simulator: correctness backend, not a speed path" if dev.name == "cpu" else "",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "devgraph": devgraph.__version__,
-        "python": platform.python_version(),
+        **report_header(dev, "replay_vs_eager"),
         "workload": {
             "hidden": args.hidden,
             "steps": args.steps,
@@ -159,7 +102,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "iters": args.iters,
         "warmup": args.warmup,
         "timing": "per-call latency between device timing events (start, call, end, end.synchronize())",
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "results": results,
     }
 
@@ -195,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = run(args)
     print(render(report))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"replay_vs_eager_{report['backend']}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path = write_json(report, args.out / f"replay_vs_eager_{report['backend']}.json")
     logger.info("wrote %s", path)
     for mode, row in report["results"].items():
         if row.get("max_abs_err", 0.0) > 1e-3:

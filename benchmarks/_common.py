@@ -1,0 +1,136 @@
+"""What the benchmark scripts share: timing, summaries, the report header, JSON, plots, a CUDA graph.
+
+The scripts run as ``python benchmarks/<name>.py``, so this folder is on ``sys.path`` and they
+``from _common import ...`` first: that import also lets them ``import devgraph`` from a source
+checkout that was never pip-installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    import devgraph
+except ImportError:  # a source checkout that was never pip-installed
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import devgraph
+
+logger = logging.getLogger("devgraph.benchmarks")
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+CPU_NOTE = "cpu reference simulator: correctness backend, not a speed path"
+
+
+def time_calls(
+    dev: devgraph.Device,
+    call: Callable[[], Any],
+    iters: int,
+    warmup: int,
+    prepare: Callable[[], Any] | None = None,
+) -> list[float]:
+    """Per-call latency samples in ms between two device timing events (start, call, end, wait for
+    end), after ``warmup`` untimed calls; ``prepare`` runs before every call, outside the events."""
+    prepare = prepare or (lambda: None)
+    for _ in range(warmup):
+        prepare()
+        call()
+    dev.synchronize()
+    start, end = dev.event(enable_timing=True), dev.event(enable_timing=True)
+    samples = []
+    for _ in range(iters):
+        prepare()
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return samples
+
+
+def summarise(samples: list[float], unit: str = "ms") -> dict[str, float]:
+    """Median, p10, p90, mean and min of ``samples``; ``unit`` (theirs) suffixes the keys."""
+    ordered = sorted(samples)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    stats = {"median": statistics.median(ordered), "p10": pick(0.10), "p90": pick(0.90)}
+    stats.update(mean=statistics.fmean(ordered), min=ordered[0])
+    return {**{f"{k}_{unit}": v for k, v in stats.items()}, "samples": len(ordered)}
+
+
+def device_name(dev: devgraph.Device) -> str:
+    """A human name of the hardware (GPU model, or the host CPU for the reference backend)."""
+    if dev.name == "cpu":
+        return platform.processor() or platform.machine() or "cpu"
+    module = getattr(torch, dev.torch_device.type, None)  # torch.cuda, torch.npu, ...
+    getter = getattr(module, "get_device_name", None)
+    return str(getter(dev.index)) if getter else str(dev)
+
+
+def report_header(dev: devgraph.Device, benchmark: str, note: str = CPU_NOTE) -> dict[str, Any]:
+    """The keys every report starts with; ``note`` (what the numbers mean) is recorded on cpu only."""
+    return {
+        "benchmark": benchmark,
+        "backend": dev.name,
+        "device": str(dev),
+        "device_name": device_name(dev),
+        "note": note if dev.name == "cpu" else "",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "devgraph": devgraph.__version__,
+        "python": platform.python_version(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_json(report: dict[str, Any], path: Path) -> Path:
+    """``report`` as indented JSON at ``path`` (its folder created); returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
+
+
+@functools.cache
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or None (warned about once) when it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not importable: no plot (pip install matplotlib)")
+        return None
+    return plt
+
+
+def cuda_graph_capture(
+    fn: Callable[[], Any], before: Callable[[], Any] | None = None
+) -> tuple[torch.cuda.CUDAGraph, Any, float]:
+    """``fn`` captured by hand with ``torch.cuda.graph`` after three warm-up calls on the capture
+    stream (as torch's docs do; ``before`` runs ahead of each, never captured): the graph, the output
+    ``fn`` returned in capture (each replay overwrites it) and the capture's seconds, warm-up excluded."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            if before is not None:
+                before()
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    start = time.perf_counter()
+    with torch.cuda.graph(graph, stream=stream):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out, time.perf_counter() - start

@@ -1,0 +1,256 @@
+"""The two decode workloads of ``decode_step.py``: each model built, its inputs per batch, and its
+devgraph wrapper captured (twice: the largest bucket alone for the pool bytes, then every bucket).
+
+* ``llama``: a transformers ``LlamaForCausalLM`` (random bf16) stepped by the Hugging Face adapter's
+  own decode step over its per-bucket static KV caches;
+* ``paged``: ``devgraph.testing.models.PagedDecoder`` (random bf16) with a paged KV cache of
+  ``BLOCK_SIZE``-token blocks, batches built by ``KVBlockManager``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _common import logger
+
+import devgraph
+
+BLOCK_SIZE = 16
+
+
+class Skip(Exception):
+    """This model cannot be benchmarked here (the message says why)."""
+
+
+@dataclasses.dataclass
+class Workload:
+    """One model's decode step, its inputs per batch, and its devgraph wrapper (captured)."""
+
+    name: str
+    shape: dict[str, Any]
+    step: Callable[..., torch.Tensor]  # the eager step module: what every method runs
+    inputs: dict[int, dict[str, Any]]  # batch -> step kwargs
+    prepare: Callable[[int], None]  # put batch b's cache state back (outside the timed window)
+    devgraph_call: Callable[[int], torch.Tensor]  # the honest devgraph call for batch b
+    runner: Any  # the all-buckets GraphRunner (None when its capture failed)
+    devgraph: dict[str, Any]  # capture seconds and pool bytes
+
+
+# -- capturing ---------------------------------------------------------------------------------------
+
+
+def attempt(what: str, fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``(fn(), None)``, or ``(None, reason)`` with the traceback logged when ``fn`` raises."""
+    try:
+        return fn(), None
+    except Exception as exc:
+        logger.warning("%s failed:\n%s", what, traceback.format_exc())
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return None, f"{type(exc).__name__}: {first}"[:500]
+
+
+def release_memory(dev: devgraph.Device) -> None:
+    gc.collect()
+    if dev.name == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def pool_segment_bytes(dev: devgraph.Device, pool_ids: set[tuple[int, ...]]) -> int | None:
+    """Bytes of the caching allocator's segments owned by the given graph pools (CUDA only)."""
+    if dev.name != "cuda" or not pool_ids:
+        return None
+    index = torch.device(dev.torch_device).index or 0
+    return sum(
+        int(seg.get("total_size", 0))
+        for seg in torch.cuda.memory_snapshot()
+        if seg.get("device", index) == index and tuple(seg.get("segment_pool_id", ())) in pool_ids
+    )
+
+
+def runner_pool(dev: devgraph.Device, runner: Any) -> dict[str, Any]:
+    """Capture seconds and pool bytes of a captured runner, two ways.
+
+    ``stats_pool_bytes`` is devgraph's own number (allocator ``reserved`` growth over the capture,
+    warm-up activations included); ``segment_pool_bytes`` sums the segments of the graphs' private
+    pool from ``torch.cuda.memory_snapshot()`` (the pool alone; CUDA only).
+    """
+    pools: set[tuple[int, ...]] = set()
+    for size in runner.sizes:
+        torch_graph = getattr(runner.graph(size), "torch_graph", None)
+        if torch_graph is not None:
+            pools.add(tuple(torch_graph.pool()))
+    return {
+        "sizes": list(runner.sizes),
+        "capture_seconds": runner.stats.capture_seconds,
+        "stats_pool_bytes": runner.stats.pool_bytes,
+        "segment_pool_bytes": pool_segment_bytes(dev, pools),
+    }
+
+
+def capture_devgraph(
+    dev: devgraph.Device, largest_alone: Callable[[], Any], all_buckets: Callable[[], Any]
+) -> tuple[Any, dict[str, Any]]:
+    """Capture the largest bucket alone (pool bytes, then dropped), then every bucket (kept)."""
+    info: dict[str, Any] = {}
+    alone, err = attempt("devgraph capture of the largest bucket alone", largest_alone)
+    if err:
+        info["largest_alone_error"] = err
+    else:
+        info["largest_alone"] = runner_pool(dev, alone.runner)
+        alone.runner.reset()
+        del alone
+    release_memory(dev)
+    start = time.perf_counter()
+    graphed, err = attempt("devgraph capture of all buckets", all_buckets)
+    if err:
+        info["all_buckets_error"] = err
+        return None, info
+    info["all_buckets"] = runner_pool(dev, graphed.runner)
+    info["all_buckets"]["wall_seconds"] = time.perf_counter() - start  # incl. the adapter's caches
+    for key in ("stats_pool_bytes", "segment_pool_bytes"):
+        both = info["all_buckets"][key], info.get("largest_alone", {}).get(key)
+        info[f"ratio_{key}"] = both[0] / both[1] if both[0] is not None and both[1] else None
+    return graphed, info
+
+
+# -- the two models ----------------------------------------------------------------------------------
+
+
+def build_llama(dev: devgraph.Device, args: argparse.Namespace) -> Workload:
+    """LlamaForCausalLM (random bf16) and the HF adapter's decode step over its static caches."""
+    try:
+        import transformers
+
+        from devgraph.adapters.hf import wrap_hf
+    except ImportError as exc:
+        raise Skip(f"transformers is not importable ({exc}); pip install 'transformers>=5'") from None
+    s, tdev, cache_len, largest = args.shape, dev.torch_device, args.cache_len, max(args.batches)
+    config = transformers.LlamaConfig(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["hidden"] // s["heads"],
+        max_position_embeddings=max(2048, cache_len),
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(args.seed)
+    with torch.device(tdev):
+        model = transformers.LlamaForCausalLM(config)
+    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+
+    # wrap_hf's checks run here: a model the adapter refuses is an error of the whole model.
+    graphed = wrap_hf(model, dev, max_batch_size=largest, max_cache_len=cache_len)
+    runner, info = capture_devgraph(
+        dev,
+        lambda: wrap_hf(model, dev, batch_sizes=[largest], max_cache_len=cache_len).capture(),
+        graphed.capture,  # allocates a static cache per bucket, then captures every bucket
+    )
+    step = graphed._step  # the module the runner captured: eager, hand-written graph and compile run it
+    missing = [b for b in args.batches if b not in step.caches]
+    if missing:
+        raise RuntimeError(f"no static cache for batch(es) {missing}: {info.get('all_buckets_error')}")
+
+    torch.manual_seed(args.seed + 1)
+    inputs = {}
+    for b in args.batches:
+        mask = torch.zeros(b, cache_len, dtype=torch.bool, device=tdev)
+        mask[:, : args.context + 1] = True  # the context and the slot this step writes
+        inputs[b] = {
+            "input_ids": torch.randint(3, s["vocab"], (b, 1), device=tdev),
+            "position_ids": torch.full((b, 1), args.context, dtype=torch.long, device=tdev),
+            "attention_mask": mask,
+        }
+        for layer in step.caches[b].layers:  # the "prefilled" context: random keys and values
+            layer.keys.normal_()
+            layer.values.normal_()
+
+    def prepare(b: int) -> None:
+        for layer in step.caches[b].layers:
+            layer.cumulative_length.fill_(args.context)  # the step advances it on the device
+
+    shape = {**s, "params": sum(p.numel() for p in model.parameters()), "dtype": "bfloat16"}
+    shape.update(attn_implementation="sdpa", max_cache_len=cache_len, transformers=transformers.__version__)
+    return Workload(
+        name="llama",
+        shape=shape,
+        step=step,
+        inputs=inputs,
+        prepare=prepare,
+        devgraph_call=lambda b: graphed.runner(**inputs[b]),
+        runner=graphed.runner if runner is not None else None,
+        devgraph=info,
+    )
+
+
+def build_paged(dev: devgraph.Device, args: argparse.Namespace) -> Workload:
+    """PagedDecoder (random bf16) with a paged cache big enough for the largest batch."""
+    from devgraph.testing.models import DecoderConfig, KVBlockManager, make_decoder
+
+    s, tdev, largest = args.shape, dev.torch_device, max(args.batches)
+    blocks_per_seq = math.ceil(args.cache_len / BLOCK_SIZE)
+    config = DecoderConfig(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_layers=s["layers"],
+        num_heads=s["heads"],
+        num_kv_heads=s["kv_heads"],
+        block_size=BLOCK_SIZE,
+        num_blocks=largest * blocks_per_seq + 1,  # + the scratch block of padded rows
+        max_blocks_per_seq=blocks_per_seq,
+        dtype=torch.bfloat16,
+    )
+    model = make_decoder(config, seed=args.seed, device=tdev)
+
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    inputs = {}
+    for b in args.batches:
+        # Host-side bookkeeping only: the context's tokens are never run, their K/V are random.
+        manager = KVBlockManager(config, device="cpu")
+        rows = list(range(b))
+        for _ in range(args.context):
+            manager.decode_batch(rows, [0] * b)
+        tokens = torch.randint(0, s["vocab"], (b,), generator=gen).tolist()
+        step_kwargs = manager.decode_batch(rows, tokens)  # positions = context, seq_lens = context + 1
+        inputs[b] = {k: v.to(tdev) if isinstance(v, torch.Tensor) else v for k, v in step_kwargs.items()}
+
+    example = inputs[min(args.batches)]
+    graphed, info = capture_devgraph(
+        dev,
+        lambda: devgraph.wrap(model, dev, batch_sizes=[largest]).capture(**example),
+        lambda: devgraph.wrap(model, dev, max_batch_size=largest).capture(**example),
+    )
+    torch.manual_seed(args.seed + 2)
+    with torch.no_grad():
+        for layer in model.layers:  # after capture: its warm-ups wrote the scratch block
+            layer.k_cache.normal_()
+            layer.v_cache.normal_()
+
+    shape = {**s, "params": sum(p.numel() for p in model.parameters()), "dtype": "bfloat16"}
+    shape.update(block_size=BLOCK_SIZE, num_blocks=config.num_blocks, max_blocks_per_seq=blocks_per_seq)
+    return Workload(
+        name="paged",
+        shape=shape,
+        step=model,
+        inputs=inputs,
+        prepare=lambda b: None,  # the step rewrites the same slot with the same K/V
+        devgraph_call=lambda b: graphed(**inputs[b]),
+        runner=graphed.runner if graphed is not None else None,
+        devgraph=info,
+    )
+
+
+BUILDERS = {"llama": build_llama, "paged": build_paged}
