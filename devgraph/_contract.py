@@ -439,6 +439,8 @@ class Device(abc.ABC):
     def memory_stats(self) -> MemoryStats:
         """Allocated / reserved / peak bytes on this device."""
 
-    @abc.abstractmethod
     def weak_ref(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor over the same memory that does not keep it alive (see ``weak_ref_tensors``)."""
+        from devgraph._weakref import weak_ref_tensor
+
+        return weak_ref_tensor(tensor)

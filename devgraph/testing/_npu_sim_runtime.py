@@ -4,9 +4,9 @@ Every public name mirrors ``torch_npu.npu`` 2.13.0 with the same parameters (nam
 defaults, keyword-only-ness; ``tests/test_npu_signatures.py`` checks them against the wheel). Work
 is synchronous on the CPU, so streams only track which one is current and events only keep time.
 
-Graphs reuse devgraph's CPU reference recorder (``Recorder``/``Segment``/``CpuPool``), so capture,
-replay, memory pools and frozen host arguments behave exactly as on the reference backend. What
-the simulator adds is the ACL graph machinery around task update:
+Graphs hold the CPU reference backend's ``Tape`` (its ``Recorder``, ``Segment`` and ``BlockPool``),
+so capture, replay, memory pools and frozen host arguments behave exactly as on the reference
+backend. What the simulator adds is the ACL graph machinery around task update:
 
 * ``ExternalEvent.wait/reset`` on a capturing stream become steps of the graph. At replay, a wait
   on an event nobody recorded since the last reset raises ``RuntimeError("simulated NPU graph
@@ -41,8 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from devgraph._weakref import weak_ref_tensor
-from devgraph.backends.cpu._pool import CpuPool, block_of, storage_bytes
-from devgraph.backends.cpu._recorder import Entry, Recorder, Segment, _is_view
+from devgraph.backends.cpu._pool import BlockPool, PoolBytes, block_of, tensor_bytes
+from devgraph.backends.cpu._recorder import _UNINITIALISED, Entry, Recorder, Segment, Tape, _is_view
 from devgraph.testing._npu_sim_ops import NAMESPACE as _SIM_NAMESPACE
 
 __all__ = [
@@ -72,13 +72,10 @@ __all__ = [
 
 
 class _DeviceState:
-    """Process-wide state of the one simulated NPU (CpuPool accounts its bytes here)."""
-
-    name = "npu"
+    """Process-wide state of the one simulated NPU."""
 
     def __init__(self) -> None:
-        self._pool_bytes = 0
-        self._peak_bytes = 0
+        self.pool_bytes = PoolBytes()  # what the graph pools hold
         self.tls = threading.local()
         self.capturing: dict[int, NPUGraph] = {}  # stream id -> graph capturing on it
         self.updating: dict[int, _Update] = {}  # stream id -> task update in progress on it
@@ -293,24 +290,24 @@ class ExternalEvent:
 
 
 def memory_allocated(device=None):
-    return _STATE._pool_bytes
+    return _STATE.pool_bytes.reserved
 
 
 def memory_reserved(device=None):
-    return _STATE._pool_bytes
+    return _STATE.pool_bytes.reserved
 
 
 def max_memory_allocated(device=None):
-    return _STATE._peak_bytes
+    return _STATE.pool_bytes.peak
 
 
 class _PoolToken:
-    """The opaque id ``graph_pool_handle()`` returns: here it carries its ``CpuPool``."""
+    """The opaque id ``graph_pool_handle()`` returns: here it carries its ``BlockPool``."""
 
     __slots__ = ("__weakref__", "pool")
 
     def __init__(self) -> None:
-        self.pool = CpuPool(_STATE)  # type: ignore[arg-type]  # _DeviceState has what CpuPool accounts into
+        self.pool = BlockPool(_STATE.pool_bytes)
 
     def __repr__(self) -> str:
         return f"<simulated NPU graph pool {id(self):#x}>"
@@ -325,12 +322,8 @@ def graph_pool_handle():
 
 #: Ops that only allocate memory (no task is launched): not re-run at replay, not tasks of a group.
 _ALLOCATIONS = frozenset(
-    {
-        "aten::empty",
-        "aten::empty_strided",
-        "aten::empty_like",
-        "aten::new_empty",
-        "aten::new_empty_strided",
+    _UNINITIALISED
+    | {
         f"{_SIM_NAMESPACE}::_npu_fused_infer_attention_score_get_max_workspace",
         f"{_SIM_NAMESPACE}::_npu_fused_infer_attention_score_infer_output",
     }
@@ -341,10 +334,6 @@ _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return storage_bytes(tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def _describe_tensor(t: torch.Tensor) -> str:
@@ -367,7 +356,7 @@ class _SimRecorder(Recorder):
       when the update returns while the rewritten task keeps its address.
     """
 
-    def __init__(self, pool: CpuPool, segment: Segment, *, updating: bool = False) -> None:
+    def __init__(self, pool: BlockPool, segment: Segment, *, updating: bool = False) -> None:
         super().__init__(pool, segment)
         self.updating = updating
         self.failed = False  # a task touched memory allocated during the update
@@ -395,7 +384,7 @@ class _SimRecorder(Recorder):
             self._check_inputs(func, args, kwargs, inputs)
         entry = Entry(func, name, args, kwargs, rerun=not allocating)
         result = func(*args, **kwargs)
-        self._inputs = frozenset(_storage_ptr(t) for t in inputs if _nbytes(t))
+        self._inputs = frozenset(_storage_ptr(t) for t in inputs if tensor_bytes(t))
         self._allocating = allocating
         result = self._place_outputs(func, entry, result)
         if not (self.updating and allocating):  # an allocation during an update is no graph work
@@ -410,7 +399,7 @@ class _SimRecorder(Recorder):
             if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name == "out":
                 written.update(id(t) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
         for t in inputs:
-            born = self._born.get(_storage_ptr(t)) if _nbytes(t) else None
+            born = self._born.get(_storage_ptr(t)) if tensor_bytes(t) else None
             if born is not None:
                 how = "writes" if id(t) in written else "reads"
                 self._fail(
@@ -418,7 +407,7 @@ class _SimRecorder(Recorder):
                 )
 
     def _place(self, entry: Entry, leaf_index: int, t: torch.Tensor) -> torch.Tensor:
-        if not _nbytes(t) or _storage_ptr(t) in self._inputs:
+        if not tensor_bytes(t) or _storage_ptr(t) in self._inputs:
             return t  # empty, or an ``.out`` op handing back the tensor it wrote
         if not self.updating:
             return super()._place(entry, leaf_index, t)
@@ -482,7 +471,7 @@ def graph_task_update_begin(stream, handle):
         raise RuntimeError("graph_task_update_begin: the update stream must not be capturing")
     if stream.stream_id in _STATE.updating:
         raise RuntimeError("graph_task_update_begin: a task update is already open on this stream")
-    if handle.graph._segments is None or handle.segment not in handle.graph._segments:
+    if handle.segment not in handle.graph._tape.segments:
         raise RuntimeError("graph_task_update_begin: the task group's graph was reset or never captured")
     new = Segment(handle.segment.group_index)
     recorder = _SimRecorder(handle.graph._pool_token.pool, new, updating=True)
@@ -508,14 +497,12 @@ def graph_task_update_end(stream):
             f"graph_task_update_end: the update issued {_tasks(new)}, the task group captured "
             f"{_tasks(old)}; re-issue exactly the captured calls"
         )
-    new.fresh = old.fresh
-    segments = update.handle.graph._segments
-    segments[segments.index(old)] = new
+    update.handle.graph._tape.replace(old, new)
     update.handle.segment = new
 
 
 class NPUGraph:
-    """A simulated ACL graph (``torch_npu.npu.NPUGraph``) over devgraph's CPU recorder."""
+    """A simulated ACL graph (``torch_npu.npu.NPUGraph``) over the CPU reference backend's ``Tape``."""
 
     def __new__(cls):
         return super().__new__(cls)
@@ -523,8 +510,7 @@ class NPUGraph:
     def __init__(self):
         self.graph_dispatch_mode = _GraphDispatchMode()
         self.auto_dispatch_capture = False
-        self._segments: list[Segment] | None = None
-        self._recorder: _SimRecorder | None = None
+        self._tape = Tape()
         self._pool_token: _PoolToken | None = None
         self._stream_id: int | None = None
         self._group: Segment | None = None
@@ -532,7 +518,7 @@ class NPUGraph:
     def capture_begin(self, pool=None, capture_error_mode="global"):
         if capture_error_mode not in ("global", "thread_local", "relaxed"):
             raise RuntimeError(f"Unknown capture error mode {capture_error_mode!r}")
-        if self._recorder is not None or self._segments is not None:
+        if self._tape.recorder is not None or self._tape.segments:
             raise RuntimeError(
                 "This NPUGraph instance already owns a captured graph (or is capturing). Call reset() "
                 "or create a new instance to capture a new graph."
@@ -548,34 +534,29 @@ class NPUGraph:
         if pool is not None and not isinstance(pool, _PoolToken):
             raise TypeError(f"pool must come from graph_pool_handle() or NPUGraph.pool(), got {pool!r}")
         self._pool_token = pool if pool is not None else _PoolToken()
-        self._segments = [Segment()]
-        self._recorder = _SimRecorder(self._pool_token.pool, self._segments[0])
-        self._recorder.__enter__()
+        self._tape.begin(self._pool_token.pool, _SimRecorder)
         self._stream_id = s.stream_id
         _STATE.capturing[s.stream_id] = self
 
     def capture_end(self):
-        if self._recorder is None:
+        if self._tape.recorder is None:
             raise RuntimeError("capture_end() without capture_begin()")
-        self._recorder.__exit__(None, None, None)
-        self._recorder = None
+        self._tape.end()
         _STATE.capturing.pop(self._stream_id, None)  # type: ignore[arg-type]
         if self._group is not None:
             self._group = None
-            self._segments = None
+            self._tape.abandon()
             raise RuntimeError("capture ended inside a task group: graph_task_group_end was never called")
 
     def replay(self):
-        if self._segments is None or self._recorder is not None:
+        if not self._tape.segments or self._tape.recorder is not None:
             raise RuntimeError("Called NPUGraph::replay without a preceding successful capture.")
-        with torch.inference_mode():
-            for segment in self._segments:
-                segment.run()
+        self._tape.replay()
 
     def reset(self):
-        if self._recorder is not None:
-            self._abandon()
-        self._segments = None
+        if self._tape.recorder is not None:
+            self._abandon()  # a capture still open: it stops capturing its stream too
+        self._tape.abandon()
         self._group = None
 
     def pool(self):
@@ -594,46 +575,34 @@ class NPUGraph:
     def _devgraph_call_opaque(self, fn, args, name):
         """Record ``fn(*args)`` as one step (the recorder cannot see inside code that bypasses the
         dispatcher, such as inductor's CPU kernels); devgraph's NpuGraph.call_opaque calls this."""
-        if self._recorder is None:
-            return fn(*args)
-        with _disable_current_modes():
-            return self._recorder.record_call(fn, args, name)
+        return self._tape.record_opaque(fn, args, name)
 
     def _abandon(self) -> None:
-        if self._recorder is not None:
-            self._recorder.__exit__(None, None, None)
-            self._recorder = None
+        self._tape.abandon()
         _STATE.capturing.pop(self._stream_id, None)  # type: ignore[arg-type]
-        self._segments = None
 
     def _append_step(self, step: _Step) -> None:
-        assert self._recorder is not None
-        self._recorder.segment.entries.append(step)  # type: ignore[arg-type]
+        assert self._tape.recorder is not None
+        self._tape.recorder.segment.entries.append(step)  # type: ignore[arg-type]
 
     def _group_begin(self) -> None:
-        assert self._recorder is not None and self._segments is not None
         if self._group is not None:
             raise RuntimeError("graph_task_group_begin: task groups cannot nest")
-        segment = Segment(len([s for s in self._segments if s.group_index is not None]))
-        self._segments.append(segment)
-        self._recorder.segment = segment
-        self._group = segment
+        index = len([s for s in self._tape.segments if s.group_index is not None])
+        self._group = self._tape.open_group(index)
 
     def _group_end(self) -> _TaskGroupHandle:
-        assert self._recorder is not None and self._segments is not None
         if self._group is None:
             raise RuntimeError("graph_task_group_end without graph_task_group_begin")
         handle = _TaskGroupHandle(self, self._group)
         self._group = None
-        tail = Segment()
-        self._segments.append(tail)
-        self._recorder.segment = tail
+        self._tape.close_group()
         return handle
 
     @property
     def _recorded_ops(self) -> list[str]:
         """Names of the captured steps in replay order (for tests)."""
-        return [e.name for s in self._segments or () for e in s.entries]
+        return self._tape.ops
 
 
 class graph:

@@ -18,16 +18,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph._errors import DevgraphError
 from devgraph._tasks import TaskGroup
-from devgraph._weakref import weak_ref_tensor
-from devgraph.backends.cpu._pool import CpuPool
-from devgraph.backends.cpu._recorder import Recorder, Segment
+from devgraph.backends.cpu._pool import CpuPool, PoolBytes
+from devgraph.backends.cpu._recorder import Recorder, Segment, Tape
 
-__all__ = ["CpuDevice", "CpuEvent", "CpuGraph", "CpuStream", "weak_ref_tensor"]
+__all__ = ["CpuDevice", "CpuEvent", "CpuGraph", "CpuStream"]
 
 
 class CpuStream(Stream):
@@ -84,9 +82,7 @@ class CpuGraph(Graph):
 
     def __init__(self, device: Device, keep_graph: bool = False) -> None:
         super().__init__(device, keep_graph)
-        self._segments: list[Segment] = []
-        self._recorder: Recorder | None = None
-        self._group_segment: dict[int, Segment] = {}
+        self._tape = Tape()
 
     def _begin_capture(self, stream: Stream, pool: MemoryPool) -> None:
         if stream is getattr(self.device, "_default_stream", None):
@@ -96,44 +92,25 @@ class CpuGraph(Graph):
             )
         if not isinstance(pool, CpuPool):
             raise DevgraphError(f"a cpu graph cannot capture into {pool!r}")
-        self._segments = [Segment()]
-        self._group_segment = {}
-        self._recorder = Recorder(pool, self._segments[0])
-        self._recorder.__enter__()
+        self._tape.begin(pool)
 
     def _end_capture(self) -> None:
-        assert self._recorder is not None
-        self._recorder.__exit__(None, None, None)
-        self._recorder = None
+        self._tape.end()
 
     def _abort_capture(self) -> None:
-        if self._recorder is not None:
-            self._recorder.__exit__(None, None, None)
-            self._recorder = None
-        self._segments = []
+        self._tape.abandon()
 
     def _replay(self) -> None:
-        with torch.inference_mode():
-            for segment in self._segments:
-                segment.run()
+        self._tape.replay()
 
     def _reset(self) -> None:
-        self._segments = []
-        self._group_segment = {}
+        self._tape.abandon()
 
     def _task_group_begin(self, group: TaskGroup) -> None:
-        assert self._recorder is not None
-        segment = Segment(group.index)
-        self._segments.append(segment)
-        self._group_segment[group.index] = segment
-        self._recorder.segment = segment
-        group.handle = segment
+        group.handle = self._tape.open_group(group.index)
 
     def _task_group_end(self, group: TaskGroup) -> None:
-        assert self._recorder is not None
-        tail = Segment()
-        self._segments.append(tail)
-        self._recorder.segment = tail
+        self._tape.close_group()
 
     def _task_update_begin(self, group: TaskGroup) -> None:
         old: Segment = group.handle
@@ -151,8 +128,7 @@ class CpuGraph(Graph):
                 f"task {group.index} ({group.op}) was re-issued with {recorder._reissued} outputs, "
                 f"captured with {len(old.fresh)}; re-issue exactly the captured calls"
             )
-        new.fresh = old.fresh
-        self._segments[self._segments.index(old)] = new
+        self._tape.replace(old, new)
         group.handle = new
 
     def _task_update_abort(self, group: TaskGroup) -> None:
@@ -166,15 +142,12 @@ class CpuGraph(Graph):
         For code that calls kernels without going through the dispatcher (inductor's CPU code), which
         an op recorder cannot see into.
         """
-        if self._recorder is None:
-            return fn(*args)
-        with _disable_current_modes():
-            return self._recorder.record_call(fn, args, name)
+        return self._tape.record_opaque(fn, args, name)
 
     @property
     def recorded_ops(self) -> list[str]:
         """Names of the recorded calls, in replay order (for tests and debugging)."""
-        return [e.name for s in self._segments for e in s.entries]
+        return self._tape.ops
 
 
 class CpuDevice(Device):
@@ -190,8 +163,7 @@ class CpuDevice(Device):
         super().__init__(index)
         self._tls = threading.local()
         self._default_stream = CpuStream(self)
-        self._pool_bytes = 0
-        self._peak_bytes = 0
+        self._pool_bytes = PoolBytes()  # what this device's pools hold
 
     @property
     def torch_device(self) -> torch.device:
@@ -213,13 +185,9 @@ class CpuDevice(Device):
         return CpuGraph(self, keep_graph)
 
     def pool(self) -> MemoryPool:
-        return CpuPool(self)
+        return CpuPool(self, self._pool_bytes)
 
     def memory_stats(self) -> MemoryStats:
         """Bytes in graph pools (the reference backend does not see torch's CPU allocator)."""
-        return MemoryStats(
-            allocated=self._pool_bytes, reserved=self._pool_bytes, peak_allocated=self._peak_bytes
-        )
-
-    def weak_ref(self, tensor: torch.Tensor) -> torch.Tensor:
-        return weak_ref_tensor(tensor)
+        counter = self._pool_bytes
+        return MemoryStats(allocated=counter.reserved, reserved=counter.reserved, peak_allocated=counter.peak)

@@ -5,6 +5,10 @@ placed in a block of the capturing graph's pool. A block is free again once no t
 pool refers to it (its storage use count falls back to the pool's own reference) -- the rule that
 lets graphs captured one after another into one pool share memory, and lets a later replay of one
 graph overwrite memory another graph's dead outputs used, exactly as on CUDA.
+
+``BlockPool`` is that allocator (the torch_npu simulator's graph pools are bare ones); ``CpuPool``
+is the reference backend's ``MemoryPool`` over it. Both add the bytes they hold to their device's
+``PoolBytes``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
+import attrs
 import torch
 
 from devgraph._contract import MemoryPool
@@ -20,7 +25,7 @@ from devgraph._contract import MemoryPool
 if TYPE_CHECKING:
     from devgraph._contract import Device
 
-__all__ = ["Block", "CpuPool", "block_of", "storage_bytes"]
+__all__ = ["Block", "BlockPool", "CpuPool", "PoolBytes", "block_of", "storage_bytes", "tensor_bytes"]
 
 _ALIGN = 512  # CUDA's caching allocator rounds small blocks to 512 bytes; do the same.
 
@@ -29,12 +34,24 @@ _blocks_by_ptr: weakref.WeakValueDictionary[int, Block] = weakref.WeakValueDicti
 _lock = threading.Lock()
 
 
+@attrs.define
+class PoolBytes:
+    """Bytes held by the pools of one device (the reference device, or the simulated NPU)."""
+
+    reserved: int = 0
+    peak: int = 0
+
+    def add(self, delta: int) -> None:
+        self.reserved += delta
+        self.peak = max(self.peak, self.reserved)
+
+
 class Block:
     """One allocation of a pool: an untyped storage of ``nbytes`` bytes."""
 
     __slots__ = ("__weakref__", "nbytes", "pool", "storage")
 
-    def __init__(self, pool: CpuPool, nbytes: int) -> None:
+    def __init__(self, pool: BlockPool, nbytes: int) -> None:
         self.pool = pool
         self.nbytes = nbytes
         self.storage = torch.UntypedStorage(nbytes)
@@ -58,16 +75,21 @@ def storage_bytes(size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.d
     return extent * torch.empty((), dtype=dtype).element_size()
 
 
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes ``t`` spans in its storage from its first element."""
+    return storage_bytes(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def block_of(tensor: torch.Tensor) -> Block | None:
     """The pool block ``tensor``'s storage is, if it lives in a pool."""
     return _blocks_by_ptr.get(tensor.untyped_storage().data_ptr())
 
 
-class CpuPool(MemoryPool):
-    """A memory pool on the CPU reference backend (see the module docstring)."""
+class BlockPool:
+    """The blocks of one pool and their allocator; adds the bytes it holds to ``counter``."""
 
-    def __init__(self, device: Device) -> None:
-        super().__init__(device)
+    def __init__(self, counter: PoolBytes) -> None:
+        self.counter = counter
         self.blocks: list[Block] = []
 
     def allocate(self, nbytes: int) -> Block:
@@ -80,7 +102,7 @@ class CpuPool(MemoryPool):
         self.blocks.append(block)
         with _lock:
             _blocks_by_ptr[block.storage.data_ptr()] = block
-        _account(self.device, nbytes)
+        self.counter.add(nbytes)
         return block
 
     def reserved_bytes(self) -> int:
@@ -93,13 +115,14 @@ class CpuPool(MemoryPool):
 
     def __del__(self) -> None:
         try:
-            _account(self.device, -self.reserved_bytes())
+            self.counter.add(-self.reserved_bytes())
         except Exception:  # interpreter shutdown
             pass
 
 
-def _account(device: Device, delta: int) -> None:
-    stats = getattr(device, "_pool_bytes", None)
-    if stats is not None:
-        device._pool_bytes += delta  # type: ignore[attr-defined]
-        device._peak_bytes = max(device._peak_bytes, device._pool_bytes)  # type: ignore[attr-defined]
+class CpuPool(BlockPool, MemoryPool):
+    """A memory pool on the CPU reference backend (see the module docstring)."""
+
+    def __init__(self, device: Device, counter: PoolBytes) -> None:
+        MemoryPool.__init__(self, device)
+        BlockPool.__init__(self, counter)

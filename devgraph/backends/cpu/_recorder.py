@@ -9,6 +9,10 @@ capture-time tensors, outputs land in the capture-time outputs.
 
 View ops leave no entry (a view is only metadata over memory that is already referenced), and
 ``empty``-style factories are not re-run (their contents are undefined anyway).
+
+A ``Tape`` is one graph's list of segments and the recorder filling them: capture, task groups,
+the swap of a re-issued group, replay. The reference backend's ``CpuGraph`` and the torch_npu
+simulator's ``NPUGraph`` both hold one, so they capture and replay the same way.
 """
 
 from __future__ import annotations
@@ -17,13 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from devgraph._errors import DevgraphError
-from devgraph.backends.cpu._pool import Block, CpuPool, block_of, storage_bytes
+from devgraph.backends.cpu._pool import Block, BlockPool, block_of, tensor_bytes
 
-__all__ = ["Entry", "Recorder", "Segment"]
+__all__ = ["Entry", "Recorder", "Segment", "Tape"]
 
 _UNINITIALISED = {
     "aten::empty",
@@ -128,12 +132,12 @@ class Recorder(TorchDispatchMode):
 
     Args:
         pool: where fresh outputs are placed.
-        segment: the segment entries are appended to (switch with ``start_segment``).
+        segment: the segment entries are appended to (assign it to switch segments).
         reissue: when re-issuing a task group, the group's original fresh outputs: the new call's
             fresh outputs are written into them instead of new pool blocks.
     """
 
-    def __init__(self, pool: CpuPool, segment: Segment, reissue: list[_Ref] | None = None) -> None:
+    def __init__(self, pool: BlockPool, segment: Segment, reissue: list[_Ref] | None = None) -> None:
         super().__init__()
         self.pool = pool
         self.segment = segment
@@ -199,7 +203,7 @@ class Recorder(TorchDispatchMode):
                     f"captured {ref.size} {ref.dtype}; tensor arguments must be the captured ones"
                 )
         else:
-            nbytes = storage_bytes(tuple(t.shape), tuple(t.stride()), t.dtype)
+            nbytes = tensor_bytes(t)
             if nbytes == 0:
                 return t
             block = self.pool.allocate(nbytes)
@@ -210,3 +214,76 @@ class Recorder(TorchDispatchMode):
         entry.outs.append((leaf_index, ref))
         self.segment.fresh.append(ref)
         return dst
+
+
+class Tape:
+    """One graph's segments in replay order, and the recorder filling them while it captures.
+
+    ``segments`` is empty until ``begin`` and again after ``abandon``; a capture always has at least
+    one segment. A task update records into a segment of its own (with its own recorder) and swaps
+    it in with ``replace``.
+    """
+
+    def __init__(self) -> None:
+        self.segments: list[Segment] = []
+        self.recorder: Recorder | None = None
+
+    def begin(
+        self, pool: BlockPool, recorder_cls: Callable[[BlockPool, Segment], Recorder] = Recorder
+    ) -> Recorder:
+        """Start recording into a fresh first segment (placing fresh outputs in ``pool``)."""
+        self.segments = [Segment()]
+        self.recorder = recorder_cls(pool, self.segments[0])
+        self.recorder.__enter__()
+        return self.recorder
+
+    def end(self) -> None:
+        """Stop recording; the segments stay, ready to replay."""
+        assert self.recorder is not None
+        self.recorder.__exit__(None, None, None)
+        self.recorder = None
+
+    def abandon(self) -> None:
+        """Stop recording if it still is, and forget the segments."""
+        if self.recorder is not None:
+            self.recorder.__exit__(None, None, None)
+            self.recorder = None
+        self.segments = []
+
+    def open_group(self, group_index: int) -> Segment:
+        """Record what follows into a new segment of its own: task group ``group_index``."""
+        assert self.recorder is not None
+        segment = Segment(group_index)
+        self.segments.append(segment)
+        self.recorder.segment = segment
+        return segment
+
+    def close_group(self) -> None:
+        """Record what follows into a new (ungrouped) segment after the group."""
+        assert self.recorder is not None
+        tail = Segment()
+        self.segments.append(tail)
+        self.recorder.segment = tail
+
+    def replace(self, old: Segment, new: Segment) -> None:
+        """Put ``new`` (a re-issue of group ``old``, written into its outputs) in ``old``'s place."""
+        new.fresh = old.fresh
+        self.segments[self.segments.index(old)] = new
+
+    def replay(self) -> None:
+        """Re-run every segment, in order."""
+        with torch.inference_mode():
+            for segment in self.segments:
+                segment.run()
+
+    def record_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
+        """Run ``fn(*args)``; while recording, record it as one entry (see ``Recorder.record_call``)."""
+        if self.recorder is None:
+            return fn(*args)
+        with _disable_current_modes():
+            return self.recorder.record_call(fn, args, name)
+
+    @property
+    def ops(self) -> list[str]:
+        """Names of the recorded entries, in replay order."""
+        return [e.name for s in self.segments for e in s.entries]

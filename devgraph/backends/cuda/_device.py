@@ -333,11 +333,6 @@ class CudaDevice(Device):
             peak_allocated=torch.cuda.max_memory_allocated(self.index),
         )
 
-    def weak_ref(self, tensor: torch.Tensor) -> torch.Tensor:
-        from devgraph import weak_ref_tensor
-
-        return weak_ref_tensor(tensor)
-
 
 def _torch_stream(stream: Stream) -> torch.cuda.Stream:
     if not isinstance(stream, CudaStream):

@@ -28,7 +28,6 @@ import torch
 from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph._errors import DevgraphError
 from devgraph._tasks import TaskGroup
-from devgraph._weakref import weak_ref_tensor
 from devgraph.backends.npu import _kernels
 
 __all__ = ["NPU_HARDWARE_STREAMS", "NpuDevice", "NpuEvent", "NpuGraph", "NpuPool", "NpuStream"]
@@ -304,6 +303,3 @@ class NpuDevice(Device):
             reserved=int(npu.memory_reserved(self.index)),
             peak_allocated=int(npu.max_memory_allocated(self.index)),
         )
-
-    def weak_ref(self, tensor: torch.Tensor) -> torch.Tensor:
-        return weak_ref_tensor(tensor)
