@@ -174,3 +174,41 @@ def test_runner_config_survives_evolve():
     again = attrs.evolve(config, mode="piecewise")
     assert again.pad_values == config.pad_values and again.host_args == config.host_args
     assert again.batch_dims == config.batch_dims and again.mode == "piecewise"
+
+
+def test_torchair_off_an_npu_is_a_clear_error_when_the_runner_is_built():
+    with pytest.raises(DevgraphError, match=r"torchair' compiles for Ascend NPUs only.*cpu"):
+        devgraph.wrap(torch.nn.Linear(4, 4), device="cpu", mode="piecewise", compile_backend="torchair")
+
+
+def test_uuid_on_a_device_folds_the_effective_backend_and_stream_budget():
+    dev = devgraph.device("cpu")
+    # On cpu the default backend is eager and there is no budget: spelling them out changes nothing.
+    assert CompileConfig().uuid(dev) == CompileConfig(compile_backend="eager").uuid(dev)
+    assert CompileConfig().uuid(dev) != CompileConfig(compile_backend="inductor").uuid(dev)
+
+    class Budgeted(type(dev)):  # type: ignore[misc]
+        capture_stream_budget = 64
+        default_compile_backend = "inductor"
+
+    budgeted = Budgeted()
+    assert CompileConfig().uuid(budgeted) == CompileConfig(
+        compile_backend="inductor", capture_budget=64
+    ).uuid(budgeted)
+    assert CompileConfig().uuid(budgeted) != CompileConfig().uuid(dev)
+
+
+def test_composite_splitting_ops_are_matched_with_their_namespace():
+    from devgraph.compile._ops import keep_composite_ops_whole
+
+    lib = torch.library.Library("devgraph_ns_test", "FRAGMENT")
+    lib.define("scaled_dot_product_attention(Tensor q, Tensor k, Tensor v) -> Tensor")
+    lib.impl("scaled_dot_product_attention", lambda q, k, v: q, "CompositeImplicitAutograd")
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    gm = torch.fx.symbolic_trace(attend)
+    # Same op name, other namespace: aten's SDPA must not be re-targeted to it.
+    assert keep_composite_ops_whole(gm, ["devgraph_ns_test::scaled_dot_product_attention"]) == 0
+    assert keep_composite_ops_whole(gm, ["aten::scaled_dot_product_attention"]) == 1

@@ -233,3 +233,144 @@ def test_strict_mode_raises_instead_of_falling_back():
     runner(_x(2))
     with pytest.raises(DevgraphError, match="strict=True"), warnings.catch_warnings():
         runner(_x(2)[:, :4])
+
+
+# -- capture all or nothing, staging of eager values, trace-time checks --------------------------
+
+
+def test_a_failed_capture_leaves_nothing_half_captured(monkeypatch):
+    from devgraph import CaptureError
+    from devgraph.compile._pieces import PieceRunner
+
+    model, graphed = _toy(capture_sizes=[2, 4, 8])
+    real = PieceRunner._capture
+    seen = []
+
+    def fails_at_size_2(self, args):
+        seen.append(self)
+        if self.state.size == 2 and self.last:  # sizes 8 and 4 and the first piece of 2 captured
+            raise CaptureError("refused for the test", op="test::op", remedy="none")
+        return real(self, args)
+
+    monkeypatch.setattr(PieceRunner, "_capture", fails_at_size_2)
+    with pytest.raises(CaptureError) as info:
+        graphed(_x(3))
+    assert info.value.batch_size == 2 and "capture_sizes" in info.value.remedy
+    runner = graphed.runner
+    assert not runner.captured and runner.module is None and runner.plan is None
+    assert all(not piece.entries for piece in seen)  # every graph of 8, 4 and 2 was reset
+    monkeypatch.setattr(PieceRunner, "_capture", real)
+    got = graphed(_x(3))  # builds again from scratch; never "submod_0 has no graph for size 2"
+    torch.testing.assert_close(got["y"], model(_x(3))["y"])
+    assert graphed.stats.replays == 1
+
+
+class ViewBetweenSplits(torch.nn.Module):
+    """Two splitting ops with only a view between them (a piece that does no work), and a later
+    piece that reads that view of the first splitting op's fresh output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1 = torch.nn.Linear(8, 8)
+        self.lin2 = torch.nn.Linear(8, 8)
+        self.w8 = torch.nn.Parameter(torch.rand(8) + 0.5)
+        self.w4 = torch.nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        h = torch.ops.devgraph.rms_norm(torch.tanh(self.lin1(x)), self.w8, 1e-6)
+        v = h.view(-1, 2, 4)
+        g = torch.ops.devgraph.rms_norm(v, self.w4, 1e-6)
+        return self.lin2(g.reshape(-1, 8)) + v.reshape(-1, 8)
+
+
+def test_a_view_of_an_eager_output_read_by_a_later_piece_is_held_strongly():
+    import gc
+
+    import devgraph.ops
+
+    model = ViewBetweenSplits().requires_grad_(False)
+    graphed = devgraph.wrap(
+        model, device="cpu", mode="piecewise", splitting_ops=["devgraph::rms_norm"], capture_sizes=[4, 8]
+    )
+    for n, seed in [(3, 0), (8, 1), (4, 2), (5, 3)]:
+        got = graphed(_x(n, seed))
+        gc.collect()
+        [torch.full((64,), 7.0) for _ in range(64)]  # churn: reuse any memory that was freed
+        torch.testing.assert_close(got, model(_x(n, seed)))
+    runner = graphed.runner
+    assert [p.does_work for p in runner.traced.compiled.split.pieces if not p.is_splitting_op] == [
+        True,
+        False,
+        True,
+    ]
+    last = runner.module.runners[-1]
+    staged = {b.untyped_storage().data_ptr() for b in last.staging.values()}
+    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *runner._buffers.values()]}
+    for entry in last.entries.values():
+        for _, kept, _ in entry.tensors:
+            ptr = kept.untyped_storage().data_ptr()
+            # Pool memory (weak), the runner's or the model's own tensors, or the piece's staging
+            # buffer: never a weak view of an eager output nothing keeps alive.
+            assert block_of(kept) is not None or ptr in owned or ptr in staged
+    assert staged and runner.module.input_copies > 0
+
+
+def test_eager_outputs_are_staged_in_one_buffer_per_argument_for_all_sizes():
+    _, graphed = _toy(capture_sizes=[2, 4, 8])
+    graphed(_x(3))
+    last = graphed.runner.module.runners[-1]
+    assert len(last.staging) == 1
+    (index, buffer), *_ = last.staging.items()
+    assert buffer.numel() == 8 * 8  # the largest size's rms_norm output
+    # Every size's capture read that one buffer (not a capture-time output of its own per size).
+    held = [t for e in last.entries.values() for i, t, _ in e.tensors if i == index]
+    assert [t.shape[0] for t in held] == [8, 4, 2]
+    assert {t.untyped_storage().data_ptr() for t in held} == {buffer.untyped_storage().data_ptr()}
+
+
+def test_an_output_flattened_over_tokens_is_a_clear_error():
+    class Flat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.ops.devgraph.rms_norm(self.lin(x), torch.ones(8), 1e-6).reshape(-1)
+
+    graphed = devgraph.wrap(Flat().requires_grad_(False), device="cpu", mode="piecewise", capture_sizes=[4])
+    with pytest.raises(DevgraphError, match=r"output 0 .*depends on the token count without being it"):
+        graphed(_x(3))
+    assert not graphed.runner.captured
+
+
+def test_a_call_of_zero_tokens_falls_back_as_an_empty_batch():
+    _, graphed = _toy(capture_sizes=[4])
+    graphed(_x(2))
+    with pytest.warns(UserWarning, match="empty_batch"):
+        got = graphed(_x(0))
+    assert got["y"].shape == (0, 8)
+    assert graphed.stats.fallbacks == {"empty_batch": 1}
+
+
+def test_the_capture_stream_waits_for_the_padding_fill_before_each_warm_up(monkeypatch):
+    from devgraph.compile._pieces import PiecewiseModule
+
+    stream_type = type(devgraph.device("cpu").stream())
+    events = []
+    real_wait, real_call = stream_type.wait_stream, PiecewiseModule.__call__
+
+    def wait_stream(self, other):
+        events.append("wait")
+        return real_wait(self, other)
+
+    def call(self, *inputs, host=None):
+        events.append("warm")
+        return real_call(self, *inputs, host=host)
+
+    monkeypatch.setattr(stream_type, "wait_stream", wait_stream)
+    monkeypatch.setattr(PiecewiseModule, "__call__", call)
+    _, graphed = _toy(capture_sizes=[2, 4, 8])
+    graphed.capture(_x(2))
+    firsts = [i for i, e in enumerate(events) if e == "warm" and (i == 0 or events[i - 1] != "warm")]
+    assert len(firsts) >= 3 and all(events[i - 1] == "wait" for i in firsts[-3:])

@@ -169,6 +169,29 @@ def test_full_and_piecewise_sends_decode_to_full_graphs_and_prefill_to_pieces(bo
     both_modes.free(ids)
 
 
+def test_decode_batches_above_the_full_sizes_replay_the_pieces(both_modes):
+    ids = both_modes.new_ids(6)
+    both_modes.check(both_modes.prefill({i: _tokens(2, 20 + i) for i in ids}))
+    stats = both_modes.graphed.stats
+    replays, full_replays, eager = stats.replays, stats.full.replays, stats.eager_calls
+    # 6 sequences: above the full graphs' largest batch (4), inside the pieces' sizes (8).
+    both_modes.check(both_modes.manager.decode_batch(ids, _tokens(6, 30)))
+    assert stats.replays == replays + 1 and stats.full.replays == full_replays
+    assert stats.eager_calls == eager and "batch_too_large" not in stats.full.fallbacks
+    both_modes.free(ids)
+
+
+def test_full_and_piecewise_graphs_share_one_pool(both_modes):
+    ids = both_modes.new_ids(2)
+    both_modes.check(both_modes.prefill({ids[0]: _tokens(3, 1), ids[1]: _tokens(2, 2)}))
+    both_modes.check(both_modes.manager.decode_batch(ids, _tokens(2, 3)))
+    runner = both_modes.graphed.runner
+    pools = {id(g.pool()) for size in runner.plan.sizes for g in runner.module.graphs(size)}
+    pools.update(id(runner.full.graph(s).pool()) for s in runner.full.sizes)
+    assert len(pools) == 1
+    both_modes.free(ids)
+
+
 def test_capture_budget_drops_sizes_and_pads_to_the_next_one(device):
     # 2 pieces per size (1 layer) and 5 streams: two of the four sizes fit.
     dec = Decoders(

@@ -97,3 +97,65 @@ def test_a_budget_below_one_size_captures_nothing_and_warns(caplog):
 def test_bad_arguments_are_clear_errors(sizes, pieces):
     with pytest.raises(DevgraphError):
         plan_capture_sizes(sizes, pieces, 10)
+
+
+def _plain_recurrence(sizes, count, demand):
+    """The O(count * m**2) dynamic programme the planner used to run (the reference)."""
+    import bisect
+
+    import torch
+
+    m = len(sizes)
+    points = [(n, w) for n, w in demand if n <= sizes[-1]]
+    keys = [n for n, _ in points]
+    cum_w, cum_nw = [0.0], [0.0]
+    for n, w in points:
+        cum_w.append(cum_w[-1] + w)
+        cum_nw.append(cum_nw[-1] + w * n)
+    upto = torch.tensor([bisect.bisect_right(keys, s) for s in sizes])
+    w_at = torch.tensor(cum_w, dtype=torch.float64)[upto]
+    nw_at = torch.tensor(cum_nw, dtype=torch.float64)[upto]
+    size = torch.tensor(sizes, dtype=torch.float64)
+    cost = size[None, :] * (w_at[None, :] - w_at[:, None]) - (nw_at[None, :] - nw_at[:, None])
+    cost = cost.masked_fill(~torch.ones(m, m, dtype=torch.bool).triu(1), float("inf"))
+    best = size * w_at - nw_at
+    for _ in range(2, count + 1):
+        best = (best[:, None] + cost).min(dim=0).values
+    return float(best[-1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 400), min_size=2, max_size=80, unique=True),
+    data=st.data(),
+    traffic=traffic_st,
+)
+def test_fast_planner_finds_the_plain_recurrences_optimum(sizes, data, traffic):
+    from devgraph.compile._planner import _best_subset, _demand
+
+    ordered = sorted(sizes)
+    count = data.draw(st.integers(1, len(ordered) - 1))
+    demand = _demand(ordered, traffic or None)
+    kept, _ = _best_subset(ordered, count, demand)
+    assert len(kept) == count and kept[-1] == ordered[-1] and set(kept) <= set(ordered)
+    assert padding_cost(kept, demand) == pytest.approx(_plain_recurrence(ordered, count, demand), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "traffic",
+    [None, {2048: 1.0}, {n: float(n % 7 == 0) for n in range(1, 2049)}, {n: 1.0 / n for n in range(1, 2049)}],
+    ids=["requested", "all-at-the-top", "sparse", "decaying"],
+)
+def test_a_2048_size_plan_evaluates_a_small_fraction_of_the_pairs(traffic):
+    # 1..2048 keeping 1,024 (2 pieces, 2,048 streams): the plain recurrence evaluates
+    # count * m**2 / 2 = 2.1e9 (previous size, next size) pairs (104 s); the planner must stay
+    # under 2% of that whatever the traffic.
+    from devgraph.compile._planner import _best_subset, _demand
+
+    sizes = list(range(1, 2049))
+    count = 2048 // 2
+    kept, evaluations = _best_subset(sizes, count, _demand(sizes, traffic))
+    assert len(kept) == count and kept[-1] == 2048
+    assert evaluations < 0.02 * count * len(sizes) ** 2 / 2
+    demand = _demand(sizes, traffic)
+    assert padding_cost(kept, demand) <= padding_cost(spread_evenly(sizes, count), demand) + 1e-6

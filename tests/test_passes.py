@@ -170,6 +170,32 @@ def test_fused_graph_returns_the_sum_for_the_next_residual():
         torch.testing.assert_close(got, want)
 
 
+def _norm_after_in_place_write(write_operand: bool):
+    def f(x, r, w, other):
+        s = x + r
+        (x if write_operand else other).add_(1)  # between the residual add and the norm reading it
+        var = s.pow(2).mean(-1, keepdim=True)
+        out = w * (s * torch.rsqrt(var + 1e-5))
+        return out, s
+
+    return make_fx(f)(torch.randn(3, 8), torch.randn(3, 8), torch.rand(8), torch.zeros(2))
+
+
+def test_a_residual_add_whose_operand_is_written_in_place_before_the_norm_is_not_fused():
+    gm = _norm_after_in_place_write(write_operand=True)
+    args = (torch.randn(3, 8), torch.randn(3, 8), torch.rand(8), torch.zeros(2))
+    expected = gm(*(a.clone() for a in args))
+    # The fused op would go right before the outputs, after x.add_(1), and read the new x.
+    assert AddRmsNormFusion()(gm.graph) == 0
+    gm.recompile()
+    for got, want in zip(gm(*(a.clone() for a in args)), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_an_in_place_write_to_another_tensor_does_not_stop_the_fusion():
+    assert AddRmsNormFusion()(_norm_after_in_place_write(write_operand=False).graph) == 1
+
+
 def test_rms_norm_matcher_reads_eps_and_weight_from_the_graph():
     gm = _norm_graph(leak=False)
     out = next(iter(n for n in gm.graph.nodes if n.op == "output")).args[0][0]

@@ -258,3 +258,26 @@ def test_a_failed_bucket_capture_leaves_nothing_half_captured():
     assert not graphed.runner.captured
     with pytest.raises(CaptureError):  # tried again, fails the same way, never a KeyError
         graphed(torch.ones(1, 2))
+
+
+def test_a_call_of_zero_rows_falls_back_as_an_empty_batch_without_capturing():
+    graphed, _, _ = _wrap(devgraph.device("cpu"))
+    x, slot = _inputs(devgraph.device("cpu"), 0)
+    with pytest.warns(UserWarning, match="empty_batch"):
+        y, _ = graphed(x, slot)
+    assert y.shape == (0, 8) and not graphed.runner.captured
+    assert graphed.stats.fallbacks == {"empty_batch": 1}
+
+
+def test_note_fallback_counts_warns_once_and_raises_when_strict():
+    graphed, _, _ = _wrap(devgraph.device("cpu"))
+    runner = graphed.runner
+    with pytest.warns(UserWarning, match=r"running eagerly \(too_long\): 40 tokens"):
+        runner.note_fallback("too_long", "40 tokens")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        runner.note_fallback("too_long", "41 tokens")
+    assert runner.stats.fallbacks == {"too_long": 2} and runner.stats.eager_calls == 2
+    strict, _, _ = _wrap(devgraph.device("cpu"), strict=True)
+    with pytest.raises(DevgraphError, match=r"strict=True.*40 tokens"):
+        strict.runner.note_fallback("too_long", "40 tokens")

@@ -29,14 +29,12 @@ the ``sdpa`` or ``eager`` attention implementation; needs transformers >= 5.
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Any
 
 import attrs
 import torch
 from torch import nn
 
-from devgraph._capture import user_stacklevel
 from devgraph._contract import Device
 from devgraph._errors import DevgraphError
 from devgraph._plugins import device as _device
@@ -146,7 +144,6 @@ class GraphedCausalLM(GraphedModule):
         step = _DecodeStep(model, options.max_cache_len)
         super().__init__(model, GraphRunner(step, device, runner_config))
         self._step = step
-        self._warned: set[str] = set()
         self._lock = threading.RLock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -308,19 +305,7 @@ class GraphedCausalLM(GraphedModule):
         eos_token_id: Any,
         pad_token_id: Any,
     ) -> torch.Tensor:
-        category, detail = why
-        if self.runner.config.strict:
-            raise DevgraphError(f"cannot serve this generate() from graphs (strict=True): {detail}")
-        stats = self.runner.stats
-        stats.fallbacks[category] = stats.fallbacks.get(category, 0) + 1
-        stats.eager_calls += 1
-        if category not in self._warned:
-            self._warned.add(category)
-            warnings.warn(
-                f"devgraph: running generate() eagerly ({category}): {detail}. "
-                "Further calls like this fall back silently; see .stats.fallbacks.",
-                stacklevel=user_stacklevel(),
-            )
+        self.runner.note_fallback(*why)  # raises when strict; counts; warns once per category
         tokens = {
             k: v for k, v in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)) if v is not None
         }

@@ -11,8 +11,8 @@ between, with the call's real metadata.
     graphed = devgraph.wrap(model, device="npu", mode="piecewise", capture_sizes=[16, 64, 256])
 
 Modes (``mode=``): ``"full"`` (devgraph.wrap's default: one graph per batch size),
-``"piecewise"``, ``"full_and_piecewise"`` (uniform decode batches use the full graphs, prefill
-and mixed batches the pieces).
+``"piecewise"``, ``"full_and_piecewise"`` (uniform decode batches that fit a full-graph bucket use
+the full graphs; prefill, mixed and larger decode batches the pieces; one pool for both).
 """
 
 from devgraph.compile._backends import CompiledPiece, compile_piece

@@ -141,6 +141,11 @@ class CompileConfig:
         data["is_decode"] = _callable_name(self.is_decode)
         data["splitting_ops"] = list(self.all_splitting_ops())
         data["passes"] = [p.uuid() for p in resolve_passes(self.passes, device)]
+        if device is not None:
+            # What the device makes of the defaults: the same config compiles differently on an NPU
+            # with torchair than on one without, and plans sizes for the device's stream budget.
+            data["compile_backend"] = self.backend_for(device)
+            data["capture_budget"] = self.effective_budget(device)
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
     def backend_for(self, device: Device | None) -> str:
@@ -149,6 +154,25 @@ class CompileConfig:
             return self.compile_backend
         default = getattr(device, "default_compile_backend", None) if device is not None else None
         return default or "eager"
+
+    def effective_budget(self, device: Device | None) -> int | None:
+        """The stream budget captured pieces plan for: ``capture_budget``, else the device's."""
+        if self.capture_budget is not None:
+            return self.capture_budget
+        return getattr(device, "capture_stream_budget", None) if device is not None else None
+
+    def check_device(self, device: Device) -> None:
+        """Raise ``DevgraphError`` when the compile backend cannot target ``device``.
+
+        ``torchair`` compiles for Ascend NPUs only; ``eager`` and ``inductor`` run anywhere torch does.
+        """
+        backend = self.backend_for(device)
+        if backend == "torchair" and device.name != "npu":
+            raise DevgraphError(
+                f"compile_backend='torchair' compiles for Ascend NPUs only, and this runner captures on "
+                f"{device.name}; use compile_backend='inductor' or 'eager' there (or None: the device's "
+                "default), or device='npu'"
+            )
 
 
 def compile_option_names() -> tuple[str, ...]:

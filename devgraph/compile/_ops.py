@@ -148,23 +148,25 @@ def _opaque_twin(overload: Any) -> Any:
         return twin
 
 
-def _composite_targets(names: Sequence[str]) -> dict[str, Any]:
-    """``{op short name: OpOverload}`` of the splitting ops that would decompose while lowering."""
+def _composite_targets(names: Sequence[str]) -> dict[str, tuple[Any, str | None]]:
+    """``{"ns::op": (OpOverload, overload named or None)}`` of the splitting ops that would decompose
+    while lowering (the overload is the named one, else ``default``)."""
     found = {}
     for name in names:
-        packet, overload = _lookup(name)
-        overload = getattr(packet, overload or "default", None)
+        packet, overload_name = _lookup(name)
+        overload = getattr(packet, overload_name or "default", None)
         if overload is not None and _is_composite(overload):
-            found[packet._qualified_op_name.split("::")[1]] = overload
+            found[packet._qualified_op_name] = (overload, overload_name)
     return found
 
 
 def keep_composite_ops_whole(gm: fx.GraphModule, names: Sequence[str]) -> int:
     """Re-target calls of composite splitting ops in a Dynamo graph to their opaque twins.
 
-    Matches ``torch.ops`` targets and torch's builtin functions of the same name
-    (``F.scaled_dot_product_attention`` is ``torch._C._nn.scaled_dot_product_attention``).
-    Returns the number of calls re-targeted.
+    Matches by qualified name (namespace included): ``torch.ops`` targets (an ``OpOverload`` only
+    when the name lists no overload or lists that one), and torch's builtin functions, which are
+    aten ops (``F.scaled_dot_product_attention`` is ``torch._C._nn.scaled_dot_product_attention``,
+    matched by ``aten::scaled_dot_product_attention`` only). Returns the number of calls re-targeted.
     """
     composite = _composite_targets(names)
     if not composite:
@@ -175,15 +177,18 @@ def keep_composite_ops_whole(gm: fx.GraphModule, names: Sequence[str]) -> int:
             continue
         target = node.target
         overload = None
-        if isinstance(target, torch._ops.OpOverload) and _is_composite(target):
-            short = target._schema.name.split("::")[1]
-            overload = target if composite.get(short) is not None else None
+        if isinstance(target, torch._ops.OpOverload):
+            wanted = composite.get(target._schema.name)
+            if wanted is not None and wanted[1] in (None, target._overloadname) and _is_composite(target):
+                overload = target
         elif isinstance(target, torch._ops.OpOverloadPacket):
-            overload = composite.get(target._qualified_op_name.split("::")[1])
+            wanted = composite.get(target._qualified_op_name)
+            overload = wanted[0] if wanted is not None else None
         elif type(target).__name__ == "builtin_function_or_method" and str(
             getattr(target, "__module__", "") or ""
         ).startswith("torch"):
-            overload = composite.get(getattr(target, "__name__", ""))
+            wanted = composite.get(f"aten::{getattr(target, '__name__', '')}")
+            overload = wanted[0] if wanted is not None else None
         if overload is not None:
             node.target = _opaque_twin(overload)
             count += 1

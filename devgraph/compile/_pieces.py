@@ -8,12 +8,20 @@ and a plain eager call for each splitting op, then runs the split module in one 
   run eagerly between the captures (on the capture stream, outside any graph);
 * ``replay``: each piece replays its graph; the splitting ops run eagerly in between.
 
-Replay needs a piece's inputs at their capture-time addresses. The first piece reads the runner's
-static buffers, later pieces read earlier pieces' outputs (graph memory, stable by construction),
-so those match; an input produced by an eager splitting op (a fresh tensor every call) is copied
-into the tensor the graph was captured with. Outputs are kept by weak reference (the pool owns
-the memory, as in vLLM's piecewise backend): the last piece's outputs already inside its capture,
-so its memory is free for the next capture.
+Replay needs a piece's inputs at their capture-time addresses. Three kinds of input:
+
+* the module's own inputs (the runner's static buffers, static arguments, weights): the same
+  memory every call, held as they are;
+* outputs produced inside an earlier piece's capture: graph memory the pool owns, stable by
+  construction, held by weak reference (as vLLM's piecewise backend does) so the pool can reuse
+  them for the next size;
+* anything else, i.e. what an eager splitting op made (a fresh tensor every call) or a view of it:
+  the piece is captured reading a *staging* tensor instead, one buffer per (piece, argument) sized
+  by the largest size and shared by every size, and each replay copies the call's value into it.
+  Nothing else keeps that memory alive, so it is never held weakly.
+
+The last piece's outputs are made weak inside its capture, so their memory is free for the next
+capture.
 """
 
 from __future__ import annotations
@@ -47,7 +55,10 @@ class _State:
     pool: MemoryPool | None = None
     stream: Stream | None = None
     host: Mapping[str, Any] | None = None
-    pool_storages: set[int] = attrs.field(factory=set)  # piece outputs of the current capture pass
+    # Storages of the current capture pass: the module's inputs (stable), and the outputs the pieces'
+    # captures allocated (owned by the pool).
+    stable_storages: set[int] = attrs.field(factory=set)
+    pool_storages: set[int] = attrs.field(factory=set)
 
 
 @attrs.define
@@ -73,6 +84,31 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
+def _extent(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """Elements a tensor of this shape and stride spans from its first element."""
+    if any(n == 0 for n in shape):
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+
+
+def _layout(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides when they are dense and non-overlapping (a layout one can copy into, as the
+    piece was traced with), else contiguous strides (an expanded tensor, say)."""
+    expected = 1
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1)
+    for st, n in dims:
+        if st != expected:
+            break
+        expected *= n
+    else:
+        return tuple(t.stride())
+    contiguous, acc = [], 1
+    for n in reversed(t.shape):
+        contiguous.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(contiguous))
+
+
 class PieceRunner:
     """Runs one piece: compiled eagerly, captured per size, or replayed (see the module docstring)."""
 
@@ -95,19 +131,29 @@ class PieceRunner:
         self.last = last
         self.count = count
         self.entries: dict[int, _Entry] = {}
+        # Argument index -> staging buffer (flat) for inputs made outside the graphs, shared by sizes.
+        self.staging: dict[int, torch.Tensor] = {}
         self.copies = 0  # inputs copied into capture-time tensors at replay (eager-produced inputs)
 
     def __call__(self, *args: Any) -> Any:
         state = self.state
-        if state.phase == "eager" or not self.piece.does_work:
-            out = self.compiled.fn(*args)
-        elif state.phase == "capture":
-            out = self._capture(args)
-        else:
-            out = self._replay(args)
+        if state.phase == "eager":
+            return self.compiled.fn(*args)
         if state.phase == "capture":
-            state.pool_storages.update(_storage(t) for t in _tensors(out))
-        return out
+            return self._capture(args)
+        return self._replay(args)
+
+    def _staged(self, index: int, arg: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like ``arg`` over this argument's staging buffer (grown if too small)."""
+        stride = _layout(arg)
+        need = max(1, _extent(arg.shape, stride))
+        buf = self.staging.get(index)
+        if buf is None or buf.dtype != arg.dtype or buf.device != arg.device or buf.numel() < need:
+            # Sizes are captured largest first, so this happens once per argument; a smaller size
+            # that needed more would get a new buffer, the old one kept alive by its own captures.
+            buf = torch.empty(need, dtype=arg.dtype, device=arg.device)
+            self.staging[index] = buf
+        return buf.as_strided(arg.shape, stride)
 
     def _run(self, graph: Graph, args: Sequence[Any]) -> Any:
         if self.compiled.opaque:
@@ -124,18 +170,29 @@ class PieceRunner:
         if self.first:
             # One line per size, not one per piece (vLLM logs from its first piece only, too).
             logger.debug("devgraph: capturing %d pieces for size %d", self.count, state.size)
+        if not self.piece.does_work:
+            return self.compiled.fn(*args)  # views only: run as they are (their outputs alias their inputs)
+        inputs = list(args)
         tensors, scalars = [], []
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                # Graph memory of an earlier piece is kept weakly (the pool owns it); anything else
-                # (static buffers, weights, outputs of eager splitting ops) strongly, to copy into.
-                keep = self.device.weak_ref(a) if _storage(a) in state.pool_storages else a
-                tensors.append((i, keep, a.data_ptr()))
+                storage = _storage(a)
+                if storage in state.pool_storages:
+                    keep = self.device.weak_ref(a)  # graph memory of an earlier piece: the pool owns it
+                elif storage in state.stable_storages:
+                    keep = a  # the runner's buffers, static arguments, weights
+                else:
+                    # Made outside the graphs (an eager splitting op): fresh memory every call that
+                    # nothing else keeps. Capture on the staging tensor; replays copy into it.
+                    keep = self._staged(i, a)
+                    keep.copy_(a)
+                    inputs[i] = keep
+                tensors.append((i, keep, keep.data_ptr()))
             elif not isinstance(a, (list, tuple)):
                 scalars.append((i, a))
         graph = self.device.graph()
         with graph.capture(stream=state.stream, pool=state.pool, auto_update_ops=self.device.updatable_ops):
-            out = self._run(graph, args)
+            out = self._run(graph, inputs)
             if self.last:
                 # Nothing after the last piece reads its outputs: let the pool have them back now.
                 # (Outside the dispatch modes: building the weak tensors is not work to record.)
@@ -145,10 +202,16 @@ class PieceRunner:
             name for name in (state.host or {}) if any(t.is_auto and t.takes(name) for t in graph.tasks)
         )
         self.entries[state.size] = _Entry(graph, tensors, scalars, _weak(self.device, out), host)
+        # What the capture allocated belongs to the pool; an output that aliases an input does not
+        # (unless that input is pool memory already).
+        outside = {_storage(t) for t in _tensors(inputs)} - state.pool_storages
+        state.pool_storages.update(_storage(t) for t in _tensors(out) if _storage(t) not in outside)
         return out
 
     def _replay(self, args: Sequence[Any]) -> Any:
         state = self.state
+        if not self.piece.does_work:
+            return self.compiled.fn(*args)
         entry = self.entries.get(state.size)  # type: ignore[arg-type]
         if entry is None:
             raise DevgraphError(
@@ -178,6 +241,7 @@ class PieceRunner:
         for entry in self.entries.values():
             entry.graph.reset()
         self.entries.clear()
+        self.staging.clear()
 
 
 def _weak(device: Device, value: Any) -> Any:
@@ -270,7 +334,7 @@ class PiecewiseModule:
                 return self.split.module(*inputs)
         finally:
             state.phase, state.size, state.host = "eager", None, None
-            state.pool_storages = set()
+            state.pool_storages, state.stable_storages = set(), set()
 
     def __call__(self, *inputs: Any, host: Mapping[str, Any] | None = None) -> Any:
         return self._run(inputs, "eager", None, host)
@@ -285,6 +349,7 @@ class PiecewiseModule:
     ) -> Any:
         """Capture every piece for ``size`` (inputs already padded to it) into ``pool`` on ``stream``."""
         self.state.pool, self.state.stream = pool, stream
+        self.state.stable_storages = {_storage(t) for t in _tensors(list(inputs))}
         try:
             with stream:
                 return self._run(inputs, "capture", size, host)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -24,7 +25,12 @@ __all__ = ["CapturePlan", "padding_cost", "plan_capture_sizes", "spread_evenly"]
 
 logger = logging.getLogger("devgraph.compile")
 
+# Above this many requested sizes the planner spreads the kept ones evenly (vllm-ascend's rule)
+# instead of searching: the exact search keeps count * (m - count) back pointers and takes ~0.5 s
+# at 2048.
 _MAX_DP_SIZES = 2048
+_FANOUT = 8  # pivots per interval and round in _layer's divide and conquer
+_DENSE_FACTOR = 64  # _layer solves a layer in one step when that takes <= this many candidates per target
 
 
 @attrs.frozen
@@ -83,16 +89,31 @@ def spread_evenly(sizes: Sequence[int], count: int) -> tuple[int, ...]:
     return tuple(sorted({sizes[round(i * step)] for i in range(count)}))
 
 
-def _best_subset(sizes: list[int], count: int, demand: list[tuple[int, float]]) -> tuple[int, ...]:
-    """The ``count`` sizes (the largest always among them) with the least padding on ``demand``.
+def _best_subset(
+    sizes: list[int], count: int, demand: list[tuple[int, float]]
+) -> tuple[tuple[int, ...], int]:
+    """The ``count`` sizes (the largest always among them) with the least padding on ``demand``,
+    and how many (previous size, next size) pairs the search evaluated.
 
-    Dynamic programming over "the largest size chosen so far", vectorised over the previous choice:
-    ``best[t][j]`` is the least padding of the demand up to ``sizes[j]`` with ``t`` sizes, the
-    largest of them ``sizes[j]``.
+    Dynamic programming over "the largest size chosen so far": ``best[t][j]`` is the least padding
+    of the demand up to ``sizes[j]`` with ``t`` sizes chosen, the largest of them ``sizes[j]``;
+    ``best[t + 1][j] = min over i < j of best[t][i] + cost(i, j)``, where ``cost(i, j)`` is the
+    padding of the demand in ``(sizes[i], sizes[j]]`` served by ``sizes[j]``.
+
+    ``cost`` is a Monge array: for ``i < i' < j < j'``, ``cost(i, j') + cost(i', j) - cost(i, j) -
+    cost(i', j') = (sizes[j'] - sizes[j]) * (W(i') - W(i)) >= 0`` (``W``: cumulative demand weight).
+    So the best ``i`` never decreases as ``j`` grows, nor from one layer to the next (Knuth's bound
+    ``opt[t][j] <= opt[t + 1][j]``), and each layer is searched between those bounds (``_layer``).
+    Layer ``t`` also only needs ``j`` in ``[t - 1, m - 1 - (count - t)]`` (room for the sizes still
+    to choose), a window of ``w = m - count + 1``. The plain recurrence evaluates ``count * m**2 / 2``
+    pairs (2e9 for 1..2048 keeping half); this evaluates ``O(count * w * log w)`` at worst and about
+    ``m`` per layer on typical traffic.
     """
     import torch
 
     m = len(sizes)
+    if count >= m:
+        return tuple(sizes), 0
     points = [(n, w) for n, w in demand if n <= sizes[-1]]
     keys = [n for n, _ in points]
     cum_w, cum_nw = [0.0], [0.0]
@@ -104,20 +125,114 @@ def _best_subset(sizes: list[int], count: int, demand: list[tuple[int, float]]) 
     w_at = torch.tensor(cum_w, dtype=torch.float64)[upto]
     nw_at = torch.tensor(cum_nw, dtype=torch.float64)[upto]
     size = torch.tensor(sizes, dtype=torch.float64)
-    # cost[i, j]: padding of demand in (sizes[i], sizes[j]] served by sizes[j] (i < j only).
-    cost = size[None, :] * (w_at[None, :] - w_at[:, None]) - (nw_at[None, :] - nw_at[:, None])
-    cost = cost.masked_fill(~torch.ones(m, m, dtype=torch.bool).triu(1), float("inf"))
-    best = size * w_at - nw_at  # t = 1: sizes[j] serves everything up to it
-    back = []
-    for _ in range(2, count + 1):
-        total = best[:, None] + cost
-        best, arg = total.min(dim=0)
+    width = m - count + 1
+    # Layer 1: sizes[j] is the smallest chosen and serves everything up to it.
+    best = (size * w_at - nw_at)[:width]
+    lower = torch.zeros(width, dtype=torch.long)
+    back: list[torch.Tensor] = []
+    evaluations = 0
+    for t in range(1, count):
+        # best[k] is layer t at j = t - 1 + k; compute layer t + 1 at j = t + k' (i < j: k <= k').
+        targets = (width - 1, width - 1) if t == count - 1 else (0, width - 1)
+        best, arg, n = _layer(
+            best, lower, size[t:], w_at[t:], nw_at[t:], w_at[t - 1 :], nw_at[t - 1 :], targets
+        )
         back.append(arg)
-    chosen, j = [sizes[-1]], m - 1
-    for arg in reversed(back):
-        j = int(arg[j])
-        chosen.append(sizes[j])
-    return tuple(sorted(chosen))
+        evaluations += n
+        # Knuth's bound for the next layer: its i at j is at least this layer's i at j. This layer
+        # chose i = t - 1 + arg[k'] for j = t + k'; the next one's target k' is j = t + 1 + k', its
+        # candidate k is i = t + k, so k >= arg[k' + 1] - 1 (its last target lies beyond this
+        # window: bounded through its neighbour, k >= arg[-1] - 1).
+        lower = (torch.cat([arg[1:], arg[-1:]]) - 1).clamp(min=0)
+    chosen, k = [sizes[-1]], width - 1
+    for t in range(count - 1, 0, -1):
+        k = int(back[t - 1][k])
+        chosen.append(sizes[t - 1 + k])
+    return tuple(sorted(chosen)), evaluations
+
+
+def _layer(
+    prev: Any,
+    lower: Any,
+    size_j: Any,
+    w_j: Any,
+    nw_j: Any,
+    w_i: Any,
+    nw_i: Any,
+    targets: tuple[int, int],
+) -> tuple[Any, Any, int]:
+    """One DP layer: ``out[k'] = min over lower[k'] <= k <= k' of prev[k] + cost(k, k')`` for ``k'``
+    in ``targets``; returns ``(out, argmin, evaluations)``. ``size_j``, ``w_j``, ``nw_j`` are
+    indexed by ``k'``, ``w_i``, ``nw_i`` by ``k``; the argmin is the largest minimiser.
+
+    When the bounds leave few candidates (typical traffic) every target is solved in one step.
+    Otherwise divide and conquer with ``_FANOUT`` pivots per interval: solve the pivots, then each
+    gap between two pivots searches only between their argmins (monotone in ``k'``); every round is
+    one vectorised step over all intervals, ``log(width) / log(_FANOUT + 1)`` rounds in all.
+    """
+    import torch
+
+    width = prev.numel()
+    out = torch.full((width,), float("inf"), dtype=torch.float64)
+    arg = torch.zeros(width, dtype=torch.long)
+    a, b = targets
+    pivot = torch.arange(a, b + 1)
+    first = torch.minimum(lower[a : b + 1], pivot)
+    span = pivot - first + 1
+    widest = int(span.max())
+    if pivot.numel() * widest <= _DENSE_FACTOR * width:
+        # Few candidates per target: all targets at once, as a (target, candidate) matrix.
+        k = first[:, None] + torch.arange(widest)
+        outside = k > pivot[:, None]
+        k = torch.minimum(k, pivot[:, None])
+        values = prev[k] + size_j[pivot, None] * (w_j[pivot, None] - w_i[k]) - (nw_j[pivot, None] - nw_i[k])
+        values = values.masked_fill(outside, float("inf"))
+        least, flipped = values.flip(1).min(1)  # min() returns the first minimiser: the largest k
+        out[a : b + 1] = least
+        arg[a : b + 1] = first + (widest - 1 - flipped)
+        return out, arg, pivot.numel() * widest
+    lo, hi = torch.tensor([a]), torch.tensor([b])
+    opt_lo, opt_hi = torch.tensor([0]), torch.tensor([width - 1])
+    evaluations = 0
+    while lo.numel():
+        # Pivots: up to _FANOUT per interval, spread evenly (all of it when it is short).
+        length = hi - lo + 1
+        per = length.clamp(max=_FANOUT)
+        task = torch.repeat_interleave(torch.arange(lo.numel()), per)
+        r = torch.arange(task.numel()) - (torch.cumsum(per, 0) - per)[task]
+        bt, lt = per[task], length[task]
+        pivot = lo[task] + ((r + 1) * (lt + 1)) // (bt + 1) - 1
+        # Candidates of each pivot: k in [first, last], k <= pivot.
+        first = torch.maximum(opt_lo[task], lower[pivot])
+        last = torch.minimum(opt_hi[task], pivot)
+        first = torch.minimum(first, last)
+        counts = last - first + 1
+        total = int(counts.sum())
+        evaluations += total
+        of = torch.repeat_interleave(torch.arange(pivot.numel()), counts)
+        k = first[of] + (torch.arange(total) - (torch.cumsum(counts, 0) - counts)[of])
+        j = pivot[of]
+        values = prev[k] + size_j[j] * (w_j[j] - w_i[k]) - (nw_j[j] - nw_i[k])
+        least = torch.full((pivot.numel(),), float("inf"), dtype=torch.float64)
+        least = least.scatter_reduce(0, of, values, "amin")
+        # The largest minimising k: one tie rule for every pivot keeps the argmin monotone.
+        hits = torch.where(values == least[of], k, -1)
+        best = torch.full((pivot.numel(),), -1, dtype=torch.long).scatter_reduce(0, of, hits, "amax")
+        out[pivot] = least
+        arg[pivot] = best
+        # Gaps: before each pivot (after the previous one, or from the interval's start), and after
+        # the interval's last pivot.
+        starts = r == 0
+        ends = r == bt - 1
+        before_lo = torch.where(starts, lo[task], pivot.roll(1) + 1)
+        before_opt = torch.where(starts, opt_lo[task], best.roll(1))
+        lo = torch.cat([before_lo, pivot[ends] + 1])
+        hi = torch.cat([pivot - 1, hi[task][ends]])
+        opt_lo = torch.cat([before_opt, best[ends]])
+        opt_hi = torch.cat([best, opt_hi[task][ends]])
+        keep = lo <= hi
+        lo, hi, opt_lo, opt_hi = lo[keep], hi[keep], opt_lo[keep], opt_hi[keep]
+    return out, arg, evaluations
 
 
 def plan_capture_sizes(
@@ -155,8 +270,8 @@ def plan_capture_sizes(
         )
         return CapturePlan((), tuple(ordered), pieces, budget)
     if len(ordered) <= _MAX_DP_SIZES:
-        kept = _best_subset(ordered, count, _demand(ordered, traffic))
-    else:  # thousands of sizes: the exact search would need too much memory; spread them instead
+        kept, _ = _best_subset(ordered, count, _demand(ordered, traffic))
+    else:  # more sizes than the exact search is sized for (time, back pointers): spread them evenly
         kept = spread_evenly(ordered, count)
     dropped = tuple(s for s in ordered if s not in kept)
     logger.info(

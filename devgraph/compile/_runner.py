@@ -1,24 +1,24 @@
 """PiecewiseRunner: a model cut at its splitting ops, each piece captured per token-count bucket.
 
-The runner reads calls like ``GraphRunner`` (batched tensors padded into static buffers, host lists
-padded and forwarded, outputs sliced back), but instead of one graph per size it traces the model
-once with Dynamo (``DevgraphBackend``: aten lowering, passes, split, per-piece compile), then
-captures every piece per size into one shared pool, largest size first. A call replays the pieces'
-graphs with the splitting ops (attention) run eagerly in between, so attention sees the call's real
-metadata. A call larger than every captured size runs the compiled pieces uncaptured.
+The runner reads calls like ``GraphRunner`` (both are ``BucketedRunner``: batched tensors padded
+into static buffers, host lists padded and forwarded, outputs sliced back, every size captured or
+none), but instead of one graph per size it traces the model once with Dynamo
+(``DevgraphBackend``: aten lowering, passes, split, per-piece compile), then captures every piece
+per size into one shared pool, largest size first. A call replays the pieces' graphs with the
+splitting ops (attention) run eagerly in between, so attention sees the call's real metadata. A
+call larger than every captured size runs the compiled pieces uncaptured.
 
 Modes (after vLLM's CUDAGraphMode): ``piecewise`` serves every call this way;
-``full_and_piecewise`` sends uniform decode batches (``is_decode``) to a full-graph
-``GraphRunner`` and everything else (prefill, mixed batches) through the pieces.
+``full_and_piecewise`` sends uniform decode batches (``is_decode``) that fit a full-graph bucket
+to a ``GraphRunner`` and everything else (prefill, mixed batches, larger decode batches) through
+the pieces; both capture into one pool on one side stream, as vLLM does.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -26,15 +26,15 @@ import attrs
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from devgraph._capture import user_stacklevel
-from devgraph._contract import Device
-from devgraph._errors import CaptureError, DevgraphError
+from devgraph._contract import Device, MemoryPool, Stream
+from devgraph._errors import DevgraphError
 from devgraph.compile._config import CompileConfig
 from devgraph.compile._planner import CapturePlan, plan_capture_sizes
 from devgraph.compile._trace import DevgraphBackend, Traced, trace_call
 from devgraph.runner import GraphRunner, RunnerConfig, RunnerStats, choose_bucket, normalise_batch_sizes
-from devgraph.runner._calls import Call, Unsupported, read_call, signature_of, template_mismatch
-from devgraph.runner._runner import _gc_frozen, _progress, _ranges
+from devgraph.runner._base import BucketedRunner, SharedCapture
+from devgraph.runner._calls import Call, Unsupported, read_call
+from devgraph.runner._util import size_ranges
 
 __all__ = ["PiecewiseRunner", "PiecewiseStats", "piecewise_runner"]
 
@@ -42,21 +42,15 @@ logger = logging.getLogger("devgraph")
 
 
 @attrs.define
-class PiecewiseStats:
-    """Counters of a PiecewiseRunner (``graphed.stats``).
+class PiecewiseStats(RunnerStats):
+    """Counters of a PiecewiseRunner (``graphed.stats``): ``RunnerStats`` and the compiler's own.
 
     ``replays`` counts piecewise replays; ``eager_calls`` calls that ran without graphs (a size
     above the captured ones runs the compiled pieces uncaptured: ``fallbacks['size_not_captured']``);
     ``full`` holds the full-graph runner's own stats in ``full_and_piecewise`` mode.
     """
 
-    replays: int = 0
-    eager_calls: int = 0
-    fallbacks: dict[str, int] = attrs.field(factory=dict)
     compile_seconds: float = 0.0
-    capture_seconds: float = 0.0
-    pool_bytes: int = 0
-    captured_sizes: tuple[int, ...] = ()
     dropped_sizes: tuple[int, ...] = ()
     pieces: int = 0
     splitting_ops: int = 0
@@ -64,7 +58,7 @@ class PiecewiseStats:
     full: RunnerStats | None = None
 
 
-class PiecewiseRunner:
+class PiecewiseRunner(BucketedRunner):
     """Serve calls of ``fn`` from per-piece graphs (see the module docstring).
 
     Args:
@@ -73,8 +67,11 @@ class PiecewiseRunner:
         config: a ``RunnerConfig`` (pad values, host args, batch dims, the full graph's batch sizes).
         compile_config: a ``CompileConfig`` (mode, splitting ops, compile backend, passes, sizes).
     Raises:
-        DevgraphError: ``full_and_piecewise`` without a way to tell decode batches (``is_decode``).
+        DevgraphError: ``full_and_piecewise`` without a way to tell decode batches (``is_decode``);
+            a compile backend this device cannot run (``torchair`` off an NPU); an unknown pass.
     """
+
+    _serve_what = "piecewise"
 
     def __init__(
         self,
@@ -83,18 +80,20 @@ class PiecewiseRunner:
         config: RunnerConfig | None = None,
         compile_config: CompileConfig | None = None,
     ) -> None:
-        self.fn = fn
-        self.device = device
-        self.compile_config = compile_config or CompileConfig()
-        mode = self.compile_config.mode
+        compile_config = compile_config or CompileConfig()
+        mode = compile_config.mode
         if mode == "full":
             raise DevgraphError(
                 "PiecewiseRunner serves mode='piecewise' or 'full_and_piecewise'; use GraphRunner"
             )
-        self.config = attrs.evolve(config or RunnerConfig(), mode=mode)
+        compile_config.check_device(device)
+        config = attrs.evolve(config or RunnerConfig(), mode=mode)
+        shared = SharedCapture(device) if mode == "full_and_piecewise" else None
+        super().__init__(fn, device, config, shared=shared)
+        self.compile_config = compile_config
         full_sizes = normalise_batch_sizes(self.config.batch_sizes, self.config.max_batch_size)
         requested = self.compile_config.capture_sizes
-        self.sizes: list[int] = list(requested) if requested else full_sizes
+        self.sizes = list(requested) if requested else full_sizes
         self.full: GraphRunner | None = None
         self.is_decode: Callable[..., bool] | None = None
         if mode == "full_and_piecewise":
@@ -105,19 +104,14 @@ class PiecewiseRunner:
                     "and mixed batches (piecewise): pass is_decode=fn, called with the call's arguments by "
                     "name and returning True for a decode batch (or give the model a devgraph_is_decode method)"
                 )
-            self.full = GraphRunner(fn, device, attrs.evolve(self.config, mode="full"))
+            # One pool and one side stream for the full graphs and the pieces (vLLM's global pool).
+            self.full = GraphRunner(fn, device, attrs.evolve(self.config, mode="full"), shared=shared)
         from devgraph.compile.passes import resolve_passes
 
         resolve_passes(self.compile_config.passes, device)  # unknown pass names fail here, not at trace
-        self.stats = PiecewiseStats(full=self.full.stats if self.full else None)
+        self.stats: PiecewiseStats = PiecewiseStats(full=self.full.stats if self.full else None)
         self.plan: CapturePlan | None = None
-        self._signature = signature_of(fn)
         self._traced: Traced | None = None
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._template: dict[str, Any] | None = None
-        self._weights: dict[str, tuple[torch.Tensor, int]] = {}
-        self._warned: set[str] = set()
-        self._lock = threading.RLock()
 
     # -- public --------------------------------------------------------------------------------
 
@@ -146,44 +140,32 @@ class PiecewiseRunner:
         )
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._lock, torch.no_grad():
-            if self.full is not None and self._is_decode(args, kwargs):
-                return self.full(*args, **kwargs)
-            try:
-                call = read_call(self._signature, self.config, args, kwargs)
-                if self._traced is None:
-                    self._build(call)
-                return self._serve(call)
-            except Unsupported as why:
-                return self._fallback(why, args, kwargs)
-
     def capture(self, *example_args: Any, **example_kwargs: Any) -> PiecewiseRunner:
         """Trace, compile and capture now from an example call (any size); the full graphs too."""
-        with self._lock, torch.no_grad():
-            try:
-                call = read_call(self._signature, self.config, example_args, example_kwargs)
-            except Unsupported as why:
-                raise DevgraphError(f"cannot capture from this example call: {why.detail}") from None
-            self.reset()
-            self._build(call)
+        with self._lock:
+            super().capture(*example_args, **example_kwargs)
             if self.full is not None:
                 self.full.capture(*example_args, **example_kwargs)
         return self
 
     def reset(self) -> None:
-        """Drop the trace and every captured graph (the next call builds them again)."""
+        """Drop the trace and every captured graph, the full graphs too (the next call builds them again).
+
+        Outputs returned earlier are views of graph memory (unless ``clone_outputs=True``): after a
+        reset that memory goes back to the pool and the next capture reuses it, so those views read
+        garbage. Clone what you keep across a reset.
+        """
         with self._lock:
-            if self._traced is not None:
-                self._traced.compiled.module.reset()
-            self._traced = None
-            self._buffers.clear()
-            self._template = None
-            self.plan = None
+            super().reset()
             if self.full is not None:
                 self.full.reset()
 
-    # -- build ---------------------------------------------------------------------------------
+    # -- routing -------------------------------------------------------------------------------
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.full is not None and self._is_decode(args, kwargs) and self._full_serves(args, kwargs):
+            return self.full(*args, **kwargs)
+        return super()._call(args, kwargs)
 
     def _is_decode(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         assert self.is_decode is not None
@@ -194,17 +176,29 @@ class PiecewiseRunner:
         bound.apply_defaults()
         return bool(self.is_decode(**bound.arguments))
 
-    def _build(self, example: Call) -> None:
+    def _full_serves(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether a decode call fits a full-graph bucket (larger ones go through the pieces)."""
+        assert self.full is not None
+        try:
+            call = read_call(self._signature, self.full.config, args, kwargs)
+        except Unsupported:
+            return True  # the full runner reports why it cannot serve it, as for any decode call
+        return choose_bucket(call.batch, self.full.sizes) is not None
+
+    # -- build ---------------------------------------------------------------------------------
+
+    def _drop(self) -> None:
+        if self._traced is not None:
+            self._traced.compiled.module.reset()
+        self._traced = None
+        self.plan = None
+        super()._drop()
+
+    def _capture(self, example: Call) -> None:
         cfg = self.config
-        largest = max(self.sizes)
         # The trace marks the token dim dynamic; Dynamo specialises sizes 0 and 1, so trace with >= 2.
-        trace_size = max(2, largest)
-        for name, x in example.batched.items():
-            d = cfg.batch_dim(name)
-            shape = list(x.shape)
-            shape[d] = trace_size
-            self._buffers[name] = torch.full(shape, cfg.pad_value(name), dtype=x.dtype, device=x.device)
-        self._template = example.template(cfg)
+        trace_size = max(2, max(self.sizes))
+        self._alloc_buffers(example, trace_size)
 
         def invoke(tensors: dict[str, torch.Tensor], traced: bool) -> Any:
             values: dict[str, Any] = dict(tensors)
@@ -214,10 +208,10 @@ class PiecewiseRunner:
             args, kwargs = example.bind(self._signature, values)
             return self.fn(*args, **kwargs)
 
-        tensors = {n: b.narrow(cfg.batch_dim(n), 0, trace_size) for n, b in self._buffers.items()}
+        tensors = self._narrowed(trace_size)
         tensors.update(example.static)
         dynamic = {n: cfg.batch_dim(n) for n in example.batched}
-        host = {op: [cfg.pad_value(arg)] * trace_size for arg, op in cfg.host_args}
+        host = self.padded_host_args({}, trace_size)
         backend = DevgraphBackend(self.device, self.compile_config, host_args=[op for _, op in cfg.host_args])
         start = time.perf_counter()
         self._traced = traced = trace_call(invoke, tensors, dynamic, backend, host)
@@ -226,57 +220,45 @@ class PiecewiseRunner:
         self.stats.pieces = module.captured_pieces
         self.stats.splitting_ops = sum(p.is_splitting_op for p in traced.compiled.split.pieces)
         self.stats.passes = dict(traced.compiled.pass_counts)
-        self._remember_weights()
-        self._capture_all(example)
+        self._remember_weights(example)
+        self.plan = self._plan(module.captured_pieces)
+        self.stats.dropped_sizes = self.plan.dropped
+
+        def prepare(size: int) -> tuple[Callable[[], Any], Callable[[MemoryPool, Stream], None]]:
+            host = self.padded_host_args({}, size)  # padding only: what warm-up and capture see
+            inputs = self._inputs(example, size)
+
+            def warm_up() -> Any:
+                return module(*inputs, host=host)
+
+            def capture(pool: MemoryPool, stream: Stream) -> None:
+                module.capture(inputs, size, pool, stream, host)
+
+            return warm_up, capture
+
+        self._capture_each(
+            list(self.plan.sizes),
+            prepare,
+            remedy="or run the offending op eagerly between the pieces (splitting_ops=[...]), "
+            "or capture fewer sizes (capture_sizes=[...])",
+            summary=f"captured {module.captured_pieces} pieces x {len(self.plan.sizes)} sizes ({{sizes}})",
+            tail=f"; {self.stats.splitting_ops} splitting ops run eagerly in between",
+            desc=f"devgraph piecewise capture ({self.device})",
+        )
 
     def _budget(self) -> int | None:
-        budget = self.compile_config.capture_budget or self.device.capture_stream_budget
+        budget = self.compile_config.effective_budget(self.device)
         if budget is not None and self.full is not None:
             budget -= len(self.full.sizes)  # one graph per decode batch size (assumed one stream each)
         return budget
 
-    def _capture_all(self, example: Call) -> None:
-        assert self._traced is not None
-        module = self._traced.compiled.module
+    def _plan(self, pieces: int) -> CapturePlan:
         traffic = dict(self.compile_config.traffic) if self.compile_config.traffic else None
         budget = self._budget()
         if budget is not None and budget < 1:
             logger.warning("devgraph: the full graphs use the whole capture budget; pieces are not captured")
-            self.plan = CapturePlan((), tuple(self.sizes), max(1, module.captured_pieces), budget)
-        else:
-            self.plan = plan_capture_sizes(self.sizes, max(1, module.captured_pieces), budget, traffic)
-        self.stats.captured_sizes = self.plan.sizes
-        self.stats.dropped_sizes = self.plan.dropped
-        pool = self.device.pool()
-        stream = self.device.stream()  # one side stream for every size (pool reuse is per stream on CUDA)
-        start = time.perf_counter()
-        with _gc_frozen():
-            before = self.device.memory_stats().reserved
-            for size in _progress(
-                sorted(self.plan.sizes, reverse=True), f"devgraph piecewise capture ({self.device})"
-            ):
-                self._capture_size(example, size, pool, stream)
-        self.stats.capture_seconds = time.perf_counter() - start
-        self.stats.pool_bytes = self.device.memory_stats().reserved - before
-        if self.plan.sizes:
-            logger.info(
-                "devgraph: captured %d pieces x %d sizes (%s) on %s in %.2f s, pool %.1f MiB; %d splitting ops "
-                "run eagerly in between",
-                module.captured_pieces,
-                len(self.plan.sizes),
-                _ranges(list(self.plan.sizes)),
-                self.device,
-                self.stats.capture_seconds,
-                self.stats.pool_bytes / 2**20,
-                self.stats.splitting_ops,
-            )
-
-    def _host(self, call: Call, size: int) -> dict[str, list[Any]]:
-        cfg = self.config
-        return {
-            op: list(call.host.get(arg, [])) + [cfg.pad_value(arg)] * (size - call.batch)
-            for arg, op in cfg.host_args
-        }
+            return CapturePlan((), tuple(self.sizes), max(1, pieces), budget)
+        return plan_capture_sizes(self.sizes, max(1, pieces), budget, traffic)
 
     def _inputs(self, call: Call, size: int | None) -> list[Any]:
         assert self._traced is not None
@@ -292,65 +274,37 @@ class PiecewiseRunner:
                 inputs.append(self._buffers[value].narrow(self.config.batch_dim(value), 0, size))
         return inputs
 
-    def _capture_size(self, example: Call, size: int, pool: Any, stream: Any) -> None:
-        assert self._traced is not None
-        cfg = self.config
-        module = self._traced.compiled.module
-        for name, buf in self._buffers.items():
-            buf.fill_(cfg.pad_value(name))  # padded rows are what warm-up and capture see
-        padding = attrs.evolve(example, batch=0, host={})
-        host = self._host(padding, size)
-        inputs = self._inputs(example, size)
-        with stream:
-            for _ in range(cfg.warmup_iters):
-                module(*inputs, host=host)
-        self.device.synchronize()
-        try:
-            module.capture(inputs, size, pool, stream, host)
-        except CaptureError as err:
-            remedy = (
-                f"{err.remedy}; or run the offending op eagerly between the pieces (splitting_ops=[...]), "
-                "or capture fewer sizes (capture_sizes=[...])"
-            )
-            raise err.with_batch_size(size, remedy) from err
-        self.device.synchronize()
-
     # -- serve ---------------------------------------------------------------------------------
 
     def _serve(self, call: Call) -> Any:
-        assert self._traced is not None and self._template is not None and self.plan is not None
-        cfg = self.config
-        reason = template_mismatch(self._template, call.template(cfg))
-        if reason:
-            raise Unsupported("signature_mismatch", f"call differs from the traced one: {reason}")
+        assert self._traced is not None and self.plan is not None
+        self._check_template(call, "traced")
         module = self._traced.compiled.module
         size = choose_bucket(call.batch, list(self.plan.sizes)) if self.plan.sizes else None
         if size is None:
             # Larger than every captured size (or nothing captured): the compiled pieces, uncaptured.
-            self.stats.eager_calls += 1
-            self.stats.fallbacks["size_not_captured"] = self.stats.fallbacks.get("size_not_captured", 0) + 1
-            if "size_not_captured" not in self._warned:
-                self._warned.add("size_not_captured")
-                logger.info(
-                    "devgraph: %d tokens is above the captured sizes (%s); such calls run the compiled pieces "
-                    "without graphs",
-                    call.batch,
-                    _ranges(list(self.plan.sizes)) or "none",
-                )
-            host = {op: list(call.host.get(arg, [])) for arg, op in cfg.host_args}
-            out = module(*self._inputs(call, None), host=host)
+            self._note_uncaptured(call.batch)
+            out = module(*self._inputs(call, None), host=self.padded_host_args(call.host, call.batch))
             return self._assemble(out, call.batch, call.batch)
-        for name, x in call.batched.items():
-            buf = self._buffers[name]
-            d = cfg.batch_dim(name)
-            buf.narrow(d, 0, call.batch).copy_(x)
-            if size > call.batch:
-                buf.narrow(d, call.batch, size - call.batch).fill_(cfg.pad_value(name))
-        if cfg.debug:
-            self._check_weights()
-        out = module.replay(self._inputs(call, size), size, self._host(call, size))
+        self._load(call, size)
+        if self.config.debug:
+            self._weights.check(self.fn)
+        out = module.replay(self._inputs(call, size), size, self.padded_host_args(call.host, size))
         self.stats.replays += 1
         return self._assemble(out, size, call.batch)
+
+    def _note_uncaptured(self, tokens: int) -> None:
+        self.stats.eager_calls += 1
+        self.stats.fallbacks["size_not_captured"] = self.stats.fallbacks.get("size_not_captured", 0) + 1
+        if "size_not_captured" not in self._warned:
+            self._warned.add("size_not_captured")
+            assert self.plan is not None
+            logger.info(
+                "devgraph: %d tokens is above the captured sizes (%s); such calls run the compiled pieces "
+                "without graphs",
+                tokens,
+                size_ranges(self.plan.sizes) or "none",
+            )
 
     def _assemble(self, flat: Any, size: int, batch: int) -> Any:
         assert self._traced is not None
@@ -367,40 +321,6 @@ class PiecewiseRunner:
                     t = t.narrow(d, 0, batch)
             leaves.append(t.clone() if self.config.clone_outputs else t)
         return tree_unflatten(leaves, traced.spec)
-
-    def _remember_weights(self) -> None:
-        self._weights = {}
-        if isinstance(self.fn, torch.nn.Module):
-            for n, p in self.fn.named_parameters():
-                self._weights[f"parameter {n!r}"] = (p, p.data_ptr())
-            for n, b in self.fn.named_buffers():
-                self._weights[f"buffer {n!r}"] = (b, b.data_ptr())
-
-    def _check_weights(self) -> None:
-        if not isinstance(self.fn, torch.nn.Module):
-            return
-        live: dict[str, torch.Tensor] = {f"parameter {n!r}": p for n, p in self.fn.named_parameters()}
-        live.update({f"buffer {n!r}": b for n, b in self.fn.named_buffers()})
-        for what, tensor in live.items():
-            if what in self._weights and self._weights[what][1] != tensor.data_ptr():
-                raise DevgraphError(
-                    f"{what} was replaced since the trace ({self._weights[what][1]:#x} -> {tensor.data_ptr():#x}); "
-                    "call .capture() again after loading weights or moving the model"
-                )
-
-    def _fallback(self, why: Unsupported, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.config.strict:
-            raise DevgraphError(f"cannot serve this call piecewise (strict=True): {why.detail}")
-        self.stats.fallbacks[why.category] = self.stats.fallbacks.get(why.category, 0) + 1
-        self.stats.eager_calls += 1
-        if why.category not in self._warned:
-            self._warned.add(why.category)
-            warnings.warn(
-                f"devgraph: running eagerly ({why.category}): {why.detail}. "
-                "Further calls like this fall back silently; see .stats.fallbacks.",
-                stacklevel=user_stacklevel(),
-            )
-        return self.fn(*args, **kwargs)
 
     def __repr__(self) -> str:
         return (

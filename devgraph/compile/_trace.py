@@ -161,6 +161,7 @@ class DevgraphBackend:
             device = _device()
         self.device = device
         self.config = config or CompileConfig()
+        self.config.check_device(device)
         self.host_args = tuple(host_args)
         self.host: Mapping[str, Any] | None = None
         self.compiled: list[CompiledGraph] = []
@@ -382,7 +383,28 @@ def trace_call(
         )
         for f in result.fake_outputs
     )
+    _check_output_shapes(result.fake_outputs, symbols)
     return Traced(result, tuple(inputs), tuple(outputs), spec, batch_dims)
+
+
+def _check_output_shapes(fakes: Sequence[Any], symbols: set[Any]) -> None:
+    """Raise when an output's size depends on the token count other than *as* a dim of it.
+
+    Outputs are cut from the padded size back to the call's token count along the token dims; a
+    dim like ``tokens * hidden`` (a flattened output) or ``tokens - 1`` cannot be cut that way, and
+    the call would get padding rows back.
+    """
+    for index, fake in enumerate(fakes):
+        for d, s in enumerate(getattr(fake, "shape", ())):
+            if not isinstance(s, torch.SymInt) or s.node.expr in symbols:
+                continue
+            if s.node.expr.free_symbols & symbols:
+                raise DevgraphError(
+                    f"output {index} of the model has shape {tuple(fake.shape)}: dim {d} ({s}) depends on the "
+                    "token count without being it, so piecewise mode cannot cut it back from the padded "
+                    "size. Return outputs with the token count as a dim of its own (reshape outside the "
+                    "model), or use mode='full'"
+                )
 
 
 def _fakes_by_name(result: CompiledGraph, inputs: Sequence[tuple[str, Any]]) -> dict[str, Any]:

@@ -177,6 +177,46 @@ def _arg_nodes(args: Sequence[Any]) -> Iterator[fx.Node]:
             yield from _arg_nodes(a)
 
 
+def _is_view(node: fx.Node) -> bool:
+    """A call whose result aliases its first argument without writing it (``view``, ``slice``...)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    returns = node.target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def _alias_root(node: fx.Node) -> fx.Node:
+    """The node whose memory ``node`` views (itself when it is not a view)."""
+    while _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _written(node: fx.Node) -> Iterator[fx.Node]:
+    """The nodes whose memory ``node`` writes in place (``Tensor(a!)`` arguments of its schema)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return
+    schema = node.target._schema
+    if not schema.is_mutable:
+        return
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        yield from _arg_nodes([value])
+
+
+def _written_between(start: fx.Node, stop: fx.Node, skip: set[fx.Node], inputs: set[fx.Node]) -> bool:
+    """Whether a node after ``start`` and before ``stop`` (``skip`` aside) writes memory of ``inputs``."""
+    roots = {_alias_root(n) for n in inputs}
+    node = start.next
+    while node is not stop and node.op != "root":
+        if node not in skip and any(_alias_root(w) in roots for w in _written(node)):
+            return True
+        node = node.next
+    return False
+
+
 def fuse(
     graph: fx.Graph,
     target: Any,
@@ -191,7 +231,10 @@ def fuse(
     every user outside ``internal`` (the pattern's own nodes, erased afterwards); ``adapters[i]``,
     when given, builds the replacement from that output (a reshape, say). The call goes right
     before the first such user; weights defined later (``get_attr``) are moved up. Returns the call,
-    or None (graph untouched) when the pattern leaks an intermediate or an input comes too late.
+    or None (graph untouched) when the pattern leaks an intermediate, an input comes too late, or
+    an op between the pattern's first node and where the call would go writes one of its inputs in
+    place (the graph is not functionalized: ``s = a + b; a.add_(1); rms_norm(s)`` must keep reading
+    ``a`` before the write).
     """
     outs = [o for o in outputs if o is not None]
     for n in internal:
@@ -203,6 +246,12 @@ def fuse(
         anchor = min(users, key=order.__getitem__)
     else:
         anchor = max(internal, key=order.__getitem__).next
+    inputs = {a for n in internal for a in n.all_input_nodes if a not in internal}
+    inputs.update(_arg_nodes(args))
+    earliest = min(internal, key=order.__getitem__)
+    stop = max([anchor, *internal], key=lambda n: order.get(n, len(order)))
+    if _written_between(earliest, stop, internal, inputs):
+        return None
     late = [a for a in _arg_nodes(args) if order[a] >= order[anchor]]
     for a in late:
         movable = a.op == "get_attr" or (

@@ -1,0 +1,315 @@
+"""BucketedRunner: what the full-graph and the piecewise runner share.
+
+Both read a call the same way (batched tensors, static tensors, host lists, constants), copy it
+into static buffers sized for the largest size and pad it up to a captured size, capture every
+size largest first into one pool on one side stream with garbage collection frozen, all sizes or
+none, and run what they cannot serve eagerly, counted and warned about once. Subclasses say what
+"capture" and "serve" mean (``_capture``, ``_serve``, ``_drop``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+
+from devgraph._capture import user_stacklevel
+from devgraph._contract import Device, MemoryPool, Stream
+from devgraph._errors import CaptureError, DevgraphError
+from devgraph.runner._calls import Call, Unsupported, read_call, signature_of, template_mismatch
+from devgraph.runner._config import RunnerConfig, RunnerStats
+from devgraph.runner._util import gc_frozen, progress, size_ranges
+
+__all__ = ["BucketedRunner", "SharedCapture", "WeightAddresses"]
+
+logger = logging.getLogger("devgraph")
+
+_R = TypeVar("_R", bound="BucketedRunner")
+
+#: ``prepare(size)`` returns ``(warm_up, capture)``: one eager run of the model at ``size``, and
+#: the capture of that size into ``(pool, stream)``.
+Prepare = Callable[[int], tuple[Callable[[], Any], Callable[[MemoryPool, Stream], None]]]
+
+
+class SharedCapture:
+    """One pool and one side stream, made on first use, for runners that capture into both.
+
+    vLLM captures its full and piecewise graphs into one global pool; pass one ``SharedCapture``
+    to both runners to do the same. Without one, a runner makes a fresh pool per capture.
+    """
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._pair: tuple[MemoryPool, Stream] | None = None
+
+    def get(self) -> tuple[MemoryPool, Stream]:
+        if self._pair is None:
+            self._pair = (self.device.pool(), self.device.stream())
+        return self._pair
+
+
+def _named_weights(fn: Any) -> dict[str, torch.Tensor]:
+    if not isinstance(fn, torch.nn.Module):
+        return {}
+    found: dict[str, torch.Tensor] = {f"parameter {n!r}": p for n, p in fn.named_parameters()}
+    found.update({f"buffer {n!r}": b for n, b in fn.named_buffers()})
+    return found
+
+
+class WeightAddresses:
+    """Where a model's parameters and buffers (and a runner's own inputs) lived at capture.
+
+    Graphs read memory by address: a weight moved or replaced after capture is silently stale.
+    ``check`` (``debug=True``) names the first one that moved.
+    """
+
+    def __init__(self) -> None:
+        self._at: dict[str, tuple[torch.Tensor, int]] = {}
+
+    def remember(self, fn: Any, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Record the addresses of ``tensors`` (``{description: tensor}``) and of ``fn``'s weights."""
+        self._at = {what: (t, t.data_ptr()) for what, t in (tensors or {}).items()}
+        self._at.update({what: (t, t.data_ptr()) for what, t in _named_weights(fn).items()})
+
+    def clear(self) -> None:
+        self._at = {}
+
+    def check(self, fn: Any) -> None:
+        """Raise ``DevgraphError`` naming a tensor that moved, or a weight replaced, since capture."""
+        for what, (tensor, ptr) in self._at.items():
+            if tensor.data_ptr() != ptr:
+                raise DevgraphError(
+                    f"{what} no longer lives at its capture address ({ptr:#x} -> {tensor.data_ptr():#x}); "
+                    "the graphs would read stale memory. Call .capture() again after moving or replacing it."
+                )
+        for what, tensor in _named_weights(fn).items():
+            if what in self._at and self._at[what][1] != tensor.data_ptr():
+                raise DevgraphError(
+                    f"{what} was replaced since capture ({self._at[what][1]:#x} -> {tensor.data_ptr():#x}); "
+                    "call .capture() again after loading weights or moving the model."
+                )
+
+
+class BucketedRunner:
+    """The shared half of ``GraphRunner`` and ``PiecewiseRunner`` (see the module docstring).
+
+    Subclasses set ``sizes`` and ``stats`` and implement ``captured``, ``_capture(call)`` (build
+    and capture every size, calling ``_capture_each``) and ``_serve(call)``; ``_drop`` extends
+    what ``reset`` forgets.
+    """
+
+    #: how ``strict=True`` errors say what could not be done.
+    _serve_what = "from a graph"
+
+    sizes: list[int]
+    stats: RunnerStats
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        device: Device,
+        config: RunnerConfig,
+        *,
+        shared: SharedCapture | None = None,
+    ) -> None:
+        self.fn = fn
+        self.device = device
+        self.config = config
+        self._shared = shared
+        self._signature = signature_of(fn)
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._template: dict[str, Any] | None = None
+        self._weights = WeightAddresses()
+        self._warned: set[str] = set()
+        self._lock = threading.RLock()
+
+    # -- public --------------------------------------------------------------------------------
+
+    @property
+    def captured(self) -> bool:
+        raise NotImplementedError
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock, torch.no_grad():
+            return self._call(args, kwargs)
+
+    def capture(self: _R, *example_args: Any, **example_kwargs: Any) -> _R:
+        """Capture every size now, using an example call (any size) for shapes and types."""
+        with self._lock, torch.no_grad():
+            try:
+                call = read_call(self._signature, self.config, example_args, example_kwargs)
+            except Unsupported as why:
+                raise DevgraphError(f"cannot capture from this example call: {why.detail}") from None
+            self.reset()
+            self._capture_all_or_nothing(call)
+        return self
+
+    def reset(self) -> None:
+        """Drop every captured graph (the next call captures again).
+
+        Outputs returned earlier are views of graph memory (unless ``clone_outputs=True``): after a
+        reset that memory goes back to the pool and the next capture reuses it, so those views read
+        garbage. Clone what you keep across a reset.
+        """
+        with self._lock:
+            self._drop()
+
+    def note_fallback(self, category: str, detail: str) -> None:
+        """Account for a call served without graphs: raise when ``strict``, else count it in
+        ``stats.fallbacks[category]`` and ``stats.eager_calls`` and warn once per category.
+
+        Raises:
+            DevgraphError: ``strict=True``.
+        """
+        if self.config.strict:
+            raise DevgraphError(f"cannot serve this call {self._serve_what} (strict=True): {detail}")
+        self.stats.fallbacks[category] = self.stats.fallbacks.get(category, 0) + 1
+        self.stats.eager_calls += 1
+        if category not in self._warned:
+            self._warned.add(category)
+            warnings.warn(
+                f"devgraph: running eagerly ({category}): {detail}. "
+                "Further calls like this fall back silently; see .stats.fallbacks.",
+                stacklevel=user_stacklevel(),
+            )
+
+    def padded_host_args(self, host: dict[str, list[Any]], size: int) -> dict[str, list[Any]]:
+        """The updatable tasks' host arguments for a call's host lists padded to bucket ``size``
+        (``{op argument: values}``, as ``Graph.replay(host_args=...)`` takes them); a host list
+        the call lacks is all padding."""
+        cfg = self.config
+        out = {}
+        for call_name, op_name in cfg.host_args:
+            values = list(host.get(call_name, ()))
+            out[op_name] = values + [cfg.pad_value(call_name)] * (size - len(values))
+        return out
+
+    # -- template methods ----------------------------------------------------------------------
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            call = read_call(self._signature, self.config, args, kwargs)
+            if call.batch == 0:
+                raise Unsupported("empty_batch", "the call has 0 rows; there is nothing to replay")
+            if not self.captured:
+                self._capture_all_or_nothing(call)
+            return self._serve(call)
+        except Unsupported as why:
+            return self._fallback(why, args, kwargs)
+
+    def _capture(self, example: Call) -> None:
+        raise NotImplementedError
+
+    def _serve(self, call: Call) -> Any:
+        raise NotImplementedError
+
+    def _drop(self) -> None:
+        """Forget the capture (subclasses reset their graphs, then call this)."""
+        self._buffers.clear()
+        self._template = None
+        self._weights.clear()
+
+    def _capture_all_or_nothing(self, example: Call) -> None:
+        try:
+            self._capture(example)
+        except BaseException:
+            # A half-captured runner would replay some sizes and not others: drop it all.
+            self._drop()
+            raise
+
+    def _fallback(self, why: Unsupported, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.note_fallback(why.category, why.detail)
+        return self.fn(*args, **kwargs)
+
+    # -- static buffers ------------------------------------------------------------------------
+
+    def _alloc_buffers(self, example: Call, size: int) -> None:
+        """Static buffers of ``size`` rows for the example's batched arguments, filled with padding."""
+        cfg = self.config
+        for name, x in example.batched.items():
+            shape = list(x.shape)
+            shape[cfg.batch_dim(name)] = size
+            self._buffers[name] = torch.full(shape, cfg.pad_value(name), dtype=x.dtype, device=x.device)
+        self._template = example.template(cfg)
+
+    def _fill_padding(self) -> None:
+        for name, buf in self._buffers.items():
+            buf.fill_(self.config.pad_value(name))
+
+    def _narrowed(self, size: int) -> dict[str, torch.Tensor]:
+        return {n: b.narrow(self.config.batch_dim(n), 0, size) for n, b in self._buffers.items()}
+
+    def _load(self, call: Call, size: int) -> None:
+        """Copy the call's batched tensors into the buffers; pad rows ``call.batch..size``."""
+        cfg = self.config
+        for name, x in call.batched.items():
+            buf = self._buffers[name]
+            d = cfg.batch_dim(name)
+            buf.narrow(d, 0, call.batch).copy_(x)
+            if size > call.batch:
+                buf.narrow(d, call.batch, size - call.batch).fill_(cfg.pad_value(name))
+
+    def _check_template(self, call: Call, what: str) -> None:
+        assert self._template is not None
+        reason = template_mismatch(self._template, call.template(self.config))
+        if reason:
+            raise Unsupported("signature_mismatch", f"call differs from the {what} one: {reason}")
+
+    def _remember_weights(self, example: Call) -> None:
+        tensors = {f"input {n!r}": b for n, b in self._buffers.items()}
+        tensors.update({f"static argument {n!r}": t for n, t in example.static.items()})
+        self._weights.remember(self.fn, tensors)
+
+    # -- the capture loop ----------------------------------------------------------------------
+
+    def _capture_each(
+        self, sizes: list[int], prepare: Prepare, *, remedy: str, summary: str, tail: str = "", desc: str
+    ) -> None:
+        """Capture ``sizes`` largest first into one pool on one side stream.
+
+        For each size: buffers filled with padding (what warm-up and capture see), the side
+        stream made to wait for that fill, ``warmup_iters`` eager runs on it, then the capture; a
+        ``CaptureError`` gains the size and ``remedy``. Sets the capture stats and logs one line:
+        ``summary`` (``{sizes}`` filled in), device, seconds, pool growth, ``tail``. The caller's ``_capture`` runs inside
+        ``_capture_all_or_nothing``, which drops everything when a size fails.
+        """
+        if self._shared is not None:
+            pool, stream = self._shared.get()
+        else:
+            # One side stream for every size: CUDA's allocator reuses a shared pool's freed blocks
+            # only on the stream that allocated them.
+            pool, stream = self.device.pool(), self.device.stream()
+        start = time.perf_counter()
+        with gc_frozen():
+            before = self.device.memory_stats().reserved  # after the collection: dead pools are gone
+            for size in progress(sorted(sizes, reverse=True), desc):
+                self._fill_padding()
+                warm_up, capture = prepare(size)
+                stream.wait_stream(self.device.current_stream())  # the fill above ran on the current stream
+                with stream:
+                    for _ in range(self.config.warmup_iters):
+                        warm_up()
+                self.device.synchronize()
+                try:
+                    capture(pool, stream)
+                except CaptureError as err:
+                    better = f"{err.remedy}; {remedy}" if err.remedy else remedy
+                    raise err.with_batch_size(size, better) from err
+                self.device.synchronize()
+        self.stats.capture_seconds = time.perf_counter() - start
+        self.stats.pool_bytes = self.device.memory_stats().reserved - before
+        self.stats.captured_sizes = tuple(sorted(sizes))
+        if sizes:
+            logger.info(
+                "devgraph: %s on %s in %.2f s, pool %.1f MiB%s",
+                summary.format(sizes=size_ranges(sorted(sizes))),
+                self.device,
+                self.stats.capture_seconds,
+                self.stats.pool_bytes / 2**20,
+                tail,
+            )

@@ -1,0 +1,38 @@
+"""Helpers of the runners' capture loops: garbage collection frozen, a progress bar, sizes in logs."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+
+__all__ = ["gc_frozen", "progress", "size_ranges"]
+
+
+def progress(items: list[int], desc: str) -> Iterable[int]:
+    """``items`` behind a tqdm bar on a terminal (when tqdm is installed), else as they are."""
+    if not sys.stderr.isatty():
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, unit="graph", leave=False)
+
+
+@contextlib.contextmanager
+def gc_frozen() -> Iterator[None]:
+    """Collect once, then freeze: a collection during capture would walk every live object."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def size_ranges(sizes: Sequence[int]) -> str:
+    """Sizes for a log line: all of them when few, else ``first..last (count)``."""
+    sizes = list(sizes)
+    return ", ".join(map(str, sizes)) if len(sizes) <= 8 else f"{sizes[0]}..{sizes[-1]} ({len(sizes)})"
