@@ -82,13 +82,13 @@ def _quant_tail(normed: fx.Node) -> tuple[fx.Node, list[fx.Node], Any] | None:
     return cast, [div, rnd, clamp, cast], div.args[1]
 
 
-class AddRmsNormFusion(Pass):
-    """Residual add followed by RMSNorm -> ``devgraph::add_rms_norm``."""
+class _ResidualNormFusion(Pass):
+    """Walks the graph for residual add + RMSNorm; subclasses fuse what follows (``_fuse``)."""
 
-    name = "add_rms_norm"
+    op_name = ""
 
     def is_applicable(self, ctx: PassContext) -> bool:
-        return _has_kernel("add_rms_norm", ctx)
+        return _has_kernel(self.op_name, ctx)
 
     def __call__(self, graph: fx.Graph) -> int:
         count = 0
@@ -96,45 +96,42 @@ class AddRmsNormFusion(Pass):
             if node.graph is not graph:  # erased by an earlier rewrite
                 continue
             found = _residual_norm(node)
-            if found is None:
-                continue
-            rms, summed, a, b = found
-            internal = {*rms.nodes, summed}
-            op = torch.ops.devgraph.add_rms_norm.default
-            if fuse(graph, op, (a, b, rms.weight, rms.eps), (rms.out, summed), internal) is not None:
+            if found is not None and self._fuse(graph, *found):
                 count += 1
         return count
 
+    def _fuse(self, graph: fx.Graph, rms: Any, summed: fx.Node, a: Any, b: Any) -> bool:
+        raise NotImplementedError
 
-class AddRmsNormQuantFusion(Pass):
+
+class AddRmsNormFusion(_ResidualNormFusion):
+    """Residual add followed by RMSNorm -> ``devgraph::add_rms_norm``."""
+
+    name = op_name = "add_rms_norm"
+
+    def _fuse(self, graph: fx.Graph, rms: Any, summed: fx.Node, a: Any, b: Any) -> bool:
+        op = torch.ops.devgraph.add_rms_norm.default
+        return (
+            fuse(graph, op, (a, b, rms.weight, rms.eps), (rms.out, summed), {*rms.nodes, summed}) is not None
+        )
+
+
+class AddRmsNormQuantFusion(_ResidualNormFusion):
     """Residual add + RMSNorm + static int8 quantisation -> ``devgraph::add_rms_norm_quant``."""
 
-    name = "add_rms_norm_quant"
+    name = op_name = "add_rms_norm_quant"
 
-    def is_applicable(self, ctx: PassContext) -> bool:
-        return _has_kernel("add_rms_norm_quant", ctx)
-
-    def __call__(self, graph: fx.Graph) -> int:
-        count = 0
-        for node in list(graph.nodes):
-            if node.graph is not graph:
-                continue
-            found = _residual_norm(node)
-            if found is None:
-                continue
-            rms, summed, a, b = found
-            tail = _quant_tail(rms.out)
-            if tail is None or len(rms.out.users) != 1:
-                continue
-            q, nodes, scale = tail
-            s = meta(scale)
-            if not is_one_element(s) or not s.is_floating_point():
-                continue
-            internal = {*rms.nodes, *nodes, summed}
-            op = torch.ops.devgraph.add_rms_norm_quant.default
-            if fuse(graph, op, (a, b, rms.weight, rms.eps, scale), (q, summed), internal) is not None:
-                count += 1
-        return count
+    def _fuse(self, graph: fx.Graph, rms: Any, summed: fx.Node, a: Any, b: Any) -> bool:
+        tail = _quant_tail(rms.out)
+        if tail is None or len(rms.out.users) != 1:
+            return False
+        q, nodes, scale = tail
+        s = meta(scale)
+        if not is_one_element(s) or not s.is_floating_point():
+            return False
+        internal = {*rms.nodes, *nodes, summed}
+        op = torch.ops.devgraph.add_rms_norm_quant.default
+        return fuse(graph, op, (a, b, rms.weight, rms.eps, scale), (q, summed), internal) is not None
 
 
 def _dynamic_scale(normed: fx.Node, divisor: Any) -> list[fx.Node] | None:
@@ -160,34 +157,21 @@ def _dynamic_scale(normed: fx.Node, divisor: Any) -> list[fx.Node] | None:
     return [*nodes, divisor]
 
 
-class AddRmsNormDynamicQuantFusion(Pass):
+class AddRmsNormDynamicQuantFusion(_ResidualNormFusion):
     """Residual add + RMSNorm + per-token int8 quantisation -> ``devgraph::add_rms_norm_dynamic_quant``."""
 
-    name = "add_rms_norm_dynamic_quant"
+    name = op_name = "add_rms_norm_dynamic_quant"
 
-    def is_applicable(self, ctx: PassContext) -> bool:
-        return _has_kernel("add_rms_norm_dynamic_quant", ctx)
-
-    def __call__(self, graph: fx.Graph) -> int:
-        count = 0
-        for node in list(graph.nodes):
-            if node.graph is not graph:
-                continue
-            found = _residual_norm(node)
-            if found is None:
-                continue
-            rms, summed, a, b = found
-            tail = _quant_tail(rms.out)
-            if tail is None:
-                continue
-            q, nodes, divisor = tail
-            scale_nodes = _dynamic_scale(rms.out, divisor)
-            if scale_nodes is None or meta(divisor).dtype != torch.float32:
-                continue
-            internal = {*rms.nodes, *nodes, *scale_nodes, summed}
-            if not only_users(rms.out, internal):
-                continue
-            op = torch.ops.devgraph.add_rms_norm_dynamic_quant.default
-            if fuse(graph, op, (a, b, rms.weight, rms.eps), (q, divisor, summed), internal) is not None:
-                count += 1
-        return count
+    def _fuse(self, graph: fx.Graph, rms: Any, summed: fx.Node, a: Any, b: Any) -> bool:
+        tail = _quant_tail(rms.out)
+        if tail is None:
+            return False
+        q, nodes, divisor = tail
+        scale_nodes = _dynamic_scale(rms.out, divisor)
+        if scale_nodes is None or meta(divisor).dtype != torch.float32:
+            return False
+        internal = {*rms.nodes, *nodes, *scale_nodes, summed}
+        if not only_users(rms.out, internal):
+            return False
+        op = torch.ops.devgraph.add_rms_norm_dynamic_quant.default
+        return fuse(graph, op, (a, b, rms.weight, rms.eps), (q, divisor, summed), internal) is not None
