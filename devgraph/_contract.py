@@ -27,6 +27,8 @@ __all__ = ["Device", "Event", "Graph", "MemoryPool", "MemoryStats", "Stream"]
 
 logger = logging.getLogger("devgraph")
 
+_capture_stream_lock = threading.Lock()
+
 
 @attrs.frozen
 class MemoryStats:
@@ -176,8 +178,8 @@ class Graph(abc.ABC):
         """Record the work issued inside the block.
 
         Args:
-            stream: the side stream to capture on (a new one if None). It must not be the
-                device's current stream.
+            stream: the side stream to capture on (None: the device's ``capture_stream()``). It
+                must not be the default stream.
             pool: the memory pool to capture into (a new one if None); share it across graphs.
             auto_update_ops: qualified op names (``"devgraph::paged_decode_attention"``) whose every
                 call is captured as an updatable task (torch_npu's ``auto_dispatch_capture``).
@@ -193,7 +195,7 @@ class Graph(abc.ABC):
             raise DevgraphError("this graph was already captured; call graph.reset() before capturing again")
         if pool is not None and pool.device.name != self.device.name:
             raise DevgraphError(f"pool belongs to {pool.device}, graph to {self.device}")
-        stream = stream or self.device.stream()
+        stream = stream or self.device.capture_stream()
         self._pool = pool or self.device.pool()
         self._tasks = []
         self._state = "capturing"
@@ -206,9 +208,12 @@ class Graph(abc.ABC):
                 stack.enter_context(_capture.capturing(self, auto_update_ops))
                 yield self
                 body_ok = True
-        except BaseException:
+        except BaseException as exc:
             self._state = "new"  # the block or the backend's capture end failed
             self._tasks = []
+            translated = self._translate_capture_error(exc)
+            if translated is not None:
+                raise translated from exc
             raise
         self._state = "captured"
 
@@ -362,6 +367,10 @@ class Graph(abc.ABC):
     @abc.abstractmethod
     def _task_update_end(self, group: TaskGroup) -> None: ...
 
+    def _translate_capture_error(self, exc: BaseException) -> BaseException | None:
+        """A clearer error for ``exc`` raised inside a capture (the runtime's own words), or None."""
+        return None
+
     def _task_update_abort(self, group: TaskGroup) -> None:
         """The re-issue block raised: close the update (default: end it, hiding any error of its own
         so the caller's error is the one that propagates)."""
@@ -418,6 +427,17 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def stream(self, priority: int = 0) -> Stream:
         """A new stream."""
+
+    def capture_stream(self) -> Stream:
+        """The side stream graphs capture on when given none: one per device, because caching
+        allocators (CUDA's, torch_npu's) reuse a shared pool's free blocks only on the stream that
+        allocated them, so graphs sharing a pool must share the capture stream too."""
+        with _capture_stream_lock:
+            stream = getattr(self, "_devgraph_capture_stream", None)
+            if stream is None:
+                stream = self.stream()
+                self._devgraph_capture_stream = stream
+            return stream
 
     @abc.abstractmethod
     def current_stream(self) -> Stream:

@@ -3,8 +3,7 @@
 Capture follows ``torch.cuda.graph``: synchronise the device, make the side stream current, then
 ``CUDAGraph.capture_begin(pool=...)`` / ``capture_end()`` on that stream. A ``CudaPool`` is a
 ``torch.cuda.graph_pool_handle()``; graphs captured with the same pool share memory. Captures
-without an explicit stream all use the device's one ``capture_stream()``, because the caching
-allocator reuses a pool's freed blocks only on the stream that allocated them.
+without an explicit stream use the device's one ``capture_stream()`` (see ``Device``).
 
 Task update on CUDA -- the documented no-op path
 ------------------------------------------------
@@ -29,11 +28,9 @@ Importing this module makes no CUDA call, so it imports (and fails only on use) 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -158,38 +155,22 @@ class CudaGraph(Graph):
         super().__init__(device, keep_graph)
         self.torch_graph: torch.cuda.CUDAGraph | None = None
 
-    @contextlib.contextmanager
-    def capture(
-        self,
-        stream: Stream | None = None,
-        pool: MemoryPool | None = None,
-        *,
-        auto_update_ops: Sequence[str] = (),
-    ) -> Iterator[Graph]:
-        """``Graph.capture`` (see there), with two CUDA specifics.
-
-        * With ``stream=None`` the device's one capture stream is used, not a new stream: the caching
-          allocator reuses a pool's free blocks only on the stream they were allocated on, so graphs
-          sharing a pool must also share the capture stream (as ``torch.cuda.graph`` does).
-        * CUDA's own capture errors ("operation not permitted when stream is capturing") are raised
-          as ``CaptureError`` with the user's line and a remedy.
-        """
-        stream = stream or self.device.capture_stream()  # type: ignore[attr-defined]
-        try:
-            with super().capture(stream, pool, auto_update_ops=auto_update_ops) as graph:
-                yield graph
-        except BaseException as exc:
-            if isinstance(exc, DevgraphError) or not isinstance(exc, RuntimeError):
-                raise
-            if not _is_capture_violation(exc):
-                raise
-            text = str(exc).strip()
-            first_line = text.splitlines()[0] if text else type(exc).__name__
-            raise CaptureError(
-                f"CUDA refused an operation during graph capture: {first_line}",
-                source=user_source_line(exc.__traceback__) or user_source_line(),
-                remedy=_CAPTURE_REMEDY,
-            ) from exc
+    def _translate_capture_error(self, exc: BaseException) -> BaseException | None:
+        """CUDA's own capture errors ("operation not permitted when stream is capturing") as a
+        ``CaptureError`` with the user's line and a remedy."""
+        if (
+            isinstance(exc, DevgraphError)
+            or not isinstance(exc, RuntimeError)
+            or not _is_capture_violation(exc)
+        ):
+            return None
+        text = str(exc).strip()
+        first_line = text.splitlines()[0] if text else type(exc).__name__
+        return CaptureError(
+            f"CUDA refused an operation during graph capture: {first_line}",
+            source=user_source_line(exc.__traceback__) or user_source_line(),
+            remedy=_CAPTURE_REMEDY,
+        )
 
     def _begin_capture(self, stream: Stream, pool: MemoryPool) -> None:
         if not isinstance(stream, CudaStream) or stream.device != self.device:
@@ -284,7 +265,6 @@ class CudaDevice(Device):
         # a caller entered with `with stream:`.
         self._streams: weakref.WeakValueDictionary[int, CudaStream] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
-        self._capture_stream: CudaStream | None = None
 
     @property
     def torch_device(self) -> torch.device:
@@ -298,14 +278,6 @@ class CudaDevice(Device):
         with self._lock:
             self._streams[stream.torch_stream.cuda_stream] = stream
         return stream
-
-    def capture_stream(self) -> CudaStream:
-        """The side stream graphs capture on by default (one per device, so shared pools reuse blocks)."""
-        with self._lock:
-            if self._capture_stream is None:
-                self._capture_stream = CudaStream(self)
-                self._streams[self._capture_stream.torch_stream.cuda_stream] = self._capture_stream
-            return self._capture_stream
 
     def current_stream(self) -> Stream:
         current = torch.cuda.current_stream(self.index)
