@@ -95,13 +95,19 @@ class Stream(abc.ABC):
     def _exit(self, token: Any) -> None:
         """Restore the stream that was current before ``_enter``."""
 
+    def _token_stack(self) -> list[Any]:
+        # Per thread: two threads may enter the same stream (the device's capture stream) at once.
+        tls = self.__dict__.setdefault("_devgraph_tls", threading.local())
+        if not hasattr(tls, "stack"):
+            tls.stack = []
+        return tls.stack
+
     def __enter__(self) -> Stream:
-        self.__tokens = getattr(self, "_Stream__tokens", [])
-        self.__tokens.append(self._enter())
+        self._token_stack().append(self._enter())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._exit(self.__tokens.pop())
+        self._exit(self._token_stack().pop())
 
 
 class Event(abc.ABC):
@@ -202,6 +208,9 @@ class Graph(abc.ABC):
         body_ok = False
         try:
             with contextlib.ExitStack() as stack:
+                # One capture at a time per device: captures share the capture stream, and CUDA
+                # forbids device-wide syncs while another thread captures.
+                stack.enter_context(self.device.capture_lock())
                 stack.enter_context(stream)
                 self._begin_capture(stream, self._pool)
                 stack.callback(self._finish_capture, lambda: body_ok)
@@ -211,6 +220,7 @@ class Graph(abc.ABC):
         except BaseException as exc:
             self._state = "new"  # the block or the backend's capture end failed
             self._tasks = []
+            self._open_group = None
             translated = self._translate_capture_error(exc)
             if translated is not None:
                 raise translated from exc
@@ -281,8 +291,8 @@ class Graph(abc.ABC):
         """Capture the block's work as ``group`` (explicit groups and auto-captured calls alike)."""
         if self._open_group is not None:
             raise DevgraphError("task groups cannot nest")
-        self._open_group = group
         self._task_group_begin(group)
+        self._open_group = group
         try:
             yield group
         finally:
@@ -293,11 +303,11 @@ class Graph(abc.ABC):
     @contextlib.contextmanager
     def task_update(self, group: TaskGroup) -> Iterator[None]:
         """Re-issue the work of ``group`` with new host arguments (issue the same ops in the block)."""
-        if self._state != "captured":
-            raise DevgraphError("task_update() needs a captured graph")
-        if group.index >= len(self._tasks) or self._tasks[group.index] is not group:
-            raise DevgraphError(f"task group {group.index} ({group.op}) does not belong to this graph")
-        with self._lock:
+        with self._lock:  # checked under the lock: a reset() on another thread cannot slip in
+            if self._state != "captured":
+                raise DevgraphError("task_update() needs a captured graph")
+            if group.index >= len(self._tasks) or self._tasks[group.index] is not group:
+                raise DevgraphError(f"task group {group.index} ({group.op}) does not belong to this graph")
             self._task_update_begin(group)
             try:
                 yield
@@ -317,9 +327,9 @@ class Graph(abc.ABC):
             DevgraphError: a name no task takes, a sequence of the wrong length, or an explicit task
                 group (re-issue those with ``task_update``).
         """
-        if self._state != "captured":
-            raise DevgraphError("update() needs a captured graph")
         with self._lock:
+            if self._state != "captured":
+                raise DevgraphError("update() needs a captured graph")
             for group, kwargs in apply_host_args(self._tasks, host_args):
                 if not self._needs_reissue(group):
                     group.remember(kwargs)
@@ -427,6 +437,15 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def stream(self, priority: int = 0) -> Stream:
         """A new stream."""
+
+    def capture_lock(self) -> threading.RLock:
+        """The lock ``Graph.capture`` holds while capturing on this device."""
+        with _capture_stream_lock:
+            lock = getattr(self, "_devgraph_capture_lock", None)
+            if lock is None:
+                lock = threading.RLock()
+                self._devgraph_capture_lock = lock
+            return lock
 
     def capture_stream(self) -> Stream:
         """The side stream graphs capture on when given none: one per device, because caching

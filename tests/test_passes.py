@@ -192,6 +192,30 @@ def test_a_residual_add_whose_operand_is_written_in_place_before_the_norm_is_not
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda x, s: s[:1].zero_(),  # through a view of the residual sum itself
+        lambda x, s: x.chunk(2, -1)[0].add_(1),  # through getitem of a list-returning view
+    ],
+    ids=["view_of_the_sum", "chunk_of_an_operand"],
+)
+def test_writes_through_views_stop_the_fusion(write):
+    def f(x, r, w):
+        s = x + r
+        write(x, s)
+        var = s.pow(2).mean(-1, keepdim=True)
+        return w * (s * torch.rsqrt(var + 1e-5)), s
+
+    args = (torch.randn(3, 8), torch.randn(3, 8), torch.rand(8))
+    gm = make_fx(f)(*args)
+    expected = gm(*(a.clone() for a in args))
+    assert AddRmsNormFusion()(gm.graph) == 0
+    gm.recompile()
+    for got, want in zip(gm(*(a.clone() for a in args)), expected):
+        torch.testing.assert_close(got, want)
+
+
 def test_an_in_place_write_to_another_tensor_does_not_stop_the_fusion():
     assert AddRmsNormFusion()(_norm_after_in_place_write(write_operand=False).graph) == 1
 

@@ -281,3 +281,57 @@ def test_note_fallback_counts_warns_once_and_raises_when_strict():
     strict, _, _ = _wrap(devgraph.device("cpu"), strict=True)
     with pytest.raises(DevgraphError, match=r"strict=True.*40 tokens"):
         strict.runner.note_fallback("too_long", "40 tokens")
+
+
+def test_rollback_clears_capture_stats():
+    class SyncsWhenSmall(torch.nn.Module):
+        def forward(self, x):
+            return x * x.sum().item() if x.shape[0] == 1 else x * 2
+
+    graphed = devgraph.wrap(SyncsWhenSmall(), device="cpu", batch_sizes=[1, 4])
+    with pytest.raises(CaptureError):
+        graphed(torch.ones(3, 2))
+    assert graphed.stats.captured_sizes == () and graphed.stats.pool_bytes == 0
+
+
+def test_captures_from_two_threads_keep_each_threads_stream():
+    dev = devgraph.device("cpu")
+    seen, errors = {}, []
+    barrier = threading.Barrier(2)
+
+    def work(name):
+        try:
+            barrier.wait()
+            for _ in range(20):
+                graph, x = dev.graph(), torch.ones(4)
+                with graph.capture():
+                    y = x + 1
+                graph.replay()
+                assert torch.equal(y, x + 1)
+            seen[name] = dev.current_stream()
+        except Exception as exc:  # collected: pytest does not see thread exceptions
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert seen["a"] is seen["b"] is dev.current_stream()  # every thread is back on the default stream
+
+
+def test_shared_capture_makes_a_fresh_pool_once_no_runner_holds_graphs():
+    from types import SimpleNamespace
+
+    from devgraph.runner._base import SharedCapture
+
+    shared = SharedCapture(devgraph.device("cpu"))
+    a, b = SimpleNamespace(captured=False), SimpleNamespace(captured=False)
+    shared.users += [a, b]
+    pool, stream = shared.get()
+    a.captured = True
+    assert shared.get() == (pool, stream)  # b captures into the pool a's graphs live in
+    a.captured = False  # every graph in the pool was reset: never capture into it again
+    new_pool, same_stream = shared.get()
+    assert new_pool is not pool and same_stream is stream

@@ -171,3 +171,23 @@ def test_replay_after_reset_says_to_capture_first():
     graph.reset()
     with pytest.raises(DevgraphError, match=r"never captured \(or was reset\).*graph\.capture"):
         graph.replay()
+
+
+def test_a_failed_task_group_begin_leaves_the_graph_capturable(monkeypatch):
+    dev = devgraph.device("cpu")
+    graph = dev.graph()
+    x = torch.ones(2)
+
+    def refuse(group):
+        raise RuntimeError("backend refused the group")
+
+    monkeypatch.setattr(graph, "_task_group_begin", refuse)
+    with pytest.raises(RuntimeError, match="refused"):
+        with graph.capture():
+            with graph.task_group():
+                x.add_(1)
+    monkeypatch.undo()
+    with graph.capture():  # neither "already capturing" nor "task groups cannot nest"
+        with graph.task_group():
+            x.add_(1)
+    assert len(graph.tasks) == 1

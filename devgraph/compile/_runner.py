@@ -145,7 +145,11 @@ class PiecewiseRunner(BucketedRunner):
         with self._lock:
             super().capture(*example_args, **example_kwargs)
             if self.full is not None:
-                self.full.capture(*example_args, **example_kwargs)
+                try:
+                    self.full.capture(*example_args, **example_kwargs)
+                except BaseException:
+                    self.reset()  # both kinds of graph or neither
+                    raise
         return self
 
     def reset(self) -> None:
@@ -193,6 +197,10 @@ class PiecewiseRunner(BucketedRunner):
         self._traced = None
         self.plan = None
         super()._drop()
+        self.stats.pieces = self.stats.splitting_ops = 0
+        self.stats.passes = {}
+        self.stats.dropped_sizes = ()
+        self.stats.compile_seconds = 0.0
 
     def _capture(self, example: Call) -> None:
         cfg = self.config

@@ -37,20 +37,25 @@ Prepare = Callable[[int], tuple[Callable[[], Any], Callable[[MemoryPool, Stream]
 
 
 class SharedCapture:
-    """One pool and one side stream, made on first use, for runners that capture into both.
+    """One pool and one side stream for runners that capture into both (vLLM captures its full and
+    piecewise graphs into one global pool). Without one, a runner makes a fresh pool per capture.
 
-    vLLM captures its full and piecewise graphs into one global pool; pass one ``SharedCapture``
-    to both runners to do the same. Without one, a runner makes a fresh pool per capture.
+    A pool whose graphs were all reset is never captured into again (CUDA's allocator asserts on
+    it): ``get`` makes a fresh pool whenever none of the runners sharing it holds graphs.
     """
 
     def __init__(self, device: Device) -> None:
         self.device = device
-        self._pair: tuple[MemoryPool, Stream] | None = None
+        self.users: list[BucketedRunner] = []
+        self._pool: MemoryPool | None = None
+        self._stream: Stream | None = None
 
     def get(self) -> tuple[MemoryPool, Stream]:
-        if self._pair is None:
-            self._pair = (self.device.pool(), self.device.stream())
-        return self._pair
+        if self._pool is None or not any(runner.captured for runner in self.users):
+            self._pool = self.device.pool()
+        if self._stream is None:
+            self._stream = self.device.stream()
+        return self._pool, self._stream
 
 
 def _named_weights(fn: Any) -> dict[str, torch.Tensor]:
@@ -121,6 +126,8 @@ class BucketedRunner:
         self.device = device
         self.config = config
         self._shared = shared
+        if shared is not None:
+            shared.users.append(self)
         self._signature = signature_of(fn)
         self._buffers: dict[str, torch.Tensor] = {}
         self._template: dict[str, Any] | None = None
@@ -168,10 +175,12 @@ class BucketedRunner:
         """
         if self.config.strict:
             raise DevgraphError(f"cannot serve this call {self._serve_what} (strict=True): {detail}")
-        self.stats.fallbacks[category] = self.stats.fallbacks.get(category, 0) + 1
-        self.stats.eager_calls += 1
-        if category not in self._warned:
+        with self._lock:
+            self.stats.fallbacks[category] = self.stats.fallbacks.get(category, 0) + 1
+            self.stats.eager_calls += 1
+            first = category not in self._warned
             self._warned.add(category)
+        if first:
             warnings.warn(
                 f"devgraph: running eagerly ({category}): {detail}. "
                 "Further calls like this fall back silently; see .stats.fallbacks.",
@@ -209,10 +218,13 @@ class BucketedRunner:
         raise NotImplementedError
 
     def _drop(self) -> None:
-        """Forget the capture (subclasses reset their graphs, then call this)."""
+        """Forget the capture (subclasses reset their graphs, then call this); counters stay."""
         self._buffers.clear()
         self._template = None
         self._weights.clear()
+        self.stats.captured_sizes = ()
+        self.stats.pool_bytes = 0
+        self.stats.capture_seconds = 0.0
 
     def _capture_all_or_nothing(self, example: Call) -> None:
         try:

@@ -89,10 +89,10 @@ class GraphRunner(BucketedRunner):
                 graph = self.device.graph()
                 with graph.capture(stream=stream, pool=pool, auto_update_ops=self.device.updatable_ops):
                     out = self.fn(*args, **kwargs)
-                self._check_host_args(graph)
                 # The graph's pool owns the output memory; a strong reference here would stop the
                 # next (smaller) bucket from reusing it. Outputs are overwritten by the next replay.
                 self._graphs[size], self._outputs[size] = graph, weak_ref_tensors(out)
+                self._check_host_args(graph)  # after storing it, so a failure's rollback resets it
 
             return warm_up, capture
 

@@ -186,10 +186,22 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _alias_root(node: fx.Node) -> fx.Node:
-    """The node whose memory ``node`` views (itself when it is not a view)."""
-    while _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
+    """The node whose memory ``node`` views (itself when it is not a view).
+
+    Steps through views and through ``getitem`` of list-returning views (``split``, ``chunk``,
+    ``unbind``: ``Tensor(a)[]``).
+    """
+    while True:
+        if (
+            node.op == "call_function"
+            and node.target is operator.getitem
+            and isinstance(node.args[0], fx.Node)
+        ):
+            node = node.args[0]
+        elif _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+        else:
+            return node
 
 
 def _written(node: fx.Node) -> Iterator[fx.Node]:
@@ -207,8 +219,9 @@ def _written(node: fx.Node) -> Iterator[fx.Node]:
 
 
 def _written_between(start: fx.Node, stop: fx.Node, skip: set[fx.Node], inputs: set[fx.Node]) -> bool:
-    """Whether a node after ``start`` and before ``stop`` (``skip`` aside) writes memory of ``inputs``."""
-    roots = {_alias_root(n) for n in inputs}
+    """Whether a node after ``start`` and before ``stop`` (``skip`` aside) writes memory of ``inputs``
+    or of the pattern's own nodes (``skip``), through any view of them."""
+    roots = {_alias_root(n) for n in inputs | skip}
     node = start.next
     while node is not stop and node.op != "root":
         if node not in skip and any(_alias_root(w) in roots for w in _written(node)):
