@@ -27,7 +27,7 @@ __all__ = ["Device", "Event", "Graph", "MemoryPool", "MemoryStats", "Stream"]
 
 logger = logging.getLogger("devgraph")
 
-_capture_stream_lock = threading.Lock()
+_device_state_lock = threading.Lock()
 
 
 @attrs.frozen
@@ -440,23 +440,22 @@ class Device(abc.ABC):
 
     def capture_lock(self) -> threading.RLock:
         """The lock ``Graph.capture`` holds while capturing on this device."""
-        with _capture_stream_lock:
-            lock = getattr(self, "_devgraph_capture_lock", None)
-            if lock is None:
-                lock = threading.RLock()
-                self._devgraph_capture_lock = lock
-            return lock
+        return self._once("_devgraph_capture_lock", threading.RLock)
 
     def capture_stream(self) -> Stream:
         """The side stream graphs capture on when given none: one per device, because caching
         allocators (CUDA's, torch_npu's) reuse a shared pool's free blocks only on the stream that
         allocated them, so graphs sharing a pool must share the capture stream too."""
-        with _capture_stream_lock:
-            stream = getattr(self, "_devgraph_capture_stream", None)
-            if stream is None:
-                stream = self.stream()
-                self._devgraph_capture_stream = stream
-            return stream
+        return self._once("_devgraph_capture_stream", self.stream)
+
+    def _once(self, attr: str, make: Callable[[], Any]) -> Any:
+        # Made on first use (a stream touches the device), once per device even across threads.
+        with _device_state_lock:
+            value = getattr(self, attr, None)
+            if value is None:
+                value = make()
+                setattr(self, attr, value)
+            return value
 
     @abc.abstractmethod
     def current_stream(self) -> Stream:

@@ -30,6 +30,7 @@ from torch import fx
 from devgraph._errors import DevgraphError
 
 __all__ = [
+    "SYM_OPS",
     "DEFAULT_SPLITTING_OPS",
     "bind_host_args",
     "host_arg",
@@ -41,6 +42,16 @@ __all__ = [
     "op_names_of",
     "resolve_splitting_ops",
 ]
+
+#: Shape queries: host-side arithmetic on sizes, no device work.
+SYM_OPS = frozenset(
+    {
+        torch.ops.aten.sym_size.int,
+        torch.ops.aten.sym_numel.default,
+        torch.ops.aten.sym_stride.int,
+        torch.ops.aten.sym_storage_offset.default,
+    }
+)
 
 #: devgraph's attention ops: always split at (they read host arguments on cpu and npu).
 DEFAULT_SPLITTING_OPS = ("devgraph::paged_decode_attention",)

@@ -15,16 +15,12 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from devgraph.compile._ops import is_getitem, is_host_arg_node, is_splitting_node
+from devgraph.compile._ops import SYM_OPS, is_getitem, is_host_arg_node, is_splitting_node
 
 __all__ = ["Piece", "SplitGraph", "split_graph"]
 
 # Ops that do no device work: a piece made only of these is not worth a captured graph.
-_NO_WORK = {
-    torch.ops.aten.sym_size.int,
-    torch.ops.aten.sym_numel.default,
-    torch.ops.aten.sym_stride.int,
-    torch.ops.aten.sym_storage_offset.default,
+_NO_WORK = SYM_OPS | {
     torch.ops.aten.view.default,
     torch.ops.aten._unsafe_view.default,
     torch.ops.aten.alias.default,

@@ -28,20 +28,13 @@ from devgraph._contract import Device
 from devgraph._errors import DevgraphError
 from devgraph.compile._backends import CompiledPiece, compile_piece
 from devgraph.compile._config import CompileConfig
-from devgraph.compile._ops import bind_host_args, keep_composite_ops_whole
+from devgraph.compile._ops import SYM_OPS, bind_host_args, is_host_arg_node, keep_composite_ops_whole
 from devgraph.compile._pieces import PiecewiseModule
 from devgraph.compile._split import SplitGraph, split_graph
 
 __all__ = ["CompiledGraph", "DevgraphBackend", "Traced", "lower_to_aten", "trace_call"]
 
 logger = logging.getLogger("devgraph.compile")
-
-_SYM_OPS = {
-    torch.ops.aten.sym_size.int,
-    torch.ops.aten.sym_numel.default,
-    torch.ops.aten.sym_stride.int,
-    torch.ops.aten.sym_storage_offset.default,
-}
 
 
 @attrs.frozen
@@ -117,7 +110,7 @@ def _replace_symint_placeholders(gm: fx.GraphModule, fakes: Sequence[Any]) -> tu
 def _drop_dead_shape_nodes(gm: fx.GraphModule) -> None:
     """Remove unused size queries (make_fx leaves some); they would pin pattern nodes' users."""
     for node in reversed(list(gm.graph.nodes)):
-        if node.op == "call_function" and not node.users and node.target in _SYM_OPS:
+        if node.op == "call_function" and not node.users and node.target in SYM_OPS:
             gm.graph.erase_node(node)
 
 
@@ -257,8 +250,6 @@ def _flat(value: Any) -> list[Any]:
 
 
 def _check_compilable(name: str, gm: fx.GraphModule) -> None:
-    from devgraph.compile._ops import is_host_arg_node
-
     for node in gm.graph.nodes:
         if is_host_arg_node(node):
             user = next(iter(node.users))
