@@ -7,7 +7,14 @@ reference into a pool block (memory allocated during the capture). Fresh outputs
 pool blocks so that replay re-runs every op on the very same memory: inputs are read from the
 capture-time tensors, outputs land in the capture-time outputs.
 
-View ops leave no entry (a view is only metadata over memory that is already referenced), and
+Composite ops (``CompositeImplicitAutograd``: ``to``, ``reshape``, ``contiguous``, ``type_as``...)
+are recorded as what they decompose into, whatever the grad mode: under ``no_grad`` and grad mode
+the autograd layer decomposes them before they reach a dispatch mode, but under
+``torch.inference_mode()`` they arrive whole, and whether ``reshape`` copies or ``to`` converts is
+only known from what they do. Whether an op's result is a view is decided from what it returned:
+an output sharing storage with an input is an alias (no entry when that is all the op did), any
+other output is fresh memory and goes to the pool.
+
 ``empty``-style factories are not re-run (their contents are undefined anyway).
 
 A ``Tape`` is one graph's list of segments and the recorder filling them: capture, task groups,
@@ -127,6 +134,32 @@ def _is_view(func: Any) -> bool:
     return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
 
 
+_COMPOSITE: dict[Any, bool] = {}
+
+
+def _is_composite(func: Any) -> bool:
+    """True for an op with a ``CompositeImplicitAutograd`` kernel (one that calls other ops)."""
+    known = _COMPOSITE.get(func)
+    if known is None:
+        known = _COMPOSITE[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+        )
+    return known
+
+
+def _storages(tree: Any) -> set[int]:
+    """Data pointers of the storages of the (non-empty) tensors in ``tree``."""
+    return {
+        t.untyped_storage().data_ptr()
+        for t in tree_flatten(tree)[0]
+        if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().nbytes()
+    }
+
+
+def _aliases(t: Any, inputs: set[int]) -> bool:
+    return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in inputs
+
+
 class Recorder(TorchDispatchMode):
     """Records the aten ops issued while it is the active dispatch mode into ``segment``.
 
@@ -146,12 +179,21 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _is_view(func):
-            return func(*args, **kwargs)
+        if _is_composite(func):
+            # Record what it launches (as grad mode would show it), never the composite whole: under
+            # inference_mode ``to``/``reshape``/``contiguous`` arrive here and may copy or alias.
+            with self:
+                result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
         name = func._schema.name
         entry = Entry(func, name, args, kwargs, rerun=name not in _UNINITIALISED)
+        inputs = _storages((args, kwargs))
         result = func(*args, **kwargs)
-        result = self._place_outputs(func, entry, result)
+        leaves = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        if _is_view(func) and all(_aliases(t, inputs) or not tensor_bytes(t) for t in leaves):
+            return result  # metadata over memory that is already referenced: nothing to replay
+        result = self._place_outputs(func, entry, result, inputs)
         self.segment.entries.append(entry)
         return result
 
@@ -167,8 +209,10 @@ class Recorder(TorchDispatchMode):
         self.segment.entries.append(entry)
         return tree_unflatten(placed, spec)
 
-    def _place_outputs(self, func: Any, entry: Entry, result: Any) -> Any:
-        fresh = _fresh_returns(func)
+    def _place_outputs(self, func: Any, entry: Entry, result: Any, inputs: set[int] | None = None) -> Any:
+        """Move the fresh outputs into pool blocks: those the schema declares fresh, and those a view
+        op returned without sharing an input's storage (a view op that copied)."""
+        fresh = [f or _is_view(func) for f in _fresh_returns(func)]
         if not fresh or not any(fresh):
             return result
         single = len(fresh) == 1
@@ -179,7 +223,7 @@ class Recorder(TorchDispatchMode):
             leaves, spec = tree_flatten(value)
             placed = []
             for leaf in leaves:
-                if is_fresh and isinstance(leaf, torch.Tensor):
+                if is_fresh and isinstance(leaf, torch.Tensor) and not _aliases(leaf, inputs or set()):
                     leaf = self._place(entry, leaf_index, leaf)
                 placed.append(leaf)
                 leaf_index += 1
