@@ -31,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from devgraph._capture import raise_refusal
 from devgraph._errors import DevgraphError
 from devgraph.backends.cpu._pool import Block, BlockPool, block_of, tensor_bytes
 
@@ -106,6 +107,14 @@ class Entry:
         if self.outs:
             leaves, _ = tree_flatten(result)
             for i, ref in self.outs:
+                if tuple(leaves[i].shape) != ref.size:
+                    # Never broadcast a result of another shape into the captured output (a silent
+                    # wrong value): an op capture should have refused as data-dependent.
+                    raise DevgraphError(
+                        f"{self.name} returned shape {tuple(leaves[i].shape)} at replay, {ref.size} at "
+                        "capture: its output shape depends on data, which a graph cannot replay; "
+                        "please report this op to devgraph so capture refuses it"
+                    )
                 ref.get().copy_(leaves[i])
 
     def __repr__(self) -> str:
@@ -186,6 +195,9 @@ class Recorder(TorchDispatchMode):
                 result = func.decompose(*args, **kwargs)
             if result is not NotImplemented:
                 return result
+        # What the capture guard refuses, checked again here: the guard does not see the ops a
+        # composite decomposes into (argwhere -> nonzero under inference_mode).
+        raise_refusal(func, args, kwargs)
         name = func._schema.name
         entry = Entry(func, name, args, kwargs, rerun=name not in _UNINITIALISED)
         inputs = _storages((args, kwargs))
