@@ -157,6 +157,7 @@ _DISPATCH_SYNCS = {
     "aten::unique_dim_consecutive": _SHAPE_REMEDY,
 }
 
+_SPLIT_REMEDY = "pass the split points as a Python list (host values fixed at capture), not a tensor"
 _BOOL_INDEX = "boolean-mask indexing has a data-dependent shape: " + _SHAPE_REMEDY
 
 
@@ -222,7 +223,7 @@ def raise_refusal(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
 
 
 def _raise_sync(op: str, remedy: str) -> None:
-    if remedy in (_SHAPE_REMEDY, _BOOL_INDEX):
+    if remedy in (_SHAPE_REMEDY, _BOOL_INDEX, _SPLIT_REMEDY):
         what = (
             "data-dependent output shape inside graph capture: a graph replays the shapes it was "
             "captured with, whatever the new values"
@@ -269,6 +270,11 @@ def _modes() -> tuple[type, type]:
                 _raise_sync(f"Tensor.{name}", remedy)
             if name == "to" and args and _moves_to_host(args, kwargs):
                 _raise_sync("Tensor.to(cpu)", _COPY_REMEDY)
+            if name == "tensor_split" and _on_device(
+                (args[1:2], kwargs.get("indices_or_sections")), self.device_type
+            ):
+                # The split points are read on the host (in C++, no op to see below): frozen shapes.
+                _raise_sync("torch.tensor_split", _SPLIT_REMEDY)
             result = func(*args, **kwargs)
             if (
                 func in host_data_factories

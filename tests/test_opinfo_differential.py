@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 import devgraph
@@ -72,6 +73,28 @@ def _selected_ops() -> list:
 OPS = _selected_ops()
 
 
+class _RandomOps(TorchDispatchMode):
+    """Notes the first op tagged ``nondeterministic_seeded`` (dropout, bernoulli, randn...) that runs.
+
+    OpInfo wraps random ops to reseed the generator on every call, so eager looks deterministic
+    while a replay draws from wherever the generator is: such samples are left out.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with self:  # a composite (sdpa under inference_mode) is random only if what it runs is
+            result = func.decompose(*args, **kwargs)
+        if result is not NotImplemented:
+            return result
+        if torch.Tag.nondeterministic_seeded in func.tags and not self.seen:
+            self.seen = func._schema.name
+        return func(*args, **kwargs)
+
+
 def _refill(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """New values for a captured input (see the module docstring for the rule)."""
     if t.numel() == 0:
@@ -87,8 +110,21 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` over a copy of its whole storage (``as_strided`` samples read past the view)."""
+    if t.layout != torch.strided:
+        return t.clone()
+    storage = t.untyped_storage().clone()
+    out = torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
+    if t.is_conj():
+        torch._C._set_conj(out, True)
+    if t.is_neg():
+        torch._C._set_neg(out, True)
+    return out
+
+
 def _snapshot(tree):
-    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+    return tree_map(lambda x: _copy(x) if isinstance(x, torch.Tensor) else x, tree)
 
 
 def _close(actual, expected) -> bool:
@@ -123,9 +159,12 @@ def run_case(op, sample, mode) -> tuple[str, str]:
 
     with mode():
         try:
-            fn(_snapshot(call))
+            with _RandomOps() as random_ops:
+                fn(_snapshot(call))
         except Exception as exc:
             return "skipped", f"eager raises: {type(exc).__name__}"
+    if random_ops.seen:
+        return "skipped", f"random: {random_ops.seen}"
     graph = devgraph.device("cpu").graph()
     try:
         with mode():
@@ -143,7 +182,7 @@ def run_case(op, sample, mode) -> tuple[str, str]:
     try:
         with mode():
             expected = fn(fresh)
-    except Exception as exc:
+    except Exception as exc:  # the new values are invalid for this op
         return "skipped", f"eager raises on new values: {type(exc).__name__}"
     try:
         graph.replay()

@@ -300,3 +300,31 @@ def test_a_cuda_capture_lets_the_host_read_cpu_tensors(name):
         assert got == expected
     else:
         torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(expected))
+
+
+# -- metadata a rebuilt pool tensor must keep, layouts the recorder cannot replay ------------------
+
+
+def test_a_lazily_conjugated_intermediate_replays_conjugated(grad_mode):
+    # hfft2 conjugates an intermediate lazily (aten::_conj, a view that only sets a bit).
+    _replay_matches_eager(
+        lambda x: torch.fft.hfft2(x, s=(6, 8)),
+        [torch.randn(5, 6, dtype=torch.complex64)],
+        grad_mode,
+        refill=lambda t: t * 0.7 + 0.1j,
+    )
+
+
+def test_sparse_tensors_are_refused_at_capture(grad_mode):
+    x = torch.randn(3, 3)
+    with pytest.raises(devgraph.CaptureError) as info:
+        _capture_under(grad_mode, lambda: x.to_sparse() * 2)
+    assert "sparse" in str(info.value) and "test_reference_strict.py" in info.value.source
+
+
+def test_split_points_in_a_tensor_are_refused_at_capture(grad_mode):
+    x, points = torch.randn(6), torch.tensor([1, 4])
+    with pytest.raises(devgraph.CaptureError) as info:
+        _capture_under(grad_mode, lambda: torch.tensor_split(x, points))
+    assert info.value.op in ("torch.tensor_split", "aten::_local_scalar_dense")
+    assert "list" in info.value.remedy or "host" in str(info.value)

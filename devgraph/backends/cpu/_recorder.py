@@ -31,8 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from devgraph._capture import raise_refusal
-from devgraph._errors import DevgraphError
+from devgraph._capture import raise_refusal, user_source_line
+from devgraph._errors import CaptureError, DevgraphError
 from devgraph.backends.cpu._pool import Block, BlockPool, block_of, tensor_bytes
 
 __all__ = ["Entry", "Recorder", "Segment", "Tape"]
@@ -47,9 +47,13 @@ _UNINITIALISED = {
 
 
 class _Ref:
-    """A tensor in a pool block, rebuilt from metadata at replay (holds no reference to it)."""
+    """A tensor in a pool block, rebuilt from metadata at replay (holds no reference to it).
 
-    __slots__ = ("block", "dtype", "offset", "size", "stride")
+    The metadata includes the lazy conjugate and negative bits: ``_conj`` views a complex tensor
+    without touching its memory, and a rebuilt tensor without the bit would read the wrong values.
+    """
+
+    __slots__ = ("block", "conj", "dtype", "neg", "offset", "size", "stride")
 
     def __init__(self, block: Block, t: torch.Tensor) -> None:
         self.block = block
@@ -57,9 +61,16 @@ class _Ref:
         self.size = tuple(t.shape)
         self.stride = tuple(t.stride())
         self.dtype = t.dtype
+        self.conj = t.is_conj()
+        self.neg = t.is_neg()
 
     def get(self) -> torch.Tensor:
-        return self.block.tensor(self.offset, self.size, self.stride, self.dtype)
+        t = self.block.tensor(self.offset, self.size, self.stride, self.dtype)
+        if self.conj:
+            torch._C._set_conj(t, True)
+        if self.neg:
+            torch._C._set_neg(t, True)
+        return t
 
 
 class _Strong:
@@ -165,6 +176,18 @@ def _storages(tree: Any) -> set[int]:
     }
 
 
+def _refuse_unstrided(func: Any, tree: Any) -> None:
+    """Refuse sparse and other non-strided tensors: the recorder places and rebuilds strided memory."""
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            raise CaptureError(
+                f"the CPU reference backend cannot record {t.layout} tensors (it replays strided memory)",
+                op=func._schema.name,
+                source=user_source_line(),
+                remedy="keep sparse work outside the captured region (before capture or after replay)",
+            )
+
+
 def _aliases(t: Any, inputs: set[int]) -> bool:
     return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in inputs
 
@@ -198,11 +221,13 @@ class Recorder(TorchDispatchMode):
         # What the capture guard refuses, checked again here: the guard does not see the ops a
         # composite decomposes into (argwhere -> nonzero under inference_mode).
         raise_refusal(func, args, kwargs)
+        _refuse_unstrided(func, (args, kwargs))
         name = func._schema.name
         entry = Entry(func, name, args, kwargs, rerun=name not in _UNINITIALISED)
         inputs = _storages((args, kwargs))
         result = func(*args, **kwargs)
         leaves = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        _refuse_unstrided(func, leaves)
         if _is_view(func) and all(_aliases(t, inputs) or not tensor_bytes(t) for t in leaves):
             return result  # metadata over memory that is already referenced: nothing to replay
         result = self._place_outputs(func, entry, result, inputs)
