@@ -500,18 +500,24 @@ def check_update_and_replay_serialised(device: Device) -> None:
     assert replayed.is_set(), "the replaying thread never replayed"
 
 
+def _stream_work_size(device: Device) -> int:
+    # Host-memory backends run synchronously: a small matrix will do. On a real device the producer
+    # must still be running when the consumer is queued: a 4096^2 matmul takes milliseconds.
+    return 64 if device.torch_device.type == "cpu" else 4096
+
+
 def check_event_orders_streams(device: Device) -> None:
     """Work ordered by an event across two streams sees the producer's result; events time.
 
     On a backend whose tensors live on the host (the CPU reference, the torch_npu simulator) work
     is synchronous, so the order holds whatever a wait does: this check cannot tell a wait from a
     no-op there. On a real device the producer queues enough work (a large matmul) that a consumer
-    that did not wait would read the buffer before it was written.
+    that did not wait would read the buffer while it still holds zeros.
     """
-    n = 64 if device.torch_device.type == "cpu" else 4096
+    n = _stream_work_size(device)
     producer, consumer = device.stream(), device.stream()
     start, end = device.event(enable_timing=True), device.event(enable_timing=True)
-    x = _t(device, n, n) / n
+    x = _t(device, n, n) / n**0.25  # entries of x @ x are of order 1
     y = torch.zeros(n, n, device=device.torch_device)
     producer.wait_stream(device.current_stream())  # x and y were written on the current stream
     with producer:
@@ -524,7 +530,7 @@ def check_event_orders_streams(device: Device) -> None:
         end.record()
     end.synchronize()
     device.synchronize()
-    _close(z, x @ x + 1, "stream ordering")
+    _close(z, y + 1, "a stream waiting on an event read the producer's buffer before it was written")
     assert end.query() and start.elapsed_time(end) >= 0.0
     assert device.current_stream() is not producer, "leaving `with stream:` must restore the previous stream"
 
@@ -532,9 +538,9 @@ def check_event_orders_streams(device: Device) -> None:
 def check_wait_stream_orders_streams(device: Device) -> None:
     """``stream.wait_stream(other)`` orders the stream's later work after ``other``'s queued work
     (the same caveat as ``check_event_orders_streams`` on synchronous backends)."""
-    n = 64 if device.torch_device.type == "cpu" else 4096
+    n = _stream_work_size(device)
     producer, consumer = device.stream(), device.stream()
-    x = _t(device, n, n) / n
+    x = _t(device, n, n) / n**0.25
     y = torch.zeros(n, n, device=device.torch_device)
     producer.wait_stream(device.current_stream())
     with producer:
@@ -543,7 +549,7 @@ def check_wait_stream_orders_streams(device: Device) -> None:
     with consumer:
         z = y + 1
     device.synchronize()
-    _close(z, x @ x + 1, "wait_stream ordering")
+    _close(z, y + 1, "a stream that waited on another read its buffer before it was written")
 
 
 CHECKS: list[Callable[[Device], None]] = [
