@@ -5,9 +5,10 @@ backend would get it wrong. ``tests/test_conformance_broken.py`` runs the confor
 each one and asserts that the check named for that property fails it -- proof that the check can
 catch the bug. ``CorrectDevice`` is the harness itself with nothing broken: it must pass every check.
 
-Stream waits are missing on purpose: the reference backend runs work synchronously, so a stream
-wait that does nothing is indistinguishable from one that works (see
-``devgraph.testing.conformance.check_event_orders_streams``).
+The reference backend runs work synchronously, so a stream wait that does nothing cannot be told
+from one that works there. ``DeferredWrites`` makes streams asynchronous the way a device queue is
+-- a stream's last write lands only once something orders it -- and still passes every check;
+``WaitIgnored`` is that backend with a stream wait that does nothing.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from devgraph._capture import _call_as_task
+from devgraph._capture import _call_as_task, current_graph
 from devgraph._contract import Graph, MemoryPool, Stream
 from devgraph._errors import DevgraphError
 from devgraph._tasks import TaskGroup
-from devgraph.backends.cpu._device import CpuDevice, CpuGraph, CpuStream
+from devgraph.backends.cpu._device import CpuDevice, CpuEvent, CpuGraph, CpuStream
 from devgraph.backends.cpu._pool import Block, CpuPool
 
-__all__ = ["BROKEN", "CorrectDevice"]
+__all__ = ["BROKEN", "CorrectDevice", "DeferredWrites"]
 
 
 class CorrectDevice(CpuDevice):
@@ -365,6 +366,128 @@ class ReplayWithoutLock(CorrectDevice):
     graph_class = _UnlockedReplayGraph
 
 
+# -- stream ordering ---------------------------------------------------------------------------------
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors ``func`` writes in place (``Tensor(a!)`` arguments)."""
+    return [
+        t
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+        for t in _tensors(args[i] if i < len(args) else kwargs.get(a.name))
+    ]
+
+
+class _DeferWrites(TorchDispatchMode):
+    """Active while a ``_DeferredStream`` is current: its in-place writes are queued, not run.
+
+    Only in-place writes are deferred: they are what another stream can observe as stale (a fresh
+    result's memory had no defined contents before it was written anyway).
+    """
+
+    def __init__(self, stream: _DeferredStream) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if current_graph() is not None:  # a capture records the work; nothing runs late
+            return func(*args, **kwargs)
+        self.stream.flush()  # the stream's own earlier work comes first (program order)
+        written = _written(func, args, kwargs)
+        if not written:
+            return func(*args, **kwargs)
+        self.stream.pending.append(lambda: func(*args, **kwargs))
+        returns = len(func._schema.returns)
+        return None if returns == 0 else written[0] if returns == 1 else tuple(written[:returns])
+
+
+class _DeferredStream(CpuStream):
+    """A stream whose last write lands late, as on a device: until a wait, a synchronize or the
+    stream's own next op orders it, another stream reads the memory as it was."""
+
+    def __init__(self, device: DeferredWrites, priority: int = 0) -> None:
+        super().__init__(device, priority)
+        self.pending: list[Callable[[], Any]] = []
+        device._deferred.add(self)
+
+    def flush(self) -> None:
+        with _disable_current_modes():  # the queued ops run as issued, on no other stream
+            while self.pending:
+                self.pending.pop(0)()
+
+    def synchronize(self) -> None:
+        self.flush()
+
+    def query(self) -> bool:
+        return not self.pending
+
+    def wait_event(self, event: Any) -> None:
+        super().wait_event(event)
+        event.complete()  # the work recorded before the event is done before this stream's next
+
+    def _enter(self) -> Any:
+        previous = super()._enter()
+        mode = _DeferWrites(self)
+        mode.__enter__()
+        return previous, mode
+
+    def _exit(self, token: Any) -> None:
+        previous, mode = token
+        mode.__exit__(None, None, None)
+        super()._exit(previous)
+
+
+class _DeferredEvent(CpuEvent):
+    _stream: Stream | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        super().record(stream)
+        self._stream = stream or self.device.current_stream()
+
+    def complete(self) -> None:
+        if isinstance(self._stream, _DeferredStream):
+            self._stream.flush()
+
+    def synchronize(self) -> None:
+        self.complete()
+
+    def query(self) -> bool:
+        return self._stream is None or self._stream.query()
+
+
+class DeferredWrites(CorrectDevice):
+    """Not broken: streams are asynchronous (a stream's last write lands late) and waits, events and
+    synchronize order them -- the control showing the stream checks can see a missing wait."""
+
+    def __init__(self, index: int = 0) -> None:
+        super().__init__(index)
+        self._deferred: weakref.WeakSet[_DeferredStream] = weakref.WeakSet()
+
+    def stream(self, priority: int = 0) -> Stream:
+        return _DeferredStream(self, priority)
+
+    def event(self, enable_timing: bool = False) -> Any:
+        return _DeferredEvent(self, enable_timing)
+
+    def synchronize(self) -> None:
+        for stream in list(self._deferred):
+            stream.flush()
+
+
+class _WaitIgnoredStream(_DeferredStream):
+    def wait_event(self, event: Any) -> None:
+        pass  # forgets to order anything
+
+
+class WaitIgnored(DeferredWrites):
+    """``DeferredWrites`` whose stream waits (``wait_event``, hence ``wait_stream``) do nothing."""
+
+    def stream(self, priority: int = 0) -> Stream:
+        return _WaitIgnoredStream(self, priority)
+
+
 #: Each broken backend and the conformance check named for the property it breaks.
 BROKEN: dict[type[CorrectDevice], str] = {
     FreshCaptureStream: "check_capture_runs_on_capture_stream",
@@ -384,4 +507,5 @@ BROKEN: dict[type[CorrectDevice], str] = {
     ReplayWithoutLock: "check_update_and_replay_serialised",
     ReplayOfNothing: "check_replay_without_capture",
     WeakRefCopies: "check_weak_ref",
+    WaitIgnored: "check_event_orders_streams",
 }

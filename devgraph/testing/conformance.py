@@ -22,8 +22,9 @@ and ``tests/test_conformance_broken.py`` asserts the suite fails each of them wi
 
 What a check can and cannot see: the CPU reference backend and the torch_npu simulator run work
 synchronously, so stream ordering holds trivially there (see ``check_event_orders_streams``).
-Pool membership is observed through addresses: a tensor allocated during a capture that starts
-inside memory another capture freed can only come from the pool both were captured into.
+Pool membership and weak references are observed through addresses: a tensor allocated during a
+capture that overlaps memory an earlier capture used can only sit there because that memory was
+freed back to the pool both were captured into (live memory cannot be handed out twice).
 """
 
 from __future__ import annotations
@@ -512,7 +513,8 @@ def check_event_orders_streams(device: Device) -> None:
     On a backend whose tensors live on the host (the CPU reference, the torch_npu simulator) work
     is synchronous, so the order holds whatever a wait does: this check cannot tell a wait from a
     no-op there. On a real device the producer queues enough work (a large matmul) that a consumer
-    that did not wait would read the buffer while it still holds zeros.
+    that did not wait would read the buffer while it still holds zeros; ``tests/broken_backends.py``
+    proves it on a CPU backend whose streams write late (``DeferredWrites`` vs ``WaitIgnored``).
     """
     n = _stream_work_size(device)
     producer, consumer = device.stream(), device.stream()
