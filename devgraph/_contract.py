@@ -65,9 +65,10 @@ class MemoryPool(abc.ABC):
         """
         if self.__dict__.get("_devgraph_used") and not self._users():
             raise DevgraphError(
-                "this pool's graphs were all reset (or freed): a pool is not captured into again once "
-                "its last graph lets go of it (CUDA's allocator asserts on it). Capture into a fresh "
-                "pool, device.pool(), or keep one graph of the pool captured while others re-capture."
+                "this pool's graphs were all reset, freed or failed to capture: a pool is not captured "
+                "into again once its last graph lets go of it (CUDA's allocator asserts on it). Capture "
+                "into a fresh pool, device.pool(), or keep one graph of the pool captured while others "
+                "re-capture."
             )
         self.__dict__["_devgraph_used"] = True
         self._users().add(graph)

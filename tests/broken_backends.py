@@ -179,6 +179,21 @@ class HoldsTaskArguments(CorrectDevice):
     graph_class = _HoldsTaskArgumentsGraph
 
 
+class _RecapturesGraph(CpuGraph):
+    @contextlib.contextmanager
+    def capture(self, *args: Any, **kwargs: Any) -> Iterator[Graph]:
+        if self._state == "captured":
+            self._state = "new"  # silently drops the captured work instead of asking for reset()
+        with super().capture(*args, **kwargs) as graph:
+            yield graph
+
+
+class RecaptureWithoutReset(CorrectDevice):
+    """Capturing an already captured graph silently replaces its work (no ``reset()`` needed)."""
+
+    graph_class = _RecapturesGraph
+
+
 class _ResetKeepsPoolGraph(CpuGraph):
     def reset(self) -> None:
         """Its own reset, which never tells the pool the graph let go of it."""
@@ -496,6 +511,7 @@ BROKEN: dict[type[CorrectDevice], str] = {
     IgnoresPool: "check_capture_allocates_in_given_pool",
     PoolNeverReuses: "check_capture_allocates_in_given_pool",
     ResetKeepsPool: "check_reset_pool_not_captured_into",
+    RecaptureWithoutReset: "check_reset_and_recapture",
     HoldsOutputs: "check_graph_holds_outputs_weakly",
     HoldsTaskArguments: "check_tasks_hold_arguments_weakly",
     ReplayDoesNothing: "check_output_memory_reuse",
