@@ -84,6 +84,16 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors ``func`` writes in place (``Tensor(a!)`` arguments)."""
+    return [
+        t
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+        for t in _tensors(args[i] if i < len(args) else kwargs.get(a.name))
+    ]
+
+
 # -- capture on the capture stream -----------------------------------------------------------------
 
 
@@ -227,12 +237,7 @@ class ReplayDoesNothing(CorrectDevice):
 class _SnapshotsInputsGraph(_SpyGraph):
     def _spy(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         produced: set[int] = self.__dict__.setdefault("_produced", set())
-        written = {
-            id(t)
-            for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-            for t in _tensors(args[i] if i < len(args) else kwargs.get(a.name))
-        }
+        written = {id(t) for t in _written(func, args, kwargs)}
 
         def snapshot(x: Any) -> Any:
             if not isinstance(x, torch.Tensor) or id(x) in written:
@@ -382,16 +387,6 @@ class ReplayWithoutLock(CorrectDevice):
 
 
 # -- stream ordering ---------------------------------------------------------------------------------
-
-
-def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors ``func`` writes in place (``Tensor(a!)`` arguments)."""
-    return [
-        t
-        for i, a in enumerate(func._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-        for t in _tensors(args[i] if i < len(args) else kwargs.get(a.name))
-    ]
 
 
 class _DeferWrites(TorchDispatchMode):

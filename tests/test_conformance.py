@@ -1,4 +1,5 @@
-"""The backend conformance suite over every backend CI can run (cpu, npu via the simulator)."""
+"""The backend conformance suite over every backend CI can run (cpu, npu via the simulator), and
+the contract's refusal of pools every graph let go of (beyond the reset that the suite checks)."""
 
 from __future__ import annotations
 
