@@ -12,6 +12,7 @@ import abc
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,30 @@ class MemoryPool(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} on {self.device}>"
+
+    def _users(self) -> weakref.WeakSet[Graph]:
+        # Made on first use: a backend's pool may not call this __init__.
+        return self.__dict__.setdefault("_devgraph_users", weakref.WeakSet())
+
+    def _enlist(self, graph: Graph) -> None:
+        """Count ``graph`` as a user of this pool; refuse a pool whose every user let go of it.
+
+        CUDA's allocator (and torch_npu's port of it) asserts when a capture joins a pool whose
+        last graph was reset or freed, so every backend refuses it, the CPU reference included.
+        """
+        if self.__dict__.get("_devgraph_used") and not self._users():
+            raise DevgraphError(
+                "this pool's graphs were all reset, freed or failed to capture: a pool is not captured "
+                "into again once its last graph lets go of it (CUDA's allocator asserts on it). Capture "
+                "into a fresh pool, device.pool(), or keep one graph of the pool captured while others "
+                "re-capture."
+            )
+        self.__dict__["_devgraph_used"] = True
+        self._users().add(graph)
+
+    def _release(self, graph: Graph) -> None:
+        """``graph`` was reset (or its capture failed): it no longer holds this pool."""
+        self._users().discard(graph)
 
 
 class Stream(abc.ABC):
@@ -211,6 +236,7 @@ class Graph(abc.ABC):
                 # One capture at a time per device: captures share the capture stream, and CUDA
                 # forbids device-wide syncs while another thread captures.
                 stack.enter_context(self.device.capture_lock())
+                self._pool._enlist(self)
                 stack.enter_context(stream)
                 self._begin_capture(stream, self._pool)
                 stack.callback(self._finish_capture, lambda: body_ok)
@@ -219,6 +245,7 @@ class Graph(abc.ABC):
                 body_ok = True
         except BaseException as exc:
             self._state = "new"  # the block or the backend's capture end failed
+            self._pool._release(self)
             self._tasks = []
             self._open_group = None
             translated = self._translate_capture_error(exc)
@@ -265,6 +292,8 @@ class Graph(abc.ABC):
             raise DevgraphError("reset() inside the graph's own capture block")
         with self._lock:
             self._reset()
+            if self._pool is not None:
+                self._pool._release(self)
             self._tasks = []
             self._state = "new"
 

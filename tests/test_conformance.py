@@ -1,8 +1,12 @@
-"""The backend conformance suite over every backend CI can run (cpu, npu via the simulator)."""
+"""The backend conformance suite over every backend CI can run (cpu, npu via the simulator), and
+the contract's refusal of pools every graph let go of (beyond the reset that the suite checks)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
+import torch
 
 import devgraph
 from devgraph.testing.conformance import CHECKS, NotApplicable
@@ -28,3 +32,41 @@ def test_conformance_on_other_available_backends(backend, check):
         check(devgraph.device(backend))
     except NotApplicable as why:
         pytest.skip(str(why))
+
+
+# -- pools let go of by every graph (DESIGN.md, contract point 6) -------------------------------------
+
+
+def _captured_into(device, pool):
+    x = torch.ones(8, device=device.torch_device)
+    graph = device.graph()
+    with graph.capture(pool=pool):
+        x + 1
+    return graph
+
+
+def test_pool_of_a_freed_graph_is_refused(any_device):
+    pool = any_device.pool()
+    graph = _captured_into(any_device, pool)
+    del graph
+    gc.collect()
+    with pytest.raises(devgraph.DevgraphError, match=r"device\.pool\(\)"):
+        _captured_into(any_device, pool)
+
+
+def test_pool_of_a_failed_capture_is_refused(any_device):
+    pool = any_device.pool()
+    x = torch.ones(8, device=any_device.torch_device)
+    with pytest.raises(devgraph.CaptureError):
+        with any_device.graph().capture(pool=pool):
+            x.sum().item()
+    with pytest.raises(devgraph.DevgraphError, match=r"device\.pool\(\)"):
+        _captured_into(any_device, pool)
+
+
+def test_pool_held_by_one_graph_takes_more_captures(any_device):
+    pool = any_device.pool()
+    holder = _captured_into(any_device, pool)
+    for _ in range(2):
+        _captured_into(any_device, pool).reset()
+    assert holder.is_captured()
