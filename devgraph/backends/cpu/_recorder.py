@@ -143,10 +143,17 @@ class Recorder(TorchDispatchMode):
         self.segment = segment
         self.reissue = reissue
         self._reissued = 0
+        self._paused = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Let Dynamo run compiled code under the recorder (it skips compiled frames under any other
+        # dispatch mode); devgraph._compiled_regions has each compiled graph recorded whole.
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _is_view(func):
+        if self._paused or _is_view(func):
             return func(*args, **kwargs)
         name = func._schema.name
         entry = Entry(func, name, args, kwargs, rerun=name not in _UNINITIALISED)
@@ -166,6 +173,23 @@ class Recorder(TorchDispatchMode):
         ]
         self.segment.entries.append(entry)
         return tree_unflatten(placed, spec)
+
+    def pause_recording(self) -> None:
+        """Stop recording ops until ``resume_recording`` (a compiled graph runs; it is recorded whole)."""
+        self._paused += 1
+
+    def resume_recording(self) -> None:
+        self._paused -= 1
+
+    def record_compiled(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], result: Any, name: str
+    ) -> None:
+        """Record a call ``fn(*args, **kwargs) -> result`` that already ran as one entry: replay runs
+        ``fn`` again on the same tensors and copies its results into ``result``'s tensors."""
+        entry = Entry(fn, name, args, kwargs)
+        leaves, _ = tree_flatten(result)
+        entry.outs = [(i, _Strong(t)) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]  # type: ignore[misc]
+        self.segment.entries.append(entry)
 
     def _place_outputs(self, func: Any, entry: Entry, result: Any) -> Any:
         fresh = _fresh_returns(func)
