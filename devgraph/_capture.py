@@ -199,6 +199,8 @@ def _modes() -> tuple[type, type]:
             self.auto = frozenset(auto_update_ops)
             self.regions: CompiledRegions | None = None  # set when the backend records ops
 
+        supports_higher_order_operators = True
+
         @classmethod
         def ignore_compile_internals(cls) -> bool:
             # Dynamo skips compiled frames under a dispatch mode unless it says so: compiled code must
@@ -207,21 +209,41 @@ def _modes() -> tuple[type, type]:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                return self._higher_order(func, args, kwargs)
             name = func._schema.name
             remedy = _DISPATCH_SYNCS.get(name)
             if remedy:
                 _raise_sync(name, remedy)
             if name in self.auto and self.graph._open_group is None:
-                if self.regions is not None and self.regions.active is not None:
-                    raise CaptureError(
-                        "an updatable op inside a compiled graph cannot be captured as a task: its "
-                        "host arguments would be frozen into the compiled graph's recording",
-                        op=f"{name} in {self.regions.active}",
-                        remedy="call this op outside the torch.compile'd region (compile the layers around "
-                        "attention), or use mode='piecewise', which compiles the pieces between such ops",
-                    )
+                self._refuse_task_in_compiled(name)
                 return _call_as_task(self.graph, func, args, kwargs)
             return func(*args, **kwargs)
+
+        def _higher_order(self, func, args, kwargs):
+            # Compiled graphs (aot_eager's) call higher-order ops, auto_functionalized for a custom
+            # op that writes its arguments, say: they run whole inside the compiled graph.
+            inner = args[0] if args and isinstance(args[0], torch._ops.OpOverload) else None
+            if inner is not None and inner._schema.name in self.auto:
+                self._refuse_task_in_compiled(inner._schema.name)
+            if self.regions is not None and self.regions.active is None:
+                raise CaptureError(
+                    "a higher-order op outside compiled code cannot be recorded by this backend",
+                    op=str(func.name()),
+                    source=user_source_line(),
+                    remedy="torch.compile the function that calls it (compiled graphs are recorded whole)",
+                )
+            return func(*args, **kwargs)
+
+        def _refuse_task_in_compiled(self, name: str) -> None:
+            if self.regions is not None and self.regions.active is not None:
+                raise CaptureError(
+                    "an updatable op inside a compiled graph cannot be captured as a task: its host "
+                    "arguments would be frozen into the compiled graph's recording",
+                    op=f"{name} in {self.regions.active}",
+                    remedy="call this op outside the torch.compile'd region (compile the layers around "
+                    "attention), or use mode='piecewise', which compiles the pieces between such ops",
+                )
 
     return HostSyncGuard, CaptureDispatchMode
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -51,6 +50,11 @@ def _wrapper_code() -> Any:
             return None
 
         _disable_wrapper_code = torch._dynamo.disable(_probe, reason=_COMPILED_GRAPH_REASON).__code__
+        # The profile function sees every call; Dynamo must never trace it (skip its frames, not
+        # what they call, as torch._dynamo.decorators.skip does).
+        from torch._dynamo.eval_frame import skip_code
+
+        skip_code(CompiledRegions._profile.__code__)
     return _disable_wrapper_code
 
 
@@ -88,9 +92,8 @@ class CompiledRegions:
             part of it.
     """
 
-    def __init__(self, recorders: list[Any], on_enter: Callable[[str], None] | None = None) -> None:
+    def __init__(self, recorders: list[Any]) -> None:
         self.recorders = recorders
-        self.on_enter = on_enter
         self.active: str | None = None  # the compiled graph running now (its description)
         self.count = 0  # compiled graphs recorded whole
         self._frame: FrameType | None = None
@@ -100,19 +103,25 @@ class CompiledRegions:
         self._inductor_dir: str | None = None
 
     def __enter__(self) -> CompiledRegions:
+        import torch._dynamo
+
         self._code = _wrapper_code()
         if "torch._inductor" in sys.modules:
             from torch._inductor.runtime.cache_dir_utils import cache_dir
 
             self._inductor_dir = os.path.abspath(cache_dir()) + os.sep
-        import torch._dynamo
-
+        # Events also fire inside Dynamo-compiled frames, while Dynamo's frame callback is set: keep
+        # Dynamo from tracing devgraph's bookkeeping (_profile's own frames are skipped, see
+        # _wrapper_code; what it calls when something happens is disabled).
+        self._begin = torch._dynamo.disable(self._begin_region, reason="devgraph capture bookkeeping")
+        self._finish = torch._dynamo.disable(self._end, reason="devgraph capture bookkeeping")
+        self._unrecognised = torch._dynamo.disable(
+            self._refuse_unrecognised, reason="devgraph capture bookkeeping"
+        )
         self._previous = sys.getprofile()
         if self._previous is not None and not callable(self._previous):
             logger.warning("devgraph: a C profiler is active; it sees no events while a graph is captured")
-        # Events fire inside Dynamo-compiled frames too, with Dynamo's frame callback set: keep
-        # Dynamo from tracing devgraph's own bookkeeping.
-        sys.setprofile(torch._dynamo.disable(self._profile, reason="devgraph capture bookkeeping"))
+        sys.setprofile(self._profile)
         return self
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:
@@ -123,37 +132,37 @@ class CompiledRegions:
             raise self._problem
 
     def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        # Runs on every Python call and return while capturing: cheap checks only.
         previous = self._previous
         if previous is not None and callable(previous):
             previous(frame, event, arg)
         if event == "call":
-            if self._frame is None:
-                if frame.f_code is self._code:
-                    self._maybe_begin(frame)
-                elif (
-                    self._inductor_dir is not None
-                    and frame.f_code.co_name == "call"
-                    and frame.f_code.co_filename.startswith(self._inductor_dir)
-                    and all(m in op_recorders() for m in self.recorders)
-                ):
-                    self._refuse_unrecognised(frame)
+            if self._frame is not None:
+                return  # inside a compiled graph already: it is recorded whole
+            code = frame.f_code
+            if code is self._code:
+                # A torch._dynamo.disable'd callable: a compiled graph, or something else (a
+                # dispatch mode's handler runs through one for every op).
+                if getattr(frame.f_locals.get("self"), "msg", None) == _COMPILED_GRAPH_REASON:
+                    self._begin(frame)
+            elif (
+                code.co_name == "call"
+                and self._inductor_dir is not None
+                and code.co_filename.startswith(self._inductor_dir)
+            ):
+                self._unrecognised(frame)
         elif event == "return" and frame is self._frame:
-            self._end(arg)
+            self._finish(arg)
 
-    def _maybe_begin(self, frame: FrameType) -> None:
+    def _begin_region(self, frame: FrameType) -> None:
         local = frame.f_locals
-        ctx = local.get("self")
-        if getattr(ctx, "msg", None) != _COMPILED_GRAPH_REASON or "fn" not in local:
-            return  # some other torch._dynamo.disable'd function (a dispatch mode's handler, say)
-        if not all(m in op_recorders() for m in self.recorders):
+        if "fn" not in local or not all(m in op_recorders() for m in self.recorders):
             return  # run by Dynamo itself with the modes switched off (while compiling): not captured work
         self._frame = frame
         self.active = _describe(frame)
         self._call = (local["fn"], tuple(local.get("args", ())), dict(local.get("kwargs", {})))
         for recorder in self.recorders:
             recorder.pause_recording()
-        if self.on_enter is not None:
-            self.on_enter(self.active)
 
     def _end(self, result: Any) -> None:
         assert self._call is not None
@@ -175,7 +184,7 @@ class CompiledRegions:
         self.count += 1
 
     def _refuse_unrecognised(self, frame: FrameType) -> None:
-        if self._problem is None:
+        if self._problem is None and all(m in op_recorders() for m in self.recorders):
             self._problem = CaptureError(
                 "inductor-generated code ran inside the capture outside a compiled graph devgraph "
                 "recognises, so it cannot be recorded whole (the CPU reference backend records "

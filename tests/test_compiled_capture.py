@@ -105,7 +105,9 @@ def test_compiled_code_runs_during_capture_and_replay():
         before = backend.calls
         with graph.capture():
             model(x)
-        assert backend.calls == before + 1, "the eager fallback ran inside the capture, not the compiled graph"
+        assert backend.calls == before + 1, (
+            "the eager fallback ran inside the capture, not the compiled graph"
+        )
         graph.replay()
     assert backend.calls == before + 2
 
@@ -224,3 +226,40 @@ def test_piecewise_trace_names_the_host_sync_and_its_line():
     assert info.value.op == "Tensor.item"
     assert "test_compiled_capture.py" in info.value.source
     assert "y.abs().max().item()" in info.value.source
+
+
+def test_unrecognised_compiled_code_is_refused_not_recorded_in_part(monkeypatch):
+    # As if a future Dynamo called its compiled graphs some other way: devgraph cannot find the
+    # graph's boundaries, sees inductor's code run, and refuses instead of recording part of it.
+    from devgraph import _compiled_regions
+
+    monkeypatch.setattr(_compiled_regions, "_COMPILED_GRAPH_REASON", "a reason torch never gives")
+    model, x = Outer("inductor"), torch.randn(4, 8)
+    graph = devgraph.device("cpu").graph()
+    with torch.no_grad():
+        model(x)
+        with pytest.raises(CaptureError, match="inductor-generated code"):
+            with graph.capture():
+                model(x)
+
+
+def test_updatable_op_inside_compiled_code_is_refused():
+    import devgraph.ops as ops
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, table, seq, lens):
+            return ops.paged_decode_attention(q, k, v, table, seq, lens) * 1.0
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 8, generator=g)
+    k, v = torch.randn(16, 4, 2, 8, generator=g), torch.randn(16, 4, 2, 8, generator=g)
+    table = torch.arange(1, 7, dtype=torch.int32).view(2, 3)
+    seq = torch.tensor([5, 9], dtype=torch.int32)
+    attention = torch.compile(Attention(), backend="aot_eager")
+    dev = devgraph.device("cpu")
+    graph = dev.graph()
+    with torch.no_grad():
+        attention(q, k, v, table, seq, [5, 9])
+        with pytest.raises(CaptureError, match="updatable op inside a compiled graph"):
+            with graph.capture(auto_update_ops=dev.updatable_ops):
+                attention(q, k, v, table, seq, [5, 9])

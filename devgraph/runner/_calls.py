@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -176,9 +177,8 @@ def template_mismatch(captured: dict[str, Any], call: dict[str, Any]) -> str | N
 def signature_of(fn: Callable[..., Any]) -> inspect.Signature:
     """The signature calls of ``fn`` are read with: a module's ``forward``; for a ``torch.compile``'d
     module (whose own ``forward`` takes ``*args, **kwargs``), the compiled module's ``forward``."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    while isinstance(fn, OptimizedModule):
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
+    while eval_frame is not None and isinstance(fn, eval_frame.OptimizedModule):
         fn = fn._orig_mod
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     return inspect.signature(target)

@@ -145,6 +145,9 @@ class Recorder(TorchDispatchMode):
         self._reissued = 0
         self._paused = 0
 
+    #: higher-order ops reach the recorder only from compiled graphs, while it is paused
+    supports_higher_order_operators = True
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         # Let Dynamo run compiled code under the recorder (it skips compiled frames under any other
