@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from devgraph._compiled_regions import CompiledRegions, op_recorders
 from devgraph._errors import CaptureError
 
 if TYPE_CHECKING:
@@ -258,6 +259,10 @@ def _modes() -> tuple[type, type]:
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if torch.compiler.is_compiling():
+                # Dynamo is tracing this mode into a compiled graph: stay out of the trace (a host
+                # sync there breaks the graph, and the eager remainder comes back through here).
+                return func(*args, **kwargs)
             name = getattr(func, "__name__", "")
             remedy = _FUNCTION_SYNCS.get(name)
             if (
@@ -301,16 +306,53 @@ def _modes() -> tuple[type, type]:
             self.graph = graph
             self.device_type = graph.device.torch_device.type
             self.auto = frozenset(auto_update_ops)
+            self.regions: CompiledRegions | None = None  # set when the backend records ops
+
+        supports_higher_order_operators = True
+
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            # Dynamo skips compiled frames under a dispatch mode unless it says so: compiled code must
+            # run compiled inside a capture (see devgraph._compiled_regions).
+            return True
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                return self._higher_order(func, args, kwargs)
             name = func._schema.name
             remedy = dispatch_refusal(func, args, kwargs)
             if remedy and _on_device((args, kwargs), self.device_type):
                 _raise_sync(name, remedy)
             if name in self.auto and self.graph._open_group is None:
+                self._refuse_task_in_compiled(name)
                 return _call_as_task(self.graph, func, args, kwargs)
             return func(*args, **kwargs)
+
+        def _higher_order(self, func, args, kwargs):
+            # Compiled graphs (aot_eager's) call higher-order ops, auto_functionalized for a custom
+            # op that writes its arguments, say: they run whole inside the compiled graph.
+            inner = args[0] if args and isinstance(args[0], torch._ops.OpOverload) else None
+            if inner is not None and inner._schema.name in self.auto:
+                self._refuse_task_in_compiled(inner._schema.name)
+            if self.regions is not None and self.regions.active is None:
+                raise CaptureError(
+                    "a higher-order op outside compiled code cannot be recorded by this backend",
+                    op=str(func.name()),
+                    source=user_source_line(),
+                    remedy="torch.compile the function that calls it (compiled graphs are recorded whole)",
+                )
+            return func(*args, **kwargs)
+
+        def _refuse_task_in_compiled(self, name: str) -> None:
+            if self.regions is not None and self.regions.active is not None:
+                raise CaptureError(
+                    "an updatable op inside a compiled graph cannot be captured as a task: its host "
+                    "arguments would be frozen into the compiled graph's recording",
+                    op=f"{name} in {self.regions.active}",
+                    remedy="call this op outside the torch.compile'd region (compile the layers around "
+                    "attention), or use mode='piecewise', which compiles the pieces between such ops",
+                )
 
     return HostSyncGuard, CaptureDispatchMode
 
@@ -361,7 +403,13 @@ def capturing(graph: Graph, auto_update_ops: Sequence[str] = ()) -> Iterator[Non
     guard_cls, dispatch_cls = _MODE_CLASSES
     token = _current.set(graph)
     try:
-        with guard_cls(graph.device.torch_device.type), dispatch_cls(graph, auto_update_ops):
+        with contextlib.ExitStack() as stack:
+            recorders = op_recorders()  # the backend's op recorder, entered by its _begin_capture
+            stack.enter_context(guard_cls(graph.device.torch_device.type))
+            dispatch = stack.enter_context(dispatch_cls(graph, auto_update_ops))
+            if recorders:
+                # Compiled graphs bypass the dispatcher in part (inductor): record each one whole.
+                dispatch.regions = stack.enter_context(CompiledRegions(recorders))
             yield
     finally:
         _current.reset(token)

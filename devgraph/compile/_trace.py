@@ -25,7 +25,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from devgraph._contract import Device
-from devgraph._errors import DevgraphError
+from devgraph._errors import CaptureError, DevgraphError
 from devgraph.compile._backends import CompiledPiece, compile_piece
 from devgraph.compile._config import CompileConfig
 from devgraph.compile._ops import SYM_OPS, bind_host_args, is_host_arg_node, keep_composite_ops_whole
@@ -179,6 +179,7 @@ class DevgraphBackend:
         from devgraph.compile.passes import PassContext, PassManager, resolve_passes
 
         start = time.perf_counter()
+        _refuse_host_syncs(gm)
         config, device = self.config, self.device
         splitting = config.all_splitting_ops()
         keep_composite_ops_whole(gm, splitting)
@@ -247,6 +248,50 @@ def _flat(value: Any) -> list[Any]:
     if isinstance(value, (list, tuple)):
         return [x for v in value for x in _flat(v)]
     return [value]
+
+
+#: Dynamo graph calls (method or function names) that read device values on the host or make
+#: data-dependent shapes: Dynamo traces them (``.item()`` as a SymFloat), a captured piece cannot.
+_SHAPE_SYNCS = ("nonzero", "masked_select", "unique", "unique_consecutive")
+
+
+def _node_source(node: fx.Node) -> str | None:
+    """``"file.py:LINE: code"`` of the user line a Dynamo graph node came from (its stack trace)."""
+    lines = (node.meta.get("stack_trace") or "").rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i].strip()
+        if line.startswith('File "'):
+            path, _, rest = line[len('File "') :].partition('", line ')
+            lineno = rest.split(",")[0]
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{path}:{lineno}: {code}" if code else f"{path}:{lineno}"
+    return None
+
+
+def _refuse_host_syncs(gm: fx.GraphModule) -> None:
+    """Raise ``CaptureError`` at the first host sync in Dynamo's graph, naming it and its line.
+
+    Without this the trace fails later, deep in the lowering, with an error that names neither.
+    """
+    from devgraph._capture import _FUNCTION_SYNCS, _SHAPE_REMEDY
+
+    for node in gm.graph.nodes:
+        if node.op not in ("call_method", "call_function"):
+            continue
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if name in _FUNCTION_SYNCS and (node.op == "call_method" or "Tensor" in str(node.target)):
+            remedy = _FUNCTION_SYNCS[name]
+        elif name in _SHAPE_SYNCS:
+            remedy = _SHAPE_REMEDY
+        else:
+            continue
+        raise CaptureError(
+            "piecewise mode cannot trace a host synchronisation: the pieces are captured graphs, which "
+            "cannot read device values on the host",
+            op=f"Tensor.{name}" if node.op == "call_method" else f"torch.{name}",
+            source=_node_source(node),
+            remedy=remedy,
+        )
 
 
 def _check_compilable(name: str, gm: fx.GraphModule) -> None:
@@ -333,9 +378,13 @@ def trace_call(
         inner = _unwrap_dynamo_error(exc)
         if inner is not exc:
             raise inner from None
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        # Dynamo wraps a backend's error (BackendCompilerFailed): its own first line names only the
+        # backend, so report the backend's error itself.
+        cause = getattr(exc, "inner_exception", None) or exc
+        text = f"{type(cause).__name__}: {cause}".strip()
+        first = next((line for line in text.splitlines() if line.strip()), type(cause).__name__)
         raise DevgraphError(
-            f"piecewise mode could not trace the model as one graph with Dynamo: {type(exc).__name__}: {first}. "
+            f"piecewise mode could not trace the model as one graph with Dynamo: {first}. "
             "Piecewise mode needs a forward Dynamo traces without graph breaks, whose token dimension stays "
             "symbolic (no Python branching on it). Use mode='full', or see TORCH_LOGS=graph_breaks,dynamic"
         ) from exc

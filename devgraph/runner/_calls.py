@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -58,8 +59,46 @@ class Call:
         self, signature: inspect.Signature, values: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` calling the function with ``values`` in this call's argument order."""
-        bound = inspect.BoundArguments(signature, OrderedDict((n, values[n]) for n in self.order))
+        arguments: OrderedDict[str, Any] = OrderedDict()
+        params = signature.parameters
+        for name in self.order:
+            owner, key = _split_name(name, params)
+            param = params[owner]
+            if param.kind is inspect.Parameter.VAR_POSITIONAL:
+                arguments[owner] = (*arguments.get(owner, ()), values[name])
+            elif param.kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.setdefault(owner, {})[key] = values[name]
+            else:
+                arguments[owner] = values[name]
+        bound = inspect.BoundArguments(signature, arguments)
         return bound.args, bound.kwargs
+
+
+def _split_name(name: str, params: Mapping[str, inspect.Parameter]) -> tuple[str, str]:
+    """The parameter an argument name belongs to, and its key there: ``"x"`` -> ``("x", "x")``,
+    ``"args[1]"`` -> ``("args", "1")`` (``*args``), ``"mask"`` -> ``("kwargs", "mask")`` (``**kwargs``)."""
+    if name in params:
+        return name, name
+    head, bracket, rest = name.partition("[")
+    if bracket and head in params and params[head].kind is inspect.Parameter.VAR_POSITIONAL:
+        return head, rest[:-1]
+    varkw = next(p.name for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD)
+    return varkw, name
+
+
+def _flat_arguments(bound: inspect.BoundArguments) -> dict[str, Any]:
+    """``bound``'s arguments by name, with ``*args`` spread as ``args[0]``, ``args[1]``... and
+    ``**kwargs`` as their own keywords, so each one can be batched, static or a host list."""
+    flat: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            flat.update((f"{name}[{i}]", v) for i, v in enumerate(value))
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            flat.update(value)
+        else:
+            flat[name] = value
+    return flat
 
 
 def _const_key(v: Any) -> Any:
@@ -85,7 +124,8 @@ def read_call(
     static: dict[str, torch.Tensor] = {}
     host: dict[str, list[Any]] = {}
     consts: dict[str, Any] = {}
-    for name, value in bound.arguments.items():
+    arguments = _flat_arguments(bound)
+    for name, value in arguments.items():
         if isinstance(value, torch.Tensor):
             (static if name in static_names else batched)[name] = value
         elif name in host_names:
@@ -118,7 +158,7 @@ def read_call(
             raise Unsupported(
                 "unsupported_call", f"host argument {name!r} has {len(values)} values for batch {batch}"
             )
-    return Call(batch, batched, static, host, consts, tuple(bound.arguments))
+    return Call(batch, batched, static, host, consts, tuple(arguments))
 
 
 def template_mismatch(captured: dict[str, Any], call: dict[str, Any]) -> str | None:
@@ -135,5 +175,10 @@ def template_mismatch(captured: dict[str, Any], call: dict[str, Any]) -> str | N
 
 
 def signature_of(fn: Callable[..., Any]) -> inspect.Signature:
+    """The signature calls of ``fn`` are read with: a module's ``forward``; for a ``torch.compile``'d
+    module (whose own ``forward`` takes ``*args, **kwargs``), the compiled module's ``forward``."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
+    while eval_frame is not None and isinstance(fn, eval_frame.OptimizedModule):
+        fn = fn._orig_mod
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     return inspect.signature(target)

@@ -118,15 +118,16 @@ class Entry:
         if self.outs:
             leaves, _ = tree_flatten(result)
             for i, ref in self.outs:
-                if tuple(leaves[i].shape) != ref.size:
+                dst = ref.get()
+                if leaves[i].shape != dst.shape:
                     # Never broadcast a result of another shape into the captured output (a silent
                     # wrong value): an op capture should have refused as data-dependent.
                     raise DevgraphError(
-                        f"{self.name} returned shape {tuple(leaves[i].shape)} at replay, {ref.size} at "
+                        f"{self.name} returned shape {tuple(leaves[i].shape)} at replay, {tuple(dst.shape)} at "
                         "capture: its output shape depends on data, which a graph cannot replay; "
                         "please report this op to devgraph so capture refuses it"
                     )
-                ref.get().copy_(leaves[i])
+                dst.copy_(leaves[i])
 
     def __repr__(self) -> str:
         return f"<Entry {self.name}>"
@@ -208,9 +209,21 @@ class Recorder(TorchDispatchMode):
         self.segment = segment
         self.reissue = reissue
         self._reissued = 0
+        self._paused = 0
+
+    #: higher-order ops reach the recorder only from compiled graphs, while it is paused
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Let Dynamo run compiled code under the recorder (it skips compiled frames under any other
+        # dispatch mode); devgraph._compiled_regions has each compiled graph recorded whole.
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)  # a compiled graph runs: it is recorded whole
         if _is_composite(func):
             # Record what it launches (as grad mode would show it), never the composite whole: under
             # inference_mode ``to``/``reshape``/``contiguous`` arrive here and may copy or alias.
@@ -245,6 +258,23 @@ class Recorder(TorchDispatchMode):
         ]
         self.segment.entries.append(entry)
         return tree_unflatten(placed, spec)
+
+    def pause_recording(self) -> None:
+        """Stop recording ops until ``resume_recording`` (a compiled graph runs; it is recorded whole)."""
+        self._paused += 1
+
+    def resume_recording(self) -> None:
+        self._paused -= 1
+
+    def record_compiled(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], result: Any, name: str
+    ) -> None:
+        """Record a call ``fn(*args, **kwargs) -> result`` that already ran as one entry: replay runs
+        ``fn`` again on the same tensors and copies its results into ``result``'s tensors."""
+        entry = Entry(fn, name, args, kwargs)
+        leaves, _ = tree_flatten(result)
+        entry.outs = [(i, _Strong(t)) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]  # type: ignore[misc]
+        self.segment.entries.append(entry)
 
     def _place_outputs(self, func: Any, entry: Entry, result: Any, inputs: set[int] | None = None) -> Any:
         """Move the fresh outputs into pool blocks: those the schema declares fresh, and those a view
