@@ -142,7 +142,8 @@ class GraphedCausalLM(GraphedModule):
         _check_model(model, device, options.max_cache_len)
         self.options = options
         step = _DecodeStep(model, options.max_cache_len)
-        super().__init__(model, GraphRunner(step, device, runner_config))
+        # generate() reads every step's logits under self._lock: threads may share the wrapper.
+        super().__init__(model, GraphRunner(step, device, runner_config, caller_serialises=True))
         self._step = step
         self._lock = threading.RLock()
 

@@ -222,7 +222,7 @@ class PiecewiseRunner(BucketedRunner):
         host = self.padded_host_args({}, trace_size)
         backend = DevgraphBackend(self.device, self.compile_config, host_args=[op for _, op in cfg.host_args])
         start = time.perf_counter()
-        self._traced = traced = trace_call(invoke, tensors, dynamic, backend, host)
+        self._traced = traced = trace_call(invoke, tensors, dynamic, backend, host, self._run_sizes())
         self.stats.compile_seconds = time.perf_counter() - start
         module = traced.compiled.module
         self.stats.pieces = module.captured_pieces
@@ -253,6 +253,12 @@ class PiecewiseRunner(BucketedRunner):
             tail=f"; {self.stats.splitting_ops} splitting ops run eagerly in between",
             desc=f"devgraph piecewise capture ({self.device})",
         )
+
+    def _run_sizes(self) -> list[int] | None:
+        """The token counts the pieces may run at below the largest (None: every count, when the
+        budget leaves no piece captured)."""
+        budget = self._budget()
+        return None if budget is not None and budget < 1 else list(self.sizes)
 
     def _budget(self) -> int | None:
         budget = self.compile_config.effective_budget(self.device)
