@@ -40,6 +40,7 @@ from devgraph._errors import DevgraphError
 from devgraph._plugins import device as _device
 from devgraph._wrap import GraphedModule
 from devgraph.runner import GraphRunner, RunnerConfig, choose_bucket, make_config
+from devgraph.runner._config import positive_ints
 
 __all__ = ["GraphedCausalLM", "HFOptions", "wrap_hf"]
 
@@ -94,7 +95,7 @@ class HFOptions:
 
     max_batch_size: int | None = attrs.field(default=None, validator=_positive)
     batch_sizes: tuple[int, ...] | None = attrs.field(
-        default=None, converter=lambda v: None if v is None else tuple(int(x) for x in v)
+        default=None, converter=lambda v: None if v is None else positive_ints("batch_sizes", v)
     )
     max_cache_len: int = attrs.field(default=256, validator=_positive)
 

@@ -25,7 +25,7 @@ from devgraph._errors import DevgraphError
 __all__ = ["check_token_guards", "sample_sizes", "symbolic_sizes"]
 
 #: torch's ``SLoc.maybe_user_loc``: ``"<code>  # <short file>:<line> in <function>"``.
-_USER_LOC = re.compile(r"^(?P<code>.*?)  # (?P<file>.+):(?P<line>\d+) in (?P<func>\S+)$")
+_USER_LOC = re.compile(r"^(?P<code>.*)  # (?P<file>.+):(?P<line>\d+) in (?P<func>\S+)$")
 
 
 def _torch_dir(*parts: str) -> str:

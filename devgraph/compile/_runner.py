@@ -34,6 +34,7 @@ from devgraph.compile._trace import DevgraphBackend, Traced, trace_call
 from devgraph.runner import GraphRunner, RunnerConfig, RunnerStats, choose_bucket, normalise_batch_sizes
 from devgraph.runner._base import BucketedRunner, SharedCapture
 from devgraph.runner._calls import Call, Unsupported, read_call
+from devgraph.runner._config import positive_int, positive_ints
 from devgraph.runner._util import size_ranges
 
 __all__ = ["PiecewiseRunner", "PiecewiseStats", "piecewise_runner"]
@@ -350,5 +351,13 @@ def piecewise_runner(
 
     ``options`` are ``CompileConfig`` fields (``splitting_ops``, ``compile_backend``, ``passes``,
     ``capture_sizes``, ``capture_budget``, ``traffic``, ``is_decode``); the mode is ``config.mode``.
+
+    Raises:
+        DevgraphError: ``capture_sizes`` or ``capture_budget`` not positive integers (``2.5``, ``"4"``
+            and ``True`` included), or what ``PiecewiseRunner`` raises.
     """
+    if options.get("capture_sizes") is not None:
+        options["capture_sizes"] = positive_ints("capture_sizes", options["capture_sizes"])
+    if options.get("capture_budget") is not None:
+        options["capture_budget"] = positive_int("capture_budget", options["capture_budget"])
     return PiecewiseRunner(fn, device, config, CompileConfig(mode=config.mode, **options))
