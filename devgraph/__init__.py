@@ -1,10 +1,14 @@
 """devgraph: one device-agnostic way to capture and replay accelerator graphs.
 
 ``import devgraph`` touches no device: it imports neither torch_npu nor initialises CUDA. Backends
-load when a device is first asked for.
+load when a device is first asked for. The subpackages ``devgraph.ops``, ``devgraph.runner`` and
+``devgraph.compile`` import on first attribute access (they import torch).
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph._errors import BackendUnavailable, CaptureError, DevgraphError, PluginLoadError
@@ -15,6 +19,17 @@ from devgraph._weakref import weak_ref_tensor, weak_ref_tensors
 from devgraph._wrap import GraphedModule, wrap
 
 __version__ = "0.1.0"
+
+#: Subpackages reachable as ``devgraph.<name>`` after a plain ``import devgraph``, imported lazily
+#: so that ``import devgraph`` stays cheap (no torch import).
+_LAZY_SUBPACKAGES = ("compile", "ops", "runner")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBPACKAGES:
+        return importlib.import_module(f"devgraph.{name}")
+    raise AttributeError(f"module 'devgraph' has no attribute {name!r}")
+
 
 __all__ = [
     "BackendInfo",

@@ -212,13 +212,28 @@ def _select() -> str:
     raise DevgraphError("no devgraph backend is available (not even cpu): is torch installed?")
 
 
-def device(name: str | None = None, index: int | None = None) -> Device:
+def _from_torch_device(value: Any, index: int | None) -> tuple[str, int | None]:
+    """``(backend name, index)`` of a ``torch.device`` (checked by duck type: torch stays unimported)."""
+    kind = getattr(value, "type", None)
+    if type(value).__name__ != "device" or not isinstance(kind, str):
+        raise DevgraphError(
+            f"device must be a backend name ('cpu', 'cuda', 'npu'), a torch.device or a devgraph.Device, "
+            f"got {value!r} ({type(value).__name__})"
+        )
+    return kind, value.index if index is None else index
+
+
+def device(name: str | Any | None = None, index: int | None = None) -> Device:
     """The device of backend ``name`` (None: the best available) at ``index`` (default 0).
+
+    ``name`` may be a ``torch.device`` too (``torch.device("cuda", 1)`` is ``device("cuda", 1)``).
 
     Raises:
         DevgraphError: unknown backend name (the message lists the known ones), or ambiguity.
         BackendUnavailable: the backend is registered but cannot run here (``reason`` says why).
     """
+    if name is not None and not isinstance(name, str):
+        name, index = _from_torch_device(name, index)
     if name is not None and ":" in name:
         name, _, idx = name.partition(":")
         index = int(idx) if index is None else index

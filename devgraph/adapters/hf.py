@@ -40,6 +40,7 @@ from devgraph._errors import DevgraphError
 from devgraph._plugins import device as _device
 from devgraph._wrap import GraphedModule
 from devgraph.runner import GraphRunner, RunnerConfig, choose_bucket, make_config
+from devgraph.runner._config import positive_ints
 
 __all__ = ["GraphedCausalLM", "HFOptions", "wrap_hf"]
 
@@ -94,7 +95,7 @@ class HFOptions:
 
     max_batch_size: int | None = attrs.field(default=None, validator=_positive)
     batch_sizes: tuple[int, ...] | None = attrs.field(
-        default=None, converter=lambda v: None if v is None else tuple(int(x) for x in v)
+        default=None, converter=lambda v: None if v is None else positive_ints("batch_sizes", v)
     )
     max_cache_len: int = attrs.field(default=256, validator=_positive)
 
@@ -142,7 +143,8 @@ class GraphedCausalLM(GraphedModule):
         _check_model(model, device, options.max_cache_len)
         self.options = options
         step = _DecodeStep(model, options.max_cache_len)
-        super().__init__(model, GraphRunner(step, device, runner_config))
+        # generate() reads every step's logits under self._lock: threads may share the wrapper.
+        super().__init__(model, GraphRunner(step, device, runner_config, caller_serialises=True))
         self._step = step
         self._lock = threading.RLock()
 

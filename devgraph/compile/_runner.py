@@ -34,6 +34,7 @@ from devgraph.compile._trace import DevgraphBackend, Traced, trace_call
 from devgraph.runner import GraphRunner, RunnerConfig, RunnerStats, choose_bucket, normalise_batch_sizes
 from devgraph.runner._base import BucketedRunner, SharedCapture
 from devgraph.runner._calls import Call, Unsupported, read_call
+from devgraph.runner._config import positive_int, positive_ints
 from devgraph.runner._util import size_ranges
 
 __all__ = ["PiecewiseRunner", "PiecewiseStats", "piecewise_runner"]
@@ -222,7 +223,7 @@ class PiecewiseRunner(BucketedRunner):
         host = self.padded_host_args({}, trace_size)
         backend = DevgraphBackend(self.device, self.compile_config, host_args=[op for _, op in cfg.host_args])
         start = time.perf_counter()
-        self._traced = traced = trace_call(invoke, tensors, dynamic, backend, host)
+        self._traced = traced = trace_call(invoke, tensors, dynamic, backend, host, self._run_sizes())
         self.stats.compile_seconds = time.perf_counter() - start
         module = traced.compiled.module
         self.stats.pieces = module.captured_pieces
@@ -253,6 +254,12 @@ class PiecewiseRunner(BucketedRunner):
             tail=f"; {self.stats.splitting_ops} splitting ops run eagerly in between",
             desc=f"devgraph piecewise capture ({self.device})",
         )
+
+    def _run_sizes(self) -> list[int] | None:
+        """The token counts the pieces may run at below the largest (None: every count, when the
+        budget leaves no piece captured)."""
+        budget = self._budget()
+        return None if budget is not None and budget < 1 else list(self.sizes)
 
     def _budget(self) -> int | None:
         budget = self.compile_config.effective_budget(self.device)
@@ -344,5 +351,13 @@ def piecewise_runner(
 
     ``options`` are ``CompileConfig`` fields (``splitting_ops``, ``compile_backend``, ``passes``,
     ``capture_sizes``, ``capture_budget``, ``traffic``, ``is_decode``); the mode is ``config.mode``.
+
+    Raises:
+        DevgraphError: ``capture_sizes`` or ``capture_budget`` not positive integers (``2.5``, ``"4"``
+            and ``True`` included), or what ``PiecewiseRunner`` raises.
     """
+    if options.get("capture_sizes") is not None:
+        options["capture_sizes"] = positive_ints("capture_sizes", options["capture_sizes"])
+    if options.get("capture_budget") is not None:
+        options["capture_budget"] = positive_int("capture_budget", options["capture_budget"])
     return PiecewiseRunner(fn, device, config, CompileConfig(mode=config.mode, **options))

@@ -28,6 +28,7 @@ from devgraph._contract import Device
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph.compile._backends import CompiledPiece, compile_piece
 from devgraph.compile._config import CompileConfig
+from devgraph.compile._guards import check_token_guards, symbolic_sizes
 from devgraph.compile._ops import SYM_OPS, bind_host_args, is_host_arg_node, keep_composite_ops_whole
 from devgraph.compile._pieces import PiecewiseModule
 from devgraph.compile._split import SplitGraph, split_graph
@@ -349,12 +350,15 @@ def trace_call(
     dynamic: Mapping[str, int],
     backend: DevgraphBackend,
     host: Mapping[str, Any],
+    run_sizes: Sequence[int] | None = None,
 ) -> Traced:
     """Trace ``invoke(tensors, traced)`` once with Dynamo and ``backend``; return how to call it directly.
 
     ``invoke(tensors, traced)`` calls the model; with ``traced`` it must pass empty host lists.
     ``dynamic`` maps argument names to their token dimension. ``host`` (op argument -> list) is
-    what the host arguments are when Dynamo runs the result once.
+    what the host arguments are when Dynamo runs the result once. ``run_sizes`` are the token counts
+    the result runs at, besides every count above the largest (None: every count); a forward that
+    branches on the token count differently at one of them is refused (``check_token_guards``).
     """
     names = list(tensors)
     with torch.no_grad():
@@ -370,7 +374,7 @@ def trace_call(
     backend.host = host
     compiled_fn = torch.compile(_fresh_function(call), backend=backend, fullgraph=True, dynamic=False)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), symbolic_sizes():
             leaves = compiled_fn(*args)
     except DevgraphError:
         raise
@@ -415,6 +419,7 @@ def trace_call(
         for n, tensors_fake in _fakes_by_name(result, inputs).items()
         if n in dynamic and isinstance(tensors_fake.shape[dynamic[n]], torch.SymInt)
     }
+    _check_guards(result, symbols, run_sizes)
     batch_dims = tuple(
         tuple(
             d
@@ -425,6 +430,13 @@ def trace_call(
     )
     _check_output_shapes(result.fake_outputs, symbols)
     return Traced(result, tuple(inputs), tuple(outputs), spec, batch_dims)
+
+
+def _check_guards(result: CompiledGraph, symbols: set[Any], run_sizes: Sequence[int] | None) -> None:
+    """Refuse a trace that holds for some of the token counts it runs at only (``check_token_guards``)."""
+    sym = next((s for f in result.fake_inputs for s in f.shape if isinstance(s, torch.SymInt)), None)
+    if sym is not None:
+        check_token_guards(sym.node.shape_env, symbols, run_sizes)
 
 
 def _check_output_shapes(fakes: Sequence[Any], symbols: set[Any]) -> None:

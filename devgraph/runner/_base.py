@@ -121,6 +121,7 @@ class BucketedRunner:
         config: RunnerConfig,
         *,
         shared: SharedCapture | None = None,
+        caller_serialises: bool = False,
     ) -> None:
         self.fn = fn
         self.device = device
@@ -134,6 +135,9 @@ class BucketedRunner:
         self._weights = WeightAddresses()
         self._warned: set[str] = set()
         self._lock = threading.RLock()
+        # The thread whose outputs are views of graph memory (see ``_claim``); None: nobody's yet.
+        self._owner: threading.Thread | None = None
+        self._caller_serialises = caller_serialises
 
     # -- public --------------------------------------------------------------------------------
 
@@ -142,7 +146,14 @@ class BucketedRunner:
         raise NotImplementedError
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Serve one call (see the class docstring of ``GraphRunner``).
+
+        Raises:
+            DevgraphError: a call from a second live thread while outputs are views of graph memory
+                (``clone_outputs=False``): the next replay would overwrite the first thread's result.
+        """
         with self._lock, torch.no_grad():
+            self._claim()
             return self._call(args, kwargs)
 
     def capture(self: _R, *example_args: Any, **example_kwargs: Any) -> _R:
@@ -198,6 +209,33 @@ class BucketedRunner:
             out[op_name] = values + [cfg.pad_value(call_name)] * (size - len(values))
         return out
 
+    # -- threads -------------------------------------------------------------------------------
+
+    def _claim(self) -> None:
+        """Make the calling thread the one this runner serves, or refuse it (under ``_lock``).
+
+        Outputs are views of graph memory that the next replay overwrites. The lock serialises
+        calls, but a thread reads its outputs after the lock is released; if another thread's call
+        replayed in between, it would read that call's result. So without ``clone_outputs`` one
+        live thread at a time uses a runner: a call from a second one is refused while the first
+        is alive. With ``clone_outputs=True`` outputs are copied under the lock and any thread may
+        call. ``caller_serialises``: the caller consumes every output under a lock of its own
+        before any other call (the Hugging Face adapter's ``generate``).
+        """
+        if self.config.clone_outputs or self._caller_serialises:
+            return
+        me, owner = threading.current_thread(), self._owner
+        if owner is None or owner is me or not owner.is_alive():
+            self._owner = me
+            return
+        raise DevgraphError(
+            f"this graphed model is already used by thread {owner.name!r}, and its outputs are views of "
+            "graph memory that the next call overwrites: a call from this thread "
+            f"({me.name!r}) would replace the result {owner.name!r} is reading. Wrap with "
+            "clone_outputs=True to call it from several threads (each call then returns its own copy), "
+            "or wrap the model once per thread"
+        )
+
     # -- template methods ----------------------------------------------------------------------
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -209,7 +247,9 @@ class BucketedRunner:
                 self._capture_all_or_nothing(call)
             return self._serve(call)
         except Unsupported as why:
-            return self._fallback(why, args, kwargs)
+            unsupported = why
+        # Outside the except block: an error of the model's own eager run is not chained to ours.
+        return self._fallback(unsupported, args, kwargs)
 
     def _capture(self, example: Call) -> None:
         raise NotImplementedError

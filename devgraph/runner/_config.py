@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import attrs
 
 from devgraph._errors import DevgraphError
 
-__all__ = ["RunnerConfig", "RunnerStats", "make_config"]
+__all__ = ["RunnerConfig", "RunnerStats", "make_config", "positive_int", "positive_ints"]
 
 
 # Converters accept their own output too, so ``attrs.evolve(config, ...)`` works.
@@ -20,6 +21,11 @@ __all__ = ["RunnerConfig", "RunnerStats", "make_config"]
 
 def _frozen_map(value: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(dict(value or {}).items()))
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    """A name or names, sorted (one string is one name, not its letters)."""
+    return (value,) if isinstance(value, str) else tuple(sorted(value or ()))
 
 
 def _host_args(value: Any) -> tuple[tuple[str, str], ...]:
@@ -30,6 +36,40 @@ def _host_args(value: Any) -> tuple[tuple[str, str], ...]:
     if isinstance(value, Mapping):
         return tuple(sorted(value.items()))
     return tuple(tuple(item) if isinstance(item, tuple) else (item, item) for item in value)  # type: ignore[misc]
+
+
+def positive_int(option: str, value: Any) -> int:
+    """``value`` as an int when it is one (a Python or NumPy integer, not a bool) and >= 1.
+
+    Raises:
+        DevgraphError: naming ``option``, the value and its type (``2.5``, ``"4"`` and ``True`` are
+            refused rather than silently turned into 2, 4 and 1).
+    """
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if number >= 1:
+                return number
+    raise DevgraphError(f"{option} must be a positive integer, got {value!r} ({type(value).__name__})")
+
+
+def positive_ints(option: str, values: Any) -> tuple[int, ...]:
+    """Every item of ``values`` through ``positive_int`` (a single int or a string is refused too)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise DevgraphError(f"{option} must be a list of positive integers, got {values!r}")
+    return tuple(positive_int(f"every item of {option}", v) for v in values)
+
+
+def _batch_sizes(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else positive_ints("batch_sizes", value)
+
+
+def _optional_positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        positive_int(attribute.name, value)
 
 
 def _debug_default() -> bool:
@@ -55,12 +95,10 @@ class RunnerConfig:
         mode: "full", "piecewise" or "full_and_piecewise" (see devgraph.compile).
     """
 
-    batch_sizes: tuple[int, ...] | None = attrs.field(
-        default=None, converter=lambda v: None if v is None else tuple(int(x) for x in v)
-    )
-    max_batch_size: int | None = None
+    batch_sizes: tuple[int, ...] | None = attrs.field(default=None, converter=_batch_sizes)
+    max_batch_size: int | None = attrs.field(default=None, validator=_optional_positive)
     batch_dims: tuple[tuple[str, int], ...] = attrs.field(default=(), converter=_frozen_map)
-    static_args: tuple[str, ...] = attrs.field(default=(), converter=lambda v: tuple(sorted(v or ())))
+    static_args: tuple[str, ...] = attrs.field(default=(), converter=_names)
     pad_values: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_frozen_map)
     host_args: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_host_args)
     clone_outputs: bool = False
@@ -74,8 +112,32 @@ class RunnerConfig:
             raise DevgraphError(
                 f"mode must be 'full', 'piecewise' or 'full_and_piecewise', got {self.mode!r}"
             )
-        if self.warmup_iters < 0:
-            raise DevgraphError(f"warmup_iters must be >= 0, got {self.warmup_iters}")
+        if (
+            isinstance(self.warmup_iters, bool)
+            or not isinstance(self.warmup_iters, int)
+            or self.warmup_iters < 0
+        ):
+            raise DevgraphError(f"warmup_iters must be an integer >= 0, got {self.warmup_iters!r}")
+
+    def check_arguments(self, arguments: Collection[str], what: str = "the model") -> None:
+        """Raise when an option names an argument ``what`` does not take (a typo would be ignored).
+
+        Raises:
+            DevgraphError: naming the option, the unknown names and the arguments that exist.
+        """
+        named = {
+            "static_args": self.static_args,
+            "pad_values": [name for name, _ in self.pad_values],
+            "batch_dims": [name for name, _ in self.batch_dims],
+            "host_args": [name for name, _ in self.host_args],
+        }
+        for option, names in named.items():
+            unknown = sorted(set(names) - set(arguments))
+            if unknown:
+                raise DevgraphError(
+                    f"{option} names {unknown}, which {what} does not take; it takes: "
+                    f"{', '.join(arguments) or 'no named arguments'}"
+                )
 
     def uuid(self) -> str:
         """A stable hash of everything that changes the captured graphs."""
@@ -103,13 +165,27 @@ class RunnerStats:
     captured_sizes: tuple[int, ...] = ()
 
 
-def make_config(cls: Any, options: Mapping[str, Any], extra_valid: Any = (), what: str = "") -> Any:
+def make_config(
+    cls: Any,
+    options: Mapping[str, Any],
+    extra_valid: Any = (),
+    what: str = "",
+    arguments: Collection[str] | None = None,
+) -> Any:
     """Build the attrs config ``cls`` from ``options``, naming unknown options and the valid ones.
 
     ``extra_valid`` are names the caller handles itself (listed as valid, not passed to ``cls``).
+    ``arguments``: the names the wrapped function takes; options that name arguments
+    (``RunnerConfig.check_arguments``) must name some of these (None: it takes any name).
+
+    Raises:
+        DevgraphError: an unknown option, a bad value, or an option naming an argument that does not exist.
     """
     valid = [f.name for f in attrs.fields(cls)] + list(extra_valid)
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise DevgraphError(f"unknown option(s) {unknown}{what}; valid options: {', '.join(valid)}")
-    return cls(**{k: v for k, v in options.items() if k not in extra_valid})
+    config = cls(**{k: v for k, v in options.items() if k not in extra_valid})
+    if arguments is not None:
+        config.check_arguments(arguments)
+    return config

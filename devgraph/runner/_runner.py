@@ -37,6 +37,12 @@ class GraphRunner(BucketedRunner):
         config: a ``RunnerConfig``.
         shared: a ``SharedCapture`` (one pool and side stream) to capture into, shared with
             another runner (``full_and_piecewise`` mode); None: a fresh pool per capture.
+        caller_serialises: the caller consumes every output under its own lock before any other
+            call is made, so calls from several threads are safe without ``clone_outputs``.
+
+    Threads: calls are serialised by a lock. Outputs are views of graph memory overwritten by the
+    next call, so unless ``clone_outputs=True`` one live thread at a time may call; a second one
+    gets a ``DevgraphError`` naming ``clone_outputs=True`` (a call's output is never another's).
     """
 
     def __init__(
@@ -46,8 +52,11 @@ class GraphRunner(BucketedRunner):
         config: RunnerConfig | None = None,
         *,
         shared: SharedCapture | None = None,
+        caller_serialises: bool = False,
     ) -> None:
-        super().__init__(fn, device, config or RunnerConfig(), shared=shared)
+        super().__init__(
+            fn, device, config or RunnerConfig(), shared=shared, caller_serialises=caller_serialises
+        )
         self.sizes = normalise_batch_sizes(self.config.batch_sizes, self.config.max_batch_size)
         self.stats = RunnerStats()
         self._graphs: dict[int, Graph] = {}

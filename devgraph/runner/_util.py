@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 
 __all__ = ["gc_frozen", "progress", "size_ranges"]
@@ -21,15 +22,45 @@ def progress(items: list[int], desc: str) -> Iterable[int]:
     return tqdm(items, desc=desc, unit="graph", leave=False)
 
 
+class _GcState:
+    """What ``gc_frozen`` found on entry, kept while any thread is inside it."""
+
+    lock = threading.RLock()
+    depth = 0
+    was_enabled = True
+    froze = False
+
+
 @contextlib.contextmanager
 def gc_frozen() -> Iterator[None]:
-    """Collect once, then freeze: a collection during capture would walk every live object."""
-    gc.collect()
-    gc.freeze()
+    """Collect once, then freeze and disable collection while capturing; restore exactly what was found.
+
+    A collection during capture would walk every live object (``torch.cuda.graph`` collects on
+    entry, SGLang freezes for that reason). The application's own state comes back as it was: gc
+    enabled or disabled, and the objects it froze itself (vLLM and SGLang ``gc.freeze()`` after
+    start-up) stay frozen. ``gc.unfreeze()`` is all or nothing, so when the application has frozen
+    objects already, devgraph freezes nothing more (collection stays disabled while capturing).
+    Nested and concurrent uses share one entry: the first in saves the state, the last out restores it.
+    """
+    with _GcState.lock:
+        if _GcState.depth == 0:
+            _GcState.was_enabled = gc.isenabled()
+            gc.disable()
+            gc.collect()
+            _GcState.froze = gc.get_freeze_count() == 0
+            if _GcState.froze:
+                gc.freeze()
+        _GcState.depth += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        with _GcState.lock:
+            _GcState.depth -= 1
+            if _GcState.depth == 0:
+                if _GcState.froze:
+                    gc.unfreeze()
+                if _GcState.was_enabled:
+                    gc.enable()
 
 
 def size_ranges(sizes: Sequence[int]) -> str:

@@ -1,0 +1,98 @@
+"""Capture freezes garbage collection and gives the application back exactly the gc state it had."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+import devgraph
+
+
+class Probe(torch.nn.Module):
+    """Records gc's state each time it runs (warm-ups and capture run inside the capture loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bool, int]] = []
+
+    def forward(self, x):
+        self.seen.append((gc.isenabled(), gc.get_freeze_count()))
+        return x * 2
+
+
+def _capture(model=None) -> Probe:
+    model = model or Probe()
+    devgraph.wrap(model, device="cpu", batch_sizes=[1, 2]).capture(torch.ones(1, 3))
+    return model
+
+
+@pytest.fixture
+def gc_restored():
+    """Whatever a test does to gc, the next test starts with it enabled and nothing frozen."""
+    yield
+    gc.unfreeze()
+    gc.enable()
+
+
+class LongLived:
+    """An application object gc tracks (the kind ``gc.freeze()`` exempts from collections)."""
+
+
+def _unfrozen(objects) -> int:
+    """How many of ``objects`` gc would scan again (frozen ones are in no generation)."""
+    scanned = {id(o) for o in gc.get_objects()}
+    return sum(id(o) in scanned for o in objects)
+
+
+def test_capture_keeps_the_applications_own_frozen_objects_frozen(gc_restored):
+    survivors = [LongLived() for _ in range(100)]
+    gc.collect()
+    gc.freeze()  # as vLLM and SGLang do after start-up
+    assert _unfrozen(survivors) == 0
+    _capture()
+    assert _unfrozen(survivors) == 0
+
+
+def test_capture_leaves_a_disabled_gc_disabled(gc_restored):
+    gc.disable()
+    _capture()
+    assert not gc.isenabled()
+
+
+def test_capture_leaves_an_enabled_gc_enabled_with_nothing_frozen(gc_restored):
+    _capture()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_capture_runs_with_collection_off_and_live_objects_frozen(gc_restored):
+    model = _capture()
+    assert model.seen and all(not enabled and frozen > 0 for enabled, frozen in model.seen)
+
+
+def test_overlapping_captures_on_two_threads_restore_gc_once_both_end(gc_restored):
+    both_inside = threading.Barrier(2)
+
+    class Waits(Probe):
+        def forward(self, x):
+            if not self.seen:  # first warm-up: wait until the other thread's capture has begun too
+                both_inside.wait(60)
+            return super().forward(x)
+
+    errors = []
+
+    def run():
+        try:
+            _capture(Waits())
+        except Exception as exc:  # collected: pytest does not see thread exceptions
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
