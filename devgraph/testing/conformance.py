@@ -160,7 +160,8 @@ def check_capture_allocates_in_given_pool(device: Device) -> None:
     """``capture(pool=p)`` allocates in ``p``: a smaller graph captured into a larger graph's pool
     reuses the memory the larger one's intermediates freed (where CUDA's allocator puts it too)."""
     big_x, small_x = _t(device, 16384), _t(device, 4096, seed=1)
-    big, small = [], []
+    big: list[tuple[int, int]] = []
+    small: list[tuple[int, int]] = []
     g_big, _out_big = _capture(device, lambda: _doubled_plus_one(big_x, big))
     _capture(device, lambda: _doubled_plus_one(small_x, small), pool=g_big.pool())
     dead_intermediate = big[-2]  # the warm-up ran first; the captured call's spans come last
@@ -174,7 +175,8 @@ def check_graph_holds_outputs_weakly(device: Device) -> None:
     """A graph does not keep its outputs alive: once the caller drops them, the next capture into
     the same pool may reuse their memory (what lets all of a runner's buckets share one pool)."""
     x, y = _t(device, 16384), _t(device, 16384, seed=1)
-    first, second = [], []
+    first: list[tuple[int, int]] = []
+    second: list[tuple[int, int]] = []
     graph, out = _capture(device, lambda: _doubled_plus_one(x, first))
     dropped_output = _span(out)
     del out
@@ -318,7 +320,8 @@ def check_tasks_hold_arguments_weakly(device: Device) -> None:
 
     _needs_updatable_attention(device)
     q, k, v, table, seq = _attention_inputs(device, [5, 9], num_blocks=512)
-    first, second = [], []
+    first: list[tuple[int, int]] = []
+    second: list[tuple[int, int]] = []
 
     def step(spans):
         keys = k * 1.0  # an intermediate only the task reads: the largest allocation of the step
