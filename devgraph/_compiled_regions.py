@@ -95,7 +95,6 @@ class CompiledRegions:
     def __init__(self, recorders: list[Any]) -> None:
         self.recorders = recorders
         self.active: str | None = None  # the compiled graph running now (its description)
-        self.count = 0  # compiled graphs recorded whole
         self._frame: FrameType | None = None
         self._call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
         self._problem: CaptureError | None = None
@@ -181,7 +180,6 @@ class CompiledRegions:
             return
         for recorder in self.recorders:
             recorder.record_compiled(fn, args, kwargs, result, name)
-        self.count += 1
 
     def _refuse_unrecognised(self, frame: FrameType) -> None:
         if self._problem is None and all(m in op_recorders() for m in self.recorders):

@@ -263,3 +263,23 @@ def test_updatable_op_inside_compiled_code_is_refused():
         with pytest.raises(CaptureError, match="updatable op inside a compiled graph"):
             with graph.capture(auto_update_ops=dev.updatable_ops):
                 attention(q, k, v, table, seq, [5, 9])
+
+
+def test_graph_break_gives_one_task_per_compiled_graph_and_replays_like_eager():
+    def body(x, w):
+        y = torch.nn.functional.gelu(x @ w)
+        torch._dynamo.graph_break()  # the eager code here is recorded op by op
+        return (y.sin() + x).relu()
+
+    compiled = torch.compile(body, backend="inductor")
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    graph = devgraph.device("cpu").graph()
+    with torch.no_grad():
+        compiled(x, w)
+        with graph.capture():
+            out = compiled(x, w)
+    assert sum(op.startswith("torch.compile'd graph") for op in graph.recorded_ops) == 2
+    fresh = torch.randn(4, 8)
+    x.copy_(fresh)
+    graph.replay()
+    torch.testing.assert_close(out, body(fresh, w))

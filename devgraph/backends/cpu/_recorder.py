@@ -273,7 +273,9 @@ class Recorder(TorchDispatchMode):
         ``fn`` again on the same tensors and copies its results into ``result``'s tensors."""
         entry = Entry(fn, name, args, kwargs)
         leaves, _ = tree_flatten(result)
-        entry.outs = [(i, _Strong(t)) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]  # type: ignore[misc]
+        # The outputs stay where the compiled code put them (held here); replay copies into them.
+        outs = [(i, _Strong(t)) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        entry.outs = outs  # type: ignore[assignment]
         self.segment.entries.append(entry)
 
     def _place_outputs(self, func: Any, entry: Entry, result: Any, inputs: set[int] | None = None) -> Any:
