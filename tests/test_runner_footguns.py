@@ -188,3 +188,25 @@ def test_ops_is_reachable_after_a_plain_import_without_loading_an_accelerator():
         check=True,
     ).stdout
     assert out.split() == ["True", "True", "False", "False"]
+
+
+def test_hf_wrapper_methods_keep_the_graphed_causal_lm_and_recapture_after_a_cast():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[2], max_cache_len=16)
+    ids = torch.randint(3, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    graphed.generate(ids, max_new_tokens=4)  # captured in float32
+    assert graphed.eval().double() is graphed
+    replays = graphed.stats.replays
+    out = graphed.generate(ids, max_new_tokens=4)
+    assert torch.equal(out, model.generate(ids, do_sample=False, max_new_tokens=4))
+    assert graphed.stats.replays - replays == 3  # served from fresh float64 graphs, not eagerly

@@ -44,7 +44,7 @@ def symbolic_sizes() -> Iterator[None]:
     """Trace with sizes 0 and 1 possible, so branches on them become guards (see module docstring)."""
     import torch.fx.experimental._config as fx_config
 
-    with fx_config.patch(backed_size_oblivious=True):
+    with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]  # install_config_module
         yield
 
 
