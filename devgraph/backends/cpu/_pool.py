@@ -72,7 +72,7 @@ def storage_bytes(size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.d
     if any(s == 0 for s in size):
         return 0
     extent = 1 + sum((s - 1) * st for s, st in zip(size, stride))
-    return extent * torch.empty((), dtype=dtype).element_size()
+    return extent * dtype.itemsize  # no allocation: this runs inside captures, under their modes
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
