@@ -18,6 +18,7 @@ from devgraph.backends.npu import _kernels as npu_kernels
 from devgraph.ops import _registry
 from devgraph.testing import _npu_sim_runtime as npu_sim_runtime
 from devgraph.testing import conformance, simulated_torch_npu
+from devgraph.testing._npu_sim_streams import SimulatedHang
 
 OP = "devgraph::paged_decode_attention"
 IFA = "devgraph_npu_sim::npu_fused_infer_attention_score"  # the simulated torch_npu op
@@ -26,7 +27,7 @@ SCALE = 0.5
 
 @pytest.fixture
 def sim():
-    with simulated_torch_npu() as torch_npu:
+    with simulated_torch_npu(hang_timeout=0.2) as torch_npu:
         yield torch_npu
 
 
@@ -279,10 +280,12 @@ def test_simulated_graph_hangs_when_a_waited_event_is_never_recorded(sim):
         npu.graph_task_group_begin(npu.current_stream())
         y = x + 1
         npu.graph_task_group_end(npu.current_stream())
-    with pytest.raises(RuntimeError, match="simulated NPU graph would hang"):
-        graph.replay()
+    graph.replay()  # queued: it stops at the wait
+    with pytest.raises(SimulatedHang, match=r"would hang.*ExternalEvent\[\d+\]\.wait in front of task group 0"):
+        npu.synchronize()
     event.record()  # what an update (or devgraph's stale-release) does
     graph.replay()
+    npu.synchronize()
     torch.testing.assert_close(y, torch.full((2,), 2.0))
 
 
@@ -376,8 +379,9 @@ def test_auto_dispatch_capture_and_cpu_update_input(sim):
     graph = npu.NPUGraph()
     with npu.graph(graph, auto_dispatch_capture=True):
         attn, _lse = sim.npu_fused_infer_attention_score(*args, actual_seq_lengths_kv=[5, 9], **kwargs)
-    with pytest.raises(RuntimeError, match="would hang"):
-        graph.replay()  # auto-dispatched tasks need an update before every replay
+    graph.replay()
+    with pytest.raises(SimulatedHang, match="would hang"):
+        npu.synchronize()  # auto-dispatched tasks need an update before every replay
     graph.update(cpu_update_input=[{"actual_seq_lengths_kv": [12, 3]}])
     graph.replay()
     torch.testing.assert_close(attn.squeeze(2), _expected(*case, [12, 3]))

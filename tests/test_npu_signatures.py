@@ -214,7 +214,7 @@ def _sim_schema(name: str) -> str:
 
 
 def _sim_npu_names() -> list[str]:
-    return [n for n in _npu_sim_runtime.__all__ if n != "reset_state"]
+    return [n for n in _npu_sim_runtime.__all__ if n not in _npu_sim_runtime.SIMULATOR_ONLY]
 
 
 @pytest.mark.parametrize("name", _sim_npu_names())
