@@ -234,7 +234,8 @@ class NpuGraph(Graph):
         With ``device.update_order == "overlap"`` (the default) the replay is queued first and the
         tasks are re-issued on the update stream while it runs, as vllm-ascend does: each updated
         task waits on its event, which the update records after rewriting it. ``"serial"``
-        re-issues every task, then replays.
+        re-issues every task, then replays; so does a call updating a task whose event an
+        ``update()`` since the last replay already recorded (overlapping would race with it).
         """
         order = self.device.update_order  # type: ignore[attr-defined]
         if host_args is None or order == "serial" or self._state != "captured":
@@ -244,16 +245,25 @@ class NpuGraph(Graph):
         with self._lock:
             self._check_poisoned()
             pairs = list(apply_host_args(self._tasks, host_args))  # every check before anything is queued
+            updating = {group.index for group, _ in pairs}
+            if updating & self._released:
+                # An event already recorded (an update() since the last replay) would let the
+                # replay run that task before this update rewrites it: update first, then replay.
+                self.update(host_args)
+                self._replay()
+                return
             with self._updating() as update_stream:
-                self._release_stale(self._npu.current_stream(self.device.index), {g.index for g, _ in pairs})
+                self._release_stale(self._npu.current_stream(self.device.index), updating)
                 self._launch()
                 try:
                     self._reissue_all(pairs, update_stream)
-                finally:
-                    # A failed update must not leave the replay in flight waiting forever.
+                except BaseException:
+                    # The replay in flight must not wait forever on the tasks left un-updated.
                     for group, _ in pairs:
                         if group.index not in self._released:
                             group.handle[1].record(update_stream)
+                    raise
+                finally:
                     self._released = set()  # the replay in flight consumed these releases
 
     def update(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -277,6 +287,7 @@ class NpuGraph(Graph):
     def _updating(self) -> Iterator[Any]:
         """Hold the device's update stream (one per device: threads take turns), fenced."""
         device: NpuDevice = self.device  # type: ignore[assignment]
+        _refuse_nested("a task update")  # the lock is not re-entrant: this thread would wait on itself
         with device._update_lock:
             _thread.updating = self
             try:
