@@ -172,6 +172,26 @@ def _attention_scratch(
     return scratch
 
 
+#: Query dtypes devgraph's NPU attention accepts: npu_fused_infer_attention_score takes float16 /
+#: bfloat16 / int8 queries, and int8 needs quantisation scales devgraph does not pass.
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _check_attention_rules(query: torch.Tensor, key_cache: torch.Tensor, block_size: int) -> None:
+    """Refuse, with the remedy, what npu_fused_infer_attention_score refuses on Ascend hardware."""
+    if query.dtype not in ATTENTION_DTYPES or key_cache.dtype != query.dtype:
+        raise ValueError(
+            f"devgraph.paged_decode_attention on npu: query {query.dtype} / kv cache {key_cache.dtype}; "
+            "npu_fused_infer_attention_score takes float16 or bfloat16 (float32 fails on Ascend). Run "
+            "the model in torch.bfloat16 or torch.float16 (e.g. DecoderConfig(dtype=torch.bfloat16))"
+        )
+    if block_size % 16 or not 0 < block_size <= 512:
+        raise ValueError(
+            f"devgraph.paged_decode_attention on npu: block_size {block_size}; page attention needs a "
+            "multiple of 16 of at most 512 for float16/bfloat16 caches (128 recommended)"
+        )
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -191,6 +211,7 @@ def paged_decode_attention(
             f"devgraph.paged_decode_attention: seq_lens_host must list B = {batch} lengths on npu "
             f"(the kernel reads the host lengths: actual_seq_lengths_kv), got {len(seq_lens_host)}"
         )
+    _check_attention_rules(query, key_cache, block_size)
     in_graph = _in_graph_work(torch_npu)
     if block_table.dtype != torch.int32:
         if in_graph:
