@@ -89,6 +89,72 @@ def _close(got, want):
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
 
 
+# -- the simulator's streams ----------------------------------------------------------------------
+
+
+def _doubling_graph(npu):
+    x = torch.ones(3)
+    graph = npu.NPUGraph()
+    with npu.graph(graph):
+        y = x * 2
+    x.fill_(5.0)
+    return graph, y
+
+
+def test_lazy_stream_runs_only_when_the_host_synchronises():
+    with simulated_torch_npu(streams="lazy") as sim:
+        graph, y = _doubling_graph(sim.npu)
+        graph.replay()
+        torch.testing.assert_close(y, torch.full((3,), 2.0))  # queued, not run
+        assert not sim.npu.current_stream().query()
+        sim.npu.synchronize()
+        torch.testing.assert_close(y, torch.full((3,), 10.0))
+
+
+def test_event_completes_when_its_stream_reaches_it():
+    with simulated_torch_npu(streams="lazy") as sim:
+        npu = sim.npu
+        graph, y = _doubling_graph(npu)
+        side = npu.Stream()
+        with npu.stream(side):
+            graph.replay()
+            event = side.record_event()
+        assert not event.query()
+        event.synchronize()
+        assert event.query()
+        torch.testing.assert_close(y, torch.full((3,), 10.0))
+
+
+def test_a_stream_waiting_on_another_makes_it_run():
+    with simulated_torch_npu(streams="lazy") as sim:
+        npu = sim.npu
+        graph, y = _doubling_graph(npu)
+        producer, consumer = npu.Stream(), npu.Stream()
+        with npu.stream(producer):
+            graph.replay()
+        consumer.wait_stream(producer)
+        consumer.synchronize()  # only the consumer is synchronised; its wait runs the producer
+        torch.testing.assert_close(y, torch.full((3,), 10.0))
+
+
+def test_an_unordered_side_stream_overtakes_on_a_device_sync():
+    # Lazy mode's worst case: of two streams with no wait between them, the one whose pending work
+    # is newest runs first, so a missing dependency shows.
+    with simulated_torch_npu(streams="lazy") as sim:
+        npu = sim.npu
+        graph_a, y_a = _doubling_graph(npu)
+        x = torch.ones(3)
+        graph_b = npu.NPUGraph()
+        with npu.graph(graph_b):
+            y_a.add_(x)  # reads what graph_a writes: needs graph_a to run first
+        with npu.stream(npu.Stream()):
+            graph_a.replay()
+        with npu.stream(npu.Stream()):
+            graph_b.replay()  # no wait on graph_a's stream
+        npu.synchronize()
+        torch.testing.assert_close(y_a, torch.full((3,), 10.0))  # graph_b ran first, then graph_a
+
+
 # -- the scenarios (each one needs particular ordering steps) -----------------------------------
 
 

@@ -339,6 +339,25 @@ def test_simulated_task_update_rewrites_the_group(sim):
     torch.testing.assert_close(y, torch.full((3,), 10.0))
 
 
+def test_simulated_task_update_runs_nothing_until_the_replay(sim):
+    # A task update rewrites parameters; the hardware runs nothing until the graph replays.
+    npu = sim.npu
+    graph, update_stream = npu.NPUGraph(), npu.Stream()
+    x = torch.ones(3)
+    with npu.graph(graph):
+        y = torch.empty(3)
+        npu.graph_task_group_begin(npu.current_stream())
+        torch.mul(x, 2.0, out=y)
+        handle = npu.graph_task_group_end(npu.current_stream())
+    with npu.stream(update_stream):
+        npu.graph_task_update_begin(update_stream, handle)
+        torch.mul(x, 10.0, out=y)
+        npu.graph_task_update_end(update_stream)
+    torch.testing.assert_close(y, torch.full((3,), 2.0))  # what the capture computed
+    graph.replay()
+    torch.testing.assert_close(y, torch.full((3,), 10.0))
+
+
 def _captured_group(npu, x, y):
     graph = npu.NPUGraph()
     with npu.graph(graph):

@@ -484,23 +484,35 @@ class _SimRecorder(Recorder):
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if self.updating and not allocating:
             self._check_inputs(func, args, kwargs, inputs)
+        restore = self._keep_memory(func, args, kwargs, allocating)
         entry = Entry(func, name, args, kwargs, rerun=not allocating)
-        if self.updating and not allocating:
-            # A task update rewrites the task's parameters; it runs nothing. The kernel runs here
-            # only to produce its results' metadata, so what it writes is put back afterwards.
-            written = _written(func, args, kwargs)
-            saved = [t.clone() for t in written]
-            result = func(*args, **kwargs)
-            for t, before in zip(written, saved):
-                t.copy_(before)
-        else:
-            result = func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        restore()
         self._inputs = frozenset(_storage_ptr(t) for t in inputs if tensor_bytes(t))
         self._allocating = allocating
         result = self._place_outputs(func, entry, result)
         if not (self.updating and allocating):  # an allocation during an update is no graph work
             self.segment.entries.append(entry)
         return result
+
+    def _keep_memory(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], allocating: bool
+    ) -> Callable[[], None]:
+        """In a task update, what puts back the memory ``func`` is about to write (else a no-op).
+
+        A task update rewrites the task's parameters; it runs nothing. The kernel runs here only to
+        produce its results, so what it writes is restored after it.
+        """
+        if not self.updating or allocating:
+            return _noop
+        written = _written(func, args, kwargs)
+        saved = [t.clone() for t in written]
+
+        def restore() -> None:
+            for t, before in zip(written, saved):
+                t.copy_(before)
+
+        return restore
 
     def _check_inputs(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: list) -> None:
         """Raise if a re-issued task reads or writes memory allocated during the update."""
