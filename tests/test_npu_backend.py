@@ -748,3 +748,13 @@ def test_simulated_fused_infer_attention_matches_sdpa(sim, layout):
     want = expected.transpose(1, 2) if layout == "BNSD_BSND" else to(expected)
     torch.testing.assert_close(attn, want)
     assert lse.shape == (b, n, s, 1) and lse.dtype == torch.float32
+
+
+def test_demo_runs_on_the_npu_simulator_in_bfloat16(capsys):
+    # Regression: the demo ran its model in float32, which npu_fused_infer_attention_score refuses.
+    from devgraph.demo import run_demo
+
+    with simulated_torch_npu():
+        assert run_demo("npu", steps=1, batch_sizes=(1,)) == 0
+    out = capsys.readouterr().out
+    assert "torch.bfloat16" in out and "graphed logits match eager" in out
