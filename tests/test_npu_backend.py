@@ -758,3 +758,26 @@ def test_demo_runs_on_the_npu_simulator_in_bfloat16(capsys):
         assert run_demo("npu", steps=1, batch_sizes=(1,)) == 0
     out = capsys.readouterr().out
     assert "torch.bfloat16" in out and "graphed logits match eager" in out
+
+
+def test_torchair_pieces_inside_an_acl_graph_capture_are_refused(monkeypatch):
+    # Regression: the npu default compiled pieces with torchair (default max-autotune: a GE graph),
+    # then captured them into ACL graphs; vllm-ascend treats the two as exclusive.
+    import types
+
+    from devgraph.compile._backends import compile_piece
+
+    monkeypatch.setitem(sys.modules, "torchair", types.ModuleType("torchair"))  # importable here
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    with pytest.raises(DevgraphError, match="cannot compile pieces that devgraph captures into ACL graphs"):
+        compile_piece("torchair", "submod_0", gm, [torch.zeros(2)])
+
+
+def test_npu_default_compile_backend_is_eager_even_with_torchair(sim, monkeypatch):
+    import importlib.machinery
+    import types
+
+    fake = types.ModuleType("torchair")
+    fake.__spec__ = importlib.machinery.ModuleSpec("torchair", None)
+    monkeypatch.setitem(sys.modules, "torchair", fake)
+    assert npu_device.NpuDevice(0).default_compile_backend == "eager"

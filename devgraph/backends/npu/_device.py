@@ -16,7 +16,6 @@ never hangs: it replays with the arguments it last had (stale, as on the CPU ref
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import threading
@@ -452,8 +451,8 @@ class NpuDevice(Device):
         #: "overlap": replay(host_args) queues the replay, then re-issues the tasks while it runs;
         #: "serial": re-issue, then replay (see NpuGraph.replay).
         self.update_order = "overlap"
-        # torchair (Ascend's graph compiler) compiles pieces where it can be imported; else eager.
-        self.default_compile_backend = "torchair" if importlib.util.find_spec("torchair") else "eager"
+        # Not torchair: its modes cannot run inside the ACL graphs pieces are captured into.
+        self.default_compile_backend = "eager"
 
     @property
     def simulated(self) -> bool:
