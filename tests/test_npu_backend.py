@@ -171,7 +171,7 @@ def _conformance_params():
         yield pytest.param(check, id=check.__name__, marks=marks)
 
 
-@pytest.mark.parametrize("check", _conformance_params())
+@pytest.mark.parametrize("check", list(_conformance_params()))
 def test_conformance(check, npu):
     check(npu)
 
