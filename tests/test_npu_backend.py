@@ -781,3 +781,11 @@ def test_npu_default_compile_backend_is_eager_even_with_torchair(sim, monkeypatc
     fake.__spec__ = importlib.machinery.ModuleSpec("torchair", None)
     monkeypatch.setitem(sys.modules, "torchair", fake)
     assert npu_device.NpuDevice(0).default_compile_backend == "eager"
+
+
+def test_update_beyond_the_kv_capacity_is_refused_and_the_task_keeps_its_lengths(npu):
+    graph, out, _, case = _capture_attention(npu, [5, 9])
+    with pytest.raises(DevgraphError, match=r"actual_seq_lengths_kv\[0\]=999 exceeds the 32 tokens"):
+        graph.update({"seq_lens_host": [999, 1]})
+    graph.replay()
+    torch.testing.assert_close(out, _expected(*case, [5, 9]))

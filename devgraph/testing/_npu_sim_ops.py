@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["NAMESPACE", "define_ops", "op"]
+__all__ = ["NAMESPACE", "check_call", "define_ops", "op"]
 
 NAMESPACE = "devgraph_npu_sim"
 
@@ -339,18 +339,44 @@ def _ifa_default(query, key, value, **kwargs):
     return _ifa_reference(query, key, value, _ifa_kwargs(kwargs))
 
 
-def _ifa_out(query, key, value, *, workspace=None, out, **kwargs):
+def check_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Check a call as the hardware does when a task update re-issues it, without running it.
+
+    Returns False for an op with no such check (the caller then runs it).
+    """
+    if func._schema.name != f"{NAMESPACE}::npu_fused_infer_attention_score":
+        return False
+    query, key, value = args[:3]
+    rest = {k: v for k, v in kwargs.items() if k not in ("workspace", "out")}
+    _ifa_check_out(query, key, value, kwargs.get("workspace"), kwargs["out"], _ifa_kwargs(rest))
+    return True
+
+
+def _ifa_check_out(query, key, value, workspace, out, kw: dict[str, Any]) -> None:
+    """The checks of the ``.out`` call that need no computation: rules, lengths, workspace, outputs."""
     if len(out) != 2:
         raise RuntimeError(f"out must have 2 tensors (attention_out, softmax_lse), but got {len(out)}")
-    kw = _ifa_kwargs(kwargs)
+    _check_ifa_rules(query, key, value, kw)
+    capacity = _ifa_capacity(key, kw)
+    lens = kw["actual_seq_lengths_kv"]
+    if kw["block_table"] is not None and lens is None:
+        _fail("actual_seq_lengths_kv is required with page attention (block_table)")
+    for i, n in enumerate(lens or ()):
+        if not 0 <= int(n) <= capacity:
+            _fail(f"actual_seq_lengths_kv[{i}]={n} exceeds the {capacity} tokens the kv holds")
     if workspace is not None:
-        need = workspace_bytes(query, kw, _kv_tokens(kw, kw["actual_seq_lengths_kv"], _ifa_capacity(key, kw)))
+        need = workspace_bytes(query, kw, _kv_tokens(kw, lens, capacity))
         have = workspace.numel() * workspace.element_size()
         if have < need:
             _fail(
                 f"workspace holds {have} bytes, this call needs {need}: size it with "
                 "_npu_fused_infer_attention_score_get_max_workspace for the longest lengths it will see"
             )
+
+
+def _ifa_out(query, key, value, *, workspace=None, out, **kwargs):
+    kw = _ifa_kwargs(kwargs)
+    _ifa_check_out(query, key, value, workspace, out, kw)
     attn, lse = _ifa_reference(query, key, value, kw)
     attention_out, softmax_lse = out
     if attention_out.shape != attn.shape:
