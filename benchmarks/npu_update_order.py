@@ -7,8 +7,9 @@ synchronised after it, untimed. Also counts the torch_npu stream/event calls eac
 replay (machine independent).
 
 Without Ascend hardware this runs on devgraph.testing's torch_npu simulator in lazy mode (streams
-run only at the untimed sync), so the time is devgraph's host work plus the simulator's recording
-of each re-issued call -- compare the two orders with each other, not with hardware.
+run only at the untimed sync; a re-issued attention call is checked, not run), so the time is
+devgraph's host work plus the simulator's recording of each re-issue -- compare the two orders with
+each other, not with hardware.
 
     python benchmarks/npu_update_order.py --layers 32 --iters 50
 """
@@ -46,18 +47,6 @@ def _capture(device, layers: int):
     return graph, batch, (k, v, table, seq, qs)  # a graph's inputs must outlive it (as on hardware)
 
 
-def _op_seconds(inputs, iters: int) -> float:
-    """Median seconds of one simulated attention call (what the simulator runs per re-issue)."""
-    k, v, table, _seq, qs = inputs
-    samples = []
-    for i in range(iters):
-        lens = [1 + (7 * i + b) % 64 for b in range(len(table))]
-        start = time.perf_counter()
-        ops.paged_decode_attention(qs[0], k, v, table, torch.tensor(lens, dtype=torch.int32), lens, 0.125)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def _counting(sim, counts: Counter):
     """Count the torch_npu stream/event calls (wrapping the simulator's classes for the block)."""
     npu = sim.npu
@@ -84,9 +73,8 @@ def _counting(sim, counts: Counter):
     return stack
 
 
-def measure(layers: int, iters: int, order: str) -> tuple[float, float, dict[str, float]]:
-    """(median host us per layer, us of it the simulator spends running the re-issued op, torch_npu
-    calls per replay) for one update order."""
+def measure(layers: int, iters: int, order: str) -> tuple[float, dict[str, float]]:
+    """(median host microseconds per layer, torch_npu calls per replay) for one update order."""
     from devgraph.testing import simulated_torch_npu
 
     with simulated_torch_npu(streams="lazy") as sim:
@@ -105,8 +93,7 @@ def measure(layers: int, iters: int, order: str) -> tuple[float, float, dict[str
             if i >= 3:
                 samples.append(elapsed)
         per_replay = {name: counts[name] for name in COUNTED}
-        op_us = _op_seconds(_inputs, iters) * 1e6
-    return statistics.median(samples) / layers * 1e6, op_us, per_replay
+    return statistics.median(samples) / layers * 1e6, per_replay
 
 
 def main() -> None:
@@ -115,11 +102,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args()
     print(f"replay(host_args) host time per layer, {args.layers} layers, median of {args.iters} (simulator)")
-    print("(op us/layer: one eager simulated attention call, which the simulator runs for every re-issue)")
-    print(f"{'order':>8}  {'us/layer':>9}  {'op us/layer':>11}  " + "  ".join(f"{c:>23}" for c in COUNTED))
+    print(f"{'order':>8}  {'us/layer':>9}  " + "  ".join(f"{c:>23}" for c in COUNTED))
     for order in ("overlap", "serial"):
-        us, op_us, calls = measure(args.layers, args.iters, order)
-        print(f"{order:>8}  {us:>9.1f}  {op_us:>11.1f}  " + "  ".join(f"{calls[c]:>23}" for c in COUNTED))
+        us, calls = measure(args.layers, args.iters, order)
+        print(f"{order:>8}  {us:>9.1f}  " + "  ".join(f"{calls[c]:>23}" for c in COUNTED))
 
 
 if __name__ == "__main__":

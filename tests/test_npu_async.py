@@ -77,10 +77,11 @@ class Decoder:
     def expected(self, *lens) -> torch.Tensor:
         """What one replay adds to ``acc`` with ``lens`` (one list for every layer, or one per layer)."""
         total = torch.zeros_like(self.acc)
-        for q, lens in zip(self.q, lens * LAYERS if len(lens) == 1 else lens):
+        per_layer = lens * LAYERS if len(lens) == 1 else lens
+        for q, layer_lens in zip(self.q, per_layer):
             out = torch.empty_like(q, dtype=torch.float32)
             k, v = self.k.float(), self.v.float()
-            _reference.paged_decode_attention_host_lens(q.float(), k, v, self.table, lens, SCALE, out)
+            _reference.paged_decode_attention_host_lens(q.float(), k, v, self.table, layer_lens, SCALE, out)
             total += out
         return total
 
@@ -200,7 +201,13 @@ def update_then_replay_with_other_lengths(device) -> None:
     _close(model.acc, model.expected(SECOND))
 
 
-SCENARIOS = [update_then_replay_with_other_lengths, back_to_back_replays, replay_with_new_lengths, replay_without_update, replay_updating_one_task]
+SCENARIOS = [
+    update_then_replay_with_other_lengths,
+    back_to_back_replays,
+    replay_with_new_lengths,
+    replay_without_update,
+    replay_updating_one_task,
+]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
@@ -228,14 +235,15 @@ def test_removing_an_ordering_step_is_caught(lazy, monkeypatch, step):
         STEPS[step](lazy)
 
 
-def test_recording_the_event_without_marking_the_task_released_is_caught(lazy, monkeypatch):
-    # Half of _release_updated: the stale-release before the next replay then records the event on
-    # the replay's stream, ahead of the rewrite queued on the update stream.
-    monkeypatch.setattr(NpuGraph, "_release_updated", lambda self, group, stream: group.handle[1].record(stream))
-    if lazy.update_order == "overlap":
-        pytest.skip("the overlapped replay releases its updated tasks itself")
-    with pytest.raises(AssertionError):
-        replay_with_new_lengths(lazy)
+def test_recording_the_event_without_marking_the_task_released_is_caught(monkeypatch):
+    # Half of _release_updated (serial order): the stale-release before the next replay then records
+    # the event on the replay's stream, ahead of the rewrite queued on the update stream.
+    monkeypatch.setattr(
+        NpuGraph, "_release_updated", lambda self, group, stream: group.handle[1].record(stream)
+    )
+    for device in _device("lazy", "serial"):
+        with pytest.raises(AssertionError):
+            replay_with_new_lengths(device)
 
 
 # -- the overlapped order --------------------------------------------------------------------------
@@ -248,9 +256,13 @@ def test_overlapped_order_queues_the_replay_before_updating(monkeypatch):
         calls = []
         for name in ("graph_task_update_begin",):
             real = getattr(sim.npu, name)
-            monkeypatch.setattr(sim.npu, name, lambda *a, _real=real, _n=name: (calls.append(_n), _real(*a))[1])
+            monkeypatch.setattr(
+                sim.npu, name, lambda *a, _real=real, _n=name: (calls.append(_n), _real(*a))[1]
+            )
         real_replay = sim.npu.NPUGraph.replay
-        monkeypatch.setattr(sim.npu.NPUGraph, "replay", lambda self: (calls.append("replay"), real_replay(self))[1])
+        monkeypatch.setattr(
+            sim.npu.NPUGraph, "replay", lambda self: (calls.append("replay"), real_replay(self))[1]
+        )
         model.graph.replay(host_args={"seq_lens_host": FIRST})
         assert calls == ["replay"] + ["graph_task_update_begin"] * LAYERS
         device.synchronize()
@@ -290,7 +302,7 @@ def test_updates_from_two_threads_take_turns_on_the_update_stream(eager):
         started.wait()
         try:
             second.graph.update({"seq_lens_host": FIRST})
-        except Exception as exc:  # noqa: BLE001 -- reported below
+        except Exception as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=contextvars.copy_context().run, args=(other,))  # the simulator's route
@@ -339,7 +351,9 @@ def test_failed_update_restores_the_previous_arguments(eager):
     # Regression: update() re-issued layer 0 with the new lengths, then layer 1 failed, and the graph
     # replayed layer 0 new and layer 1 old: a silent mix of two steps.
     model = Decoder(eager)
-    with pytest.raises(DevgraphError, match="task update of task 1 .* failed .* keeps its previous arguments"):
+    with pytest.raises(
+        DevgraphError, match=r"task update of task 1 .* failed .* keeps its previous arguments"
+    ):
         model.graph.update([{"seq_lens_host": FIRST}, {"seq_lens_host": [1]}])  # one length for batch 2
     model.acc.zero_()
     model.graph.replay()
@@ -359,7 +373,9 @@ def test_failed_explicit_task_update_poisons_the_graph(eager):
         with graph.task_update(group):
             torch.mul(x, 20.0, out=y)
             raise ValueError("half way")
-    with pytest.raises(DevgraphError, match="cannot replay: the task_update\\(\\) block of explicit task group 0"):
+    with pytest.raises(
+        DevgraphError, match="cannot replay: the task_update\\(\\) block of explicit task group 0"
+    ):
         graph.replay()
     graph.reset()
     with graph.capture():

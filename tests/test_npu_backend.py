@@ -314,7 +314,9 @@ def test_simulated_graph_hangs_when_a_waited_event_is_never_recorded(sim):
         y = x + 1
         npu.graph_task_group_end(npu.current_stream())
     graph.replay()  # queued: it stops at the wait
-    with pytest.raises(SimulatedHang, match=r"would hang.*ExternalEvent\[\d+\]\.wait in front of task group 0"):
+    with pytest.raises(
+        SimulatedHang, match=r"would hang.*ExternalEvent\[\d+\]\.wait in front of task group 0"
+    ):
         npu.synchronize()
     event.record()  # what an update (or devgraph's stale-release) does
     graph.replay()
@@ -636,7 +638,9 @@ def test_simulator_catches_a_kernel_that_makes_temporaries_in_a_task_update(npu,
         ops.paged_decode_attention(q, k, v, table, seq, [5, 9], SCALE, out)
     graph.replay()
     torch.testing.assert_close(out, _expected(*case, [5, 9]))
-    with pytest.raises(DevgraphError, match="simulated NPU task update reads/writes memory allocated during") as err:
+    with pytest.raises(
+        DevgraphError, match="simulated NPU task update reads/writes memory allocated during"
+    ) as err:
         graph.update({"seq_lens_host": [12, 3]})
     assert _TEMPORARY[kind] in str(err.value)
     # The kernel fails every re-issue, so restoring the previous arguments fails too: poisoned.
@@ -647,7 +651,7 @@ def test_simulator_catches_a_kernel_that_makes_temporaries_in_a_task_update(npu,
 def test_npu_attention_refuses_float32_with_the_remedy(npu):
     q, k, v, table = _attention_case()
     seq = torch.tensor([5, 9], dtype=torch.int32)
-    with pytest.raises(ValueError, match="takes float16 or bfloat16 .* torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"takes float16 or bfloat16 .* torch.bfloat16"):
         ops.paged_decode_attention(q.float(), k.float(), v.float(), table, seq, [5, 9], SCALE)
 
 
@@ -672,14 +676,21 @@ def _raw_ifa(sim, case, **overrides):
 
 
 _HARDWARE_RULES = {
-    "float32 query": (lambda c: {"query": c[0].float().unsqueeze(2)}, "query dtype torch.float32 is not supported"),
+    "float32 query": (
+        lambda c: {"query": c[0].float().unsqueeze(2)},
+        "query dtype torch.float32 is not supported",
+    ),
     "float32 cache": (
         lambda c: {"key": c[1].float().flatten(2), "value": c[2].float().flatten(2)},
         "key dtype torch.float32 is not supported",
     ),
-    "int64 block_table": (lambda c: {"block_table": c[3].long()}, "block_table dtype torch.int64 .* must be int32"),
+    "int64 block_table": (
+        lambda c: {"block_table": c[3].long()},
+        "block_table dtype torch.int64 .* must be int32",
+    ),
     "int8 query with page attention": (
-        lambda c: {"query": c[0].to(torch.int8).unsqueeze(2)}, "page attention .* does not support an int8 query"
+        lambda c: {"query": c[0].to(torch.int8).unsqueeze(2)},
+        "page attention .* does not support an int8 query",
     ),
     "non-contiguous query": (
         lambda c: {"query": c[0].transpose(0, 1).contiguous().transpose(0, 1).unsqueeze(2)},
@@ -697,7 +708,7 @@ def test_simulated_attention_refuses_what_the_hardware_refuses(sim, rule):
 
 
 def test_simulated_attention_refuses_block_sizes_page_attention_cannot_take(sim):
-    with pytest.raises(RuntimeError, match="block_size=8: page attention needs .* a multiple of 16"):
+    with pytest.raises(RuntimeError, match=r"block_size=8: page attention needs .* a multiple of 16"):
         _raw_ifa(sim, _attention_case(block_size=8))
 
 
@@ -707,11 +718,17 @@ def test_simulated_attention_refuses_a_workspace_too_small_for_its_lengths(sim):
     args = (q.unsqueeze(2), k.view(nb, bs, hkv * d), v.view(nb, bs, hkv * d))
     kwargs = dict(block_table=table, num_heads=q.shape[1], num_key_value_heads=hkv, scale=SCALE,
                   input_layout="BNSD", block_size=bs)  # fmt: skip
-    full = sim._npu_fused_infer_attention_score_get_max_workspace(*args, actual_seq_lengths_kv=[5, 9], **kwargs)
+    full = sim._npu_fused_infer_attention_score_get_max_workspace(
+        *args, actual_seq_lengths_kv=[5, 9], **kwargs
+    )
     out = [torch.empty_like(args[0]), torch.empty(1)]
-    sim.npu_fused_infer_attention_score.out(*args, actual_seq_lengths_kv=[32, 32], workspace=full, out=out, **kwargs)
-    torch.testing.assert_close(out[0].squeeze(2), _expected(*case, [32, 32]))  # the max workspace fits any lengths
-    with pytest.raises(RuntimeError, match="workspace holds .* bytes, this call needs"):
+    sim.npu_fused_infer_attention_score.out(
+        *args, actual_seq_lengths_kv=[32, 32], workspace=full, out=out, **kwargs
+    )
+    torch.testing.assert_close(
+        out[0].squeeze(2), _expected(*case, [32, 32])
+    )  # the max workspace fits any lengths
+    with pytest.raises(RuntimeError, match=r"workspace holds .* bytes, this call needs"):
         sim.npu_fused_infer_attention_score.out(
             *args, actual_seq_lengths_kv=[32, 32], workspace=full[: full.numel() // 2], out=out, **kwargs
         )
@@ -732,8 +749,11 @@ def test_simulated_fused_infer_attention_matches_sdpa(sim, layout):
     v = torch.randn(b, nkv, skv, d, generator=g).to(DTYPE)
     mask = torch.ones(s, skv, dtype=torch.bool).triu(skv - s + 1)  # True = masked (torch_npu's convention)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k.repeat_interleave(n // nkv, 1).float(), v.repeat_interleave(n // nkv, 1).float(),
-        attn_mask=~mask, scale=SCALE,
+        q.float(),
+        k.repeat_interleave(n // nkv, 1).float(),
+        v.repeat_interleave(n // nkv, 1).float(),
+        attn_mask=~mask,
+        scale=SCALE,
     ).to(DTYPE)
     to = {
         "BSH": lambda t: t.transpose(1, 2).flatten(2),

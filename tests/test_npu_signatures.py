@@ -308,7 +308,12 @@ def test_every_simulated_top_level_name_exists_in_torch_npu(wheel_root):
 # -- hardware rules, from the wheel's op documentation ------------------------------------------------
 
 DOCS = "torch_npu/_op_plugin_docs.py"
-_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
+_DTYPE_NAMES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "int8": torch.int8,
+}
 
 
 @functools.cache
@@ -341,7 +346,7 @@ def test_attention_dtype_rules_match_the_wheels_docs(wheel_root):
 
 def test_page_attention_block_size_rule_matches_the_wheels_docs(wheel_root):
     doc = _op_docs(wheel_root)["npu_fused_infer_attention_score"]
-    rule = f"block_size需要传入非0值，且最大不超过{_npu_sim_ops.MAX_BLOCK_SIZE}"
+    rule = f"block_size需要传入非0值\uff0c且最大不超过{_npu_sim_ops.MAX_BLOCK_SIZE}"  # fullwidth comma
     assert rule in doc
     assert "float16、bfloat16时需要16对齐, key、value输入类型为int8时需要32对齐" in doc
 
@@ -349,7 +354,7 @@ def test_page_attention_block_size_rule_matches_the_wheels_docs(wheel_root):
 @pytest.mark.parametrize("op", ["npu_rms_norm", "npu_rotary_mul"])
 def test_norm_and_rotary_dtype_rules_match_the_wheels_docs(wheel_root, op):
     doc = _op_docs(wheel_root)[op]
-    start = "self：" if op == "npu_rms_norm" else "input："
+    start = "self\uff1a" if op == "npu_rms_norm" else "input\uff1a"  # fullwidth colons, as the docs
     assert _documented_dtypes(doc, start) == set(_npu_sim_ops._NORM_DTYPES)
 
 

@@ -398,7 +398,9 @@ def _ifa_get_max_workspace(query, key, value, **kwargs):
     # Sized for the longest lengths the call's shapes allow, so any later lengths fit in it.
     kw = _ifa_kwargs(kwargs)
     _check_ifa_rules(query, key, value, kw)
-    return torch.empty(workspace_bytes(query, kw, _ifa_capacity(key, kw)), dtype=torch.uint8, device=query.device)
+    return torch.empty(
+        workspace_bytes(query, kw, _ifa_capacity(key, kw)), dtype=torch.uint8, device=query.device
+    )
 
 
 def _ifa_infer_output(
@@ -578,7 +580,9 @@ def _rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
     if input.dim() != 4 or r1.dim() != 4 or r2.dim() != 4:
         raise RuntimeError("npu_rotary_mul (simulated): input, r1 and r2 must be 4-D")
     if any(t.dtype not in _NORM_DTYPES for t in (input, r1, r2)):
-        raise RuntimeError("npu_rotary_mul (simulated): input, r1 and r2 must be float16, bfloat16 or float32")
+        raise RuntimeError(
+            "npu_rotary_mul (simulated): input, r1 and r2 must be float16, bfloat16 or float32"
+        )
     x = input.float()
     x1, x2 = torch.chunk(x, 2, -1)
     return (r1.float() * x + r2.float() * torch.cat((-x2, x1), dim=-1)).to(input.dtype)

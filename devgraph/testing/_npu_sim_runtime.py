@@ -45,7 +45,7 @@ from devgraph.backends.cpu._pool import BlockPool, PoolBytes, block_of, tensor_b
 from devgraph.backends.cpu._recorder import _UNINITIALISED, Entry, Recorder, Segment, Tape, _is_view
 from devgraph.testing._npu_sim_ops import NAMESPACE as _SIM_NAMESPACE
 from devgraph.testing._npu_sim_ops import check_call
-from devgraph.testing._npu_sim_streams import Call, Scheduler, SimulatedHang, Work
+from devgraph.testing._npu_sim_streams import Call, Scheduler, Work
 
 __all__ = [
     "Event",

@@ -31,7 +31,15 @@ from devgraph._errors import DevgraphError
 from devgraph._tasks import TaskGroup, apply_host_args
 from devgraph.backends.npu import _kernels
 
-__all__ = ["NPU_HARDWARE_STREAMS", "UPDATE_ORDERS", "NpuDevice", "NpuEvent", "NpuGraph", "NpuPool", "NpuStream"]
+__all__ = [
+    "NPU_HARDWARE_STREAMS",
+    "UPDATE_ORDERS",
+    "NpuDevice",
+    "NpuEvent",
+    "NpuGraph",
+    "NpuPool",
+    "NpuStream",
+]
 
 logger = logging.getLogger("devgraph.npu")
 
@@ -305,7 +313,9 @@ class NpuGraph(Graph):
             try:
                 call()
             except BaseException:
-                with contextlib.suppress(Exception):  # torch_npu has no abort: end it, report the call's error
+                with contextlib.suppress(
+                    Exception
+                ):  # torch_npu has no abort: end it, report the call's error
                     npu.graph_task_update_end(update_stream)
                 raise
             npu.graph_task_update_end(update_stream)
