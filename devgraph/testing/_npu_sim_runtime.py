@@ -1,22 +1,26 @@
 """The runtime half of the torch_npu simulator: streams, events, graphs, task groups, memory.
 
 Every public name mirrors ``torch_npu.npu`` 2.13.0 with the same parameters (names, order,
-defaults, keyword-only-ness; ``tests/test_npu_signatures.py`` checks them against the wheel). Work
-is synchronous on the CPU, so streams only track which one is current and events only keep time.
+defaults, keyword-only-ness; ``tests/test_npu_signatures.py`` checks them against the wheel), except
+``SIMULATOR_ONLY``. Device work is asynchronous: replays, task rewrites and event records/waits are
+queued on their stream and run as ``devgraph.testing._npu_sim_streams`` schedules them (eager or
+lazy mode); host tensor ops run when issued.
 
 Graphs hold the CPU reference backend's ``Tape`` (its ``Recorder``, ``Segment`` and ``BlockPool``),
 so capture, replay, memory pools and frozen host arguments behave exactly as on the reference
 backend. What the simulator adds is the ACL graph machinery around task update:
 
 * ``ExternalEvent.wait/reset`` on a capturing stream become steps of the graph. At replay, a wait
-  on an event nobody recorded since the last reset raises ``RuntimeError("simulated NPU graph
-  would hang: ...")``: on hardware the graph would block forever.
+  on an event nobody recorded since the last reset stops the replay until it is recorded; if
+  nothing will record it, a host sync raises ``SimulatedHang`` naming the task group.
 * What a graph records is what the NPU kernels launch: a ``devgraph::`` op is a Python kernel over
   torch_npu ops, not a launch, so its torch_npu / aten ops are recorded one by one (as stream
   capture would), not the devgraph op as one step.
 * ``graph_task_group_begin/end`` cut the capture into segments; ``graph_task_update_begin/end``
-  re-record one group's segment from the calls issued between them, as the hardware rewrites the
-  captured tasks' parameters. The re-issued calls must be the captured ones (same ops, in order),
+  re-record one group's segment from the calls issued between them (running nothing) and queue its
+  rewrite on the update stream, as the hardware rewrites the captured tasks' parameters; a replay
+  reaching the group before the rewrite runs the old tasks. There is no abort: a partial re-issue
+  is committed. The re-issued calls must be the captured ones (same ops, in order),
   and they may only touch memory that outlives the update (graph-pool memory, or tensors that
   existed before it): memory allocated during the update -- a fresh output, a converted copy, a
   staging buffer -- is freed when the update returns while the rewritten task keeps its address,

@@ -9,12 +9,14 @@ are forgotten, on entry too, so a device never outlives the module it was built 
 What it is: a CPU model of the subset of torch_npu 2.13.0 that devgraph calls, with the real
 signatures (``tests/test_npu_signatures.py`` checks them against the wheel):
 
-* ``torch_npu.npu``: ``Stream``, ``Event``, ``ExternalEvent``, ``current_stream``, ``set_stream``,
+* ``torch_npu.npu``: ``Stream``, ``Event``, ``ExternalEvent`` (asynchronous: work is queued per
+  stream, see ``simulated_torch_npu``), ``current_stream``, ``set_stream``,
   ``stream``, ``synchronize``, ``is_available``, ``device_count``, the memory counters,
   ``NPUGraph``, ``graph`` (``auto_dispatch_capture`` included), ``graph_pool_handle`` and the four
   ``graph_task_*`` functions; see ``devgraph.testing._npu_sim_runtime``.
 * ``torch_npu.<op>``: reference kernels of the ops the NPU kernels call, as dispatcher ops with
-  torch_npu's schemas; see ``devgraph.testing._npu_sim_ops``.
+  torch_npu's schemas, refusing the dtypes/layouts/sizes the hardware refuses; see
+  ``devgraph.testing._npu_sim_ops``.
 
 What it is not: a performance model, or a model of anything else in torch_npu. Tensors are CPU
 tensors (``torch_npu._devgraph_simulated_device_type == "cpu"`` is the one seam the NPU backend

@@ -11,6 +11,10 @@ own ``ExternalEvent`` captured in front of it; an update re-issues the group's w
 update stream between ``graph_task_update_begin/end`` and records the event. A group nobody
 updated since the last replay has its event recorded just before the next replay, so the graph
 never hangs: it replays with the arguments it last had (stale, as on the CPU reference backend).
+``replay(host_args)`` overlaps the updates with the replay by default (``NpuDevice.update_order``;
+see ``NpuGraph.replay``). The ordering steps are small methods of ``NpuGraph``
+(``_fence_update_stream``, ``_release_updated``, ``_release_stale``): tests/test_npu_async.py
+removes each in turn on the asynchronous simulator and watches a test fail.
 """
 
 from __future__ import annotations
