@@ -254,6 +254,9 @@ class NpuGraph(Graph):
             return
         _refuse_nested("replay(host_args)")
         with self._lock:
+            if self._state != "captured":  # reset by another thread since the check above
+                super().replay(host_args)
+                return
             self._check_poisoned()
             pairs = list(apply_host_args(self._tasks, host_args))  # every check before anything is queued
             updating = {group.index for group, _ in pairs}
