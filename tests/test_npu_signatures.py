@@ -214,7 +214,7 @@ def _sim_schema(name: str) -> str:
 
 
 def _sim_npu_names() -> list[str]:
-    return [n for n in _npu_sim_runtime.__all__ if n != "reset_state"]
+    return [n for n in _npu_sim_runtime.__all__ if n not in _npu_sim_runtime.SIMULATOR_ONLY]
 
 
 @pytest.mark.parametrize("name", _sim_npu_names())
@@ -303,6 +303,59 @@ def test_every_simulated_top_level_name_exists_in_torch_npu(wheel_root):
     with simulated_torch_npu() as torch_npu:
         public = {n for n in vars(torch_npu) if not n.startswith("__")}
     assert public == {"npu", "SIMULATOR", "_devgraph_simulated_device_type", *SIMULATED_OPS}
+
+
+# -- hardware rules, from the wheel's op documentation ------------------------------------------------
+
+DOCS = "torch_npu/_op_plugin_docs.py"
+_DTYPE_NAMES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "int8": torch.int8,
+}
+
+
+@functools.cache
+def _op_docs(root: Path) -> dict[str, str]:
+    """op name -> its documentation, from the ``_add_torch_npu_docstr(name, doc)`` calls."""
+    tree = ast.parse((root / DOCS).read_text(encoding="utf-8"))
+    docs = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_add_torch_npu_docstr":
+            name, doc = (ast.literal_eval(a) for a in node.args[:2])
+            docs[name] = doc
+    return docs
+
+
+def _documented_dtypes(doc: str, line_start: str) -> set[torch.dtype]:
+    """The dtypes the doc line starting with ``line_start`` lists after 数据类型支持 ("supports")."""
+    line = next(ln for ln in doc.splitlines() if ln.startswith(line_start))
+    listed = re.search(r"(?:数据类型支持|数据类型|支持)\s*([\w、, ]+)", line).group(1)
+    return {_DTYPE_NAMES[n.strip()] for n in re.split(r"[、,]", listed) if n.strip() in _DTYPE_NAMES}
+
+
+def test_attention_dtype_rules_match_the_wheels_docs(wheel_root):
+    doc = _op_docs(wheel_root)["npu_fused_infer_attention_score"]
+    assert _documented_dtypes(doc, "query:") == set(_npu_sim_ops.IFA_QUERY_DTYPES)
+    assert _documented_dtypes(doc, "block_table:") == set()  # int32 only: not a float/int8 name
+    assert "block_table: Tensor类型, 数据类型支持int32." in doc
+    assert "不支持输入query为int8的场景" in doc  # with page attention (the wheel's sentence is garbled)
+    assert "不支持非连续的Tensor" in doc  # query/key/value: contiguous only
+
+
+def test_page_attention_block_size_rule_matches_the_wheels_docs(wheel_root):
+    doc = _op_docs(wheel_root)["npu_fused_infer_attention_score"]
+    rule = f"block_size需要传入非0值\uff0c且最大不超过{_npu_sim_ops.MAX_BLOCK_SIZE}"  # fullwidth comma
+    assert rule in doc
+    assert "float16、bfloat16时需要16对齐, key、value输入类型为int8时需要32对齐" in doc
+
+
+@pytest.mark.parametrize("op", ["npu_rms_norm", "npu_rotary_mul"])
+def test_norm_and_rotary_dtype_rules_match_the_wheels_docs(wheel_root, op):
+    doc = _op_docs(wheel_root)[op]
+    start = "self\uff1a" if op == "npu_rms_norm" else "input\uff1a"  # fullwidth colons, as the docs
+    assert _documented_dtypes(doc, start) == set(_npu_sim_ops._NORM_DTYPES)
 
 
 # -- the probe with torch_npu installed but no CANN ---------------------------------------------------

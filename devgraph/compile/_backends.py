@@ -54,8 +54,16 @@ def _torchair(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[...
             "with torch_npu (or `pip install torchair`) and needs an Ascend NPU. Use compile_backend='eager' "
             "to run the pieces uncompiled."
         ) from None
-    backend = torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
-    return backend(gm, list(example_inputs))
+    # Every piece is captured into (and replayed from) an ACL graph. No torchair mode runs inside a
+    # capture it does not own: max-autotune runs a GE graph through GE's executor, reduce-overhead and
+    # npugraph_ex capture ACL graphs of their own; vllm-ascend treats torchair graph mode and ACL graph
+    # capture as exclusive. Refuse instead of failing (or mis-capturing) on hardware.
+    raise DevgraphError(
+        f"compile_backend='torchair' (torchair {getattr(torchair, '__version__', '?')}) cannot compile "
+        "pieces that devgraph captures into ACL graphs: none of torchair's modes (max-autotune, "
+        "reduce-overhead, npugraph_ex) may run inside another capture. Use compile_backend='eager' "
+        "(the npu default), or run the model under torchair alone, without devgraph's graphs"
+    )
 
 
 _BACKENDS: dict[str, tuple[Callable[..., Callable[..., Any]], bool]] = {

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["NAMESPACE", "define_ops", "op"]
+__all__ = ["NAMESPACE", "check_call", "define_ops", "op"]
 
 NAMESPACE = "devgraph_npu_sim"
 
@@ -189,7 +189,64 @@ def _gather_pages(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tor
     return cache[used].reshape(-1, cache.shape[2], cache.shape[3])[:length]
 
 
+#: Hardware rules of npu_fused_infer_attention_score (torch_npu 2.13.0's ``_op_plugin_docs.py``):
+#: query float16/bfloat16/int8 (not int8 with page attention), key/value float16/bfloat16/int8.
+IFA_QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
+IFA_KV_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
+MAX_BLOCK_SIZE = 512
+
+
+def _check_ifa_rules(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kw: dict[str, Any]) -> None:
+    """Refuse what the hardware refuses (dtypes, layouts, page-attention sizes), as the real op does."""
+    if query.dtype not in IFA_QUERY_DTYPES:
+        _fail(f"query dtype {query.dtype} is not supported; the op takes float16, bfloat16 or int8 queries")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype not in IFA_KV_DTYPES:
+            _fail(f"{name} dtype {t.dtype} is not supported; the op takes float16, bfloat16 or int8")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not t.is_contiguous():
+            _fail(f"{name} is not contiguous (non-contiguous tensors are not supported)")
+    if key.shape != value.shape:
+        _fail(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+    heads, kv_heads = kw["num_heads"], kw["num_key_value_heads"] or kw["num_heads"]
+    if kv_heads and heads // max(kv_heads, 1) > 64:
+        _fail(f"num_heads / num_key_value_heads = {heads // kv_heads} exceeds 64")
+    block_table = kw["block_table"]
+    if block_table is None:
+        return
+    if query.dtype == torch.int8:
+        _fail("page attention (block_table) does not support an int8 query")
+    if block_table.dtype != torch.int32:
+        _fail(f"block_table dtype {block_table.dtype} is not supported; it must be int32")
+    block_size = kw["block_size"]
+    align = 32 if key.dtype == torch.int8 else 16
+    if not 0 < block_size <= MAX_BLOCK_SIZE or block_size % align:
+        _fail(
+            f"block_size={block_size}: page attention needs a non-zero block_size of at most "
+            f"{MAX_BLOCK_SIZE}, a multiple of {align} for {key.dtype} key/value (128 recommended)"
+        )
+    if key.dim() == 3 and key.shape[2] > 65535:
+        _fail(f"KV_N * D = {key.shape[2]} exceeds 65535 with the (blocknum, blocksize, H) cache layout")
+
+
+def workspace_bytes(query: torch.Tensor, kw: dict[str, Any], kv_tokens: int) -> int:
+    """The simulator's workspace rule: bytes an attention call over ``kv_tokens`` needs (fp32
+    scores per query head and kv token, plus a fixed part). The hardware's formula is its own;
+    what the simulator keeps is the rule that a given workspace must be at least this large."""
+    return 16 * 1024 + query.shape[0] * kw["num_heads"] * max(kv_tokens, 1) * 4
+
+
+def _kv_tokens(kw: dict[str, Any], lens: Any, capacity: int) -> int:
+    """The kv tokens the call reads: its longest length rounded up to whole blocks (page attention)."""
+    if lens is None:
+        return capacity
+    longest = max((int(n) for n in lens), default=0)
+    block = kw["block_size"] or 1
+    return -(-longest // block) * block
+
+
 def _ifa_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kw: dict[str, Any]):
+    _check_ifa_rules(query, key, value, kw)
     for name in _UNMODELLED_IFA:
         if kw.get(name) is not None:
             raise NotImplementedError(
@@ -282,10 +339,45 @@ def _ifa_default(query, key, value, **kwargs):
     return _ifa_reference(query, key, value, _ifa_kwargs(kwargs))
 
 
-def _ifa_out(query, key, value, *, workspace=None, out, **kwargs):
+def check_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Check a call as the hardware does when a task update re-issues it, without running it.
+
+    Returns False for an op with no such check (the caller then runs it).
+    """
+    if func._schema.name != f"{NAMESPACE}::npu_fused_infer_attention_score":
+        return False
+    query, key, value = args[:3]
+    rest = {k: v for k, v in kwargs.items() if k not in ("workspace", "out")}
+    _ifa_check_out(query, key, value, kwargs.get("workspace"), kwargs["out"], _ifa_kwargs(rest))
+    return True
+
+
+def _ifa_check_out(query, key, value, workspace, out, kw: dict[str, Any]) -> None:
+    """The checks of the ``.out`` call that need no computation: rules, lengths, workspace, outputs."""
     if len(out) != 2:
         raise RuntimeError(f"out must have 2 tensors (attention_out, softmax_lse), but got {len(out)}")
-    attn, lse = _ifa_reference(query, key, value, _ifa_kwargs(kwargs))
+    _check_ifa_rules(query, key, value, kw)
+    capacity = _ifa_capacity(key, kw)
+    lens = kw["actual_seq_lengths_kv"]
+    if kw["block_table"] is not None and lens is None:
+        _fail("actual_seq_lengths_kv is required with page attention (block_table)")
+    for i, n in enumerate(lens or ()):
+        if not 0 <= int(n) <= capacity:
+            _fail(f"actual_seq_lengths_kv[{i}]={n} exceeds the {capacity} tokens the kv holds")
+    if workspace is not None:
+        need = workspace_bytes(query, kw, _kv_tokens(kw, lens, capacity))
+        have = workspace.numel() * workspace.element_size()
+        if have < need:
+            _fail(
+                f"workspace holds {have} bytes, this call needs {need}: size it with "
+                "_npu_fused_infer_attention_score_get_max_workspace for the longest lengths it will see"
+            )
+
+
+def _ifa_out(query, key, value, *, workspace=None, out, **kwargs):
+    kw = _ifa_kwargs(kwargs)
+    _ifa_check_out(query, key, value, workspace, out, kw)
+    attn, lse = _ifa_reference(query, key, value, kw)
     attention_out, softmax_lse = out
     if attention_out.shape != attn.shape:
         _fail(f"attention_out has shape {tuple(attention_out.shape)}, the op writes {tuple(attn.shape)}")
@@ -295,9 +387,20 @@ def _ifa_out(query, key, value, *, workspace=None, out, **kwargs):
     return attention_out, softmax_lse
 
 
+def _ifa_capacity(key: torch.Tensor, kw: dict[str, Any]) -> int:
+    """The most kv tokens a call can read: the block table's reach, or the key's sequence length."""
+    if kw["block_table"] is not None:
+        return kw["block_table"].shape[1] * kw["block_size"]
+    return key.shape[1] if kw["input_layout"] in ("BSH", "BSND") else key.shape[2]
+
+
 def _ifa_get_max_workspace(query, key, value, **kwargs):
-    # The size is the hardware's business; the simulator hands out a small scratch buffer.
-    return torch.zeros(64, dtype=query.dtype, device=query.device)
+    # Sized for the longest lengths the call's shapes allow, so any later lengths fit in it.
+    kw = _ifa_kwargs(kwargs)
+    _check_ifa_rules(query, key, value, kw)
+    return torch.empty(
+        workspace_bytes(query, kw, _ifa_capacity(key, kw)), dtype=torch.uint8, device=query.device
+    )
 
 
 def _ifa_infer_output(
@@ -343,6 +446,16 @@ def _paged_attention(
     *,
     workspace=None,
 ):
+    if query.dtype not in (torch.float16, torch.bfloat16) or key_cache.dtype not in IFA_KV_DTYPES:
+        raise RuntimeError(
+            f"_npu_paged_attention (simulated): query {query.dtype} / key_cache {key_cache.dtype} not "
+            "supported (float16/bfloat16 query; float16/bfloat16/int8 cache)"
+        )
+    if block_table.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise RuntimeError(
+            f"_npu_paged_attention (simulated): block_table ({block_table.dtype}) and context_lens "
+            f"({context_lens.dtype}) must be int32"
+        )
     if query.shape[1] != num_heads or key_cache.shape[2] != num_kv_heads or num_heads % num_kv_heads:
         raise RuntimeError(
             f"_npu_paged_attention (simulated): num_heads={num_heads} / num_kv_heads={num_kv_heads} do not "
@@ -367,11 +480,25 @@ def _rms(x: torch.Tensor, gamma: torch.Tensor, epsilon: float, dtype: torch.dtyp
     return (xf * rstd * gamma.float()).to(dtype), rstd
 
 
+_NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_norm(op: str, x: torch.Tensor, gamma: torch.Tensor) -> None:
+    """npu_rms_norm / npu_add_rms_norm: float16/bfloat16/float32 input, gamma of the same dtype."""
+    if x.dtype not in _NORM_DTYPES or gamma.dtype != x.dtype:
+        raise RuntimeError(
+            f"{op} (simulated): input {x.dtype} and gamma {gamma.dtype} not supported: float16, "
+            "bfloat16 or float32 input, and gamma of the same dtype"
+        )
+
+
 def _rms_norm(input, gamma, epsilon=1e-06):
+    _check_norm("npu_rms_norm", input, gamma)
     return _rms(input, gamma, epsilon, input.dtype)
 
 
 def _add_rms_norm(x1, x2, gamma, epsilon=1e-06):
+    _check_norm("npu_add_rms_norm", x1, gamma)
     # The fused kernel adds in float32 and normalises that sum before rounding anything.
     summed = x1.float() + x2.float()
     y, rstd = _rms(summed, gamma, epsilon, x1.dtype)
@@ -452,6 +579,10 @@ def _rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
         )
     if input.dim() != 4 or r1.dim() != 4 or r2.dim() != 4:
         raise RuntimeError("npu_rotary_mul (simulated): input, r1 and r2 must be 4-D")
+    if any(t.dtype not in _NORM_DTYPES for t in (input, r1, r2)):
+        raise RuntimeError(
+            "npu_rotary_mul (simulated): input, r1 and r2 must be float16, bfloat16 or float32"
+        )
     x = input.float()
     x1, x2 = torch.chunk(x, 2, -1)
     return (r1.float() * x + r2.float() * torch.cat((-x2, x1), dim=-1)).to(input.dtype)

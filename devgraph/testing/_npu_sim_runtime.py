@@ -1,22 +1,26 @@
 """The runtime half of the torch_npu simulator: streams, events, graphs, task groups, memory.
 
 Every public name mirrors ``torch_npu.npu`` 2.13.0 with the same parameters (names, order,
-defaults, keyword-only-ness; ``tests/test_npu_signatures.py`` checks them against the wheel). Work
-is synchronous on the CPU, so streams only track which one is current and events only keep time.
+defaults, keyword-only-ness; ``tests/test_npu_signatures.py`` checks them against the wheel), except
+``SIMULATOR_ONLY``. Device work is asynchronous: replays, task rewrites and event records/waits are
+queued on their stream and run as ``devgraph.testing._npu_sim_streams`` schedules them (eager or
+lazy mode); host tensor ops run when issued.
 
 Graphs hold the CPU reference backend's ``Tape`` (its ``Recorder``, ``Segment`` and ``BlockPool``),
 so capture, replay, memory pools and frozen host arguments behave exactly as on the reference
 backend. What the simulator adds is the ACL graph machinery around task update:
 
 * ``ExternalEvent.wait/reset`` on a capturing stream become steps of the graph. At replay, a wait
-  on an event nobody recorded since the last reset raises ``RuntimeError("simulated NPU graph
-  would hang: ...")``: on hardware the graph would block forever.
+  on an event nobody recorded since the last reset stops the replay until it is recorded; if
+  nothing will record it, a host sync raises ``SimulatedHang`` naming the task group.
 * What a graph records is what the NPU kernels launch: a ``devgraph::`` op is a Python kernel over
   torch_npu ops, not a launch, so its torch_npu / aten ops are recorded one by one (as stream
   capture would), not the devgraph op as one step.
 * ``graph_task_group_begin/end`` cut the capture into segments; ``graph_task_update_begin/end``
-  re-record one group's segment from the calls issued between them, as the hardware rewrites the
-  captured tasks' parameters. The re-issued calls must be the captured ones (same ops, in order),
+  re-record one group's segment from the calls issued between them (running nothing) and queue its
+  rewrite on the update stream, as the hardware rewrites the captured tasks' parameters; a replay
+  reaching the group before the rewrite runs the old tasks. There is no abort: a partial re-issue
+  is committed. The re-issued calls must be the captured ones (same ops, in order),
   and they may only touch memory that outlives the update (graph-pool memory, or tensors that
   existed before it): memory allocated during the update -- a fresh output, a converted copy, a
   staging buffer -- is freed when the update returns while the rewritten task keeps its address,
@@ -44,6 +48,8 @@ from devgraph._weakref import weak_ref_tensor
 from devgraph.backends.cpu._pool import BlockPool, PoolBytes, block_of, tensor_bytes
 from devgraph.backends.cpu._recorder import _UNINITIALISED, Entry, Recorder, Segment, Tape, _is_view
 from devgraph.testing._npu_sim_ops import NAMESPACE as _SIM_NAMESPACE
+from devgraph.testing._npu_sim_ops import check_call
+from devgraph.testing._npu_sim_streams import Call, Scheduler, Work
 
 __all__ = [
     "Event",
@@ -65,10 +71,15 @@ __all__ = [
     "memory_allocated",
     "memory_reserved",
     "reset_state",
+    "stream_mode",
     "set_stream",
     "stream",
     "synchronize",
 ]
+
+
+#: Names in ``__all__`` that are the simulator's own controls, not part of ``torch_npu.npu``.
+SIMULATOR_ONLY = frozenset({"reset_state", "stream_mode"})
 
 
 class _DeviceState:
@@ -79,15 +90,17 @@ class _DeviceState:
         self.tls = threading.local()
         self.capturing: dict[int, NPUGraph] = {}  # stream id -> graph capturing on it
         self.updating: dict[int, _Update] = {}  # stream id -> task update in progress on it
+        self.sched = Scheduler()
 
 
 _STATE = _DeviceState()
 _stream_ids = itertools.count(1)  # 0 is the default stream
 
 
-def reset_state() -> None:
-    """Forget the current stream of this thread and any capture or task update left open
-    (simulator entry/exit)."""
+def reset_state(mode: str = "eager", hang_timeout: float = 2.0) -> list[tuple[int, Work]]:
+    """Forget the current stream of this thread, any capture or task update left open and all
+    queued device work; run streams in ``mode`` from now on (simulator entry/exit). Returns the
+    work that was still queued (blocked)."""
     _STATE.tls.stream_id = 0
     for graph_ in list(_STATE.capturing.values()):
         graph_._abandon()
@@ -96,13 +109,21 @@ def reset_state() -> None:
         if _get_current_dispatch_mode() is update.recorder:  # else it would record all that follows
             update.recorder.__exit__(None, None, None)
     _STATE.updating.clear()
+    left = _STATE.sched.clear()
+    _STATE.sched = Scheduler(mode, hang_timeout)
+    return left
+
+
+def stream_mode() -> tuple[str, float]:
+    """The scheduler's (mode, hang_timeout) (restored when a nested simulator exits)."""
+    return _STATE.sched.mode, _STATE.sched.hang_timeout
 
 
 # -- streams and events --------------------------------------------------------------------------
 
 
 class Stream:
-    """A simulated NPU stream. Work runs synchronously; equality is by stream id, as on hardware."""
+    """A simulated NPU stream: a queue of device work (``_npu_sim_streams``); equality is by id."""
 
     stream_id: int
     device_index: int
@@ -132,10 +153,10 @@ class Stream:
         return event
 
     def query(self):
-        return True
+        return not _STATE.sched.pending(self.stream_id)
 
     def synchronize(self):
-        pass
+        _STATE.sched.synchronize_stream(self.stream_id)
 
     def __eq__(self, other):
         return isinstance(other, Stream) and other.stream_id == self.stream_id
@@ -181,7 +202,7 @@ def stream(stream):
 
 
 def synchronize(device=None):
-    pass
+    _STATE.sched.synchronize_all()
 
 
 def is_available():
@@ -192,9 +213,39 @@ def device_count() -> int:
     return 1
 
 
-class Event:
-    """A simulated NPU event, timed with ``time.perf_counter_ns``."""
+def _stream_id(stream) -> int:
+    return (stream if stream is not None else current_stream()).stream_id
 
+
+class _RecordEvent(Work):
+    def __init__(self, event: Event, generation: int) -> None:
+        self.name = f"Event[{event._id}].record"
+        self.event, self.generation = event, generation
+
+    def step(self, sched: Scheduler) -> bool:
+        self.event._done = max(self.event._done, self.generation)
+        self.event._t = time.perf_counter_ns()
+        return True
+
+
+class _WaitEvent(Work):
+    def __init__(self, event: Event, generation: int) -> None:
+        self.name = f"Event[{event._id}].wait"
+        self.event, self.generation = event, generation
+
+    def step(self, sched: Scheduler) -> bool:
+        if self.event._done < self.generation:
+            sched.advance(self.event._where[self.generation])  # the recording stream must get there
+        return self.event._done >= self.generation
+
+    def blocker(self) -> str:
+        return f"Event {self.event._id} (record #{self.generation})"
+
+
+class Event:
+    """A simulated NPU event: a record completes when its stream reaches it; timed then."""
+
+    _ids = itertools.count()
     enable_timing: bool
     _t: int | None
 
@@ -202,19 +253,37 @@ class Event:
         self = super().__new__(cls)
         self.enable_timing = enable_timing
         self._t = None
+        self._id = next(cls._ids)
+        self._recorded = 0  # records issued
+        self._done = 0  # records the device has reached
+        self._where: dict[int, int] = {}  # record number -> stream id
         return self
 
     def record(self, stream=None):
-        self._t = time.perf_counter_ns()
+        sid = _stream_id(stream)
+        self._recorded += 1
+        self._where[self._recorded] = sid
+        if sid in _STATE.capturing:  # not a node of the simulated graph: complete at once
+            self._done, self._t = self._recorded, time.perf_counter_ns()
+            return
+        _STATE.sched.submit(sid, _RecordEvent(self, self._recorded))
 
     def wait(self, stream=None):
-        pass
+        sid = _stream_id(stream)
+        if self._recorded == 0 or sid in _STATE.capturing:
+            return  # waiting on an event never recorded is a no-op, as in CUDA
+        _STATE.sched.submit(sid, _WaitEvent(self, self._recorded))
 
     def query(self):
-        return True
+        return self._done >= self._recorded
 
     def synchronize(self):
-        pass
+        target = self._recorded
+        if target:
+            sched = _STATE.sched
+            sched.synchronize(
+                lambda: self._done >= target, lambda: [self._where[target]], f"Event {self._id} synchronize()"
+            )
 
     def elapsed_time(self, end_event):
         if not (self.enable_timing and end_event.enable_timing):
@@ -225,23 +294,54 @@ class Event:
 
 
 class _Step:
-    """A non-op step of a captured graph (event wait / reset / record), run at replay."""
+    """A non-op step of a captured graph (event wait / reset / record), run at replay.
 
-    __slots__ = ("fn", "name")
+    ``ready`` (waits only) says whether the step may run; a replay stops in front of a step that
+    is not ready until it is.
+    """
 
-    def __init__(self, name: str, fn: Callable[[], None]) -> None:
+    __slots__ = ("event", "fn", "name", "ready")
+
+    def __init__(
+        self, name: str, fn: Callable[[], None], ready: Callable[[], bool] | None = None, event: Any = None
+    ) -> None:
         self.name = name
         self.fn = fn
+        self.ready = ready
+        self.event = event
 
     def run(self) -> None:
         self.fn()
+
+
+class _ExternalWork(Work):
+    """An ExternalEvent record / wait / reset queued on a stream (outside a capture)."""
+
+    def __init__(self, event: ExternalEvent, what: str) -> None:
+        self.name = f"ExternalEvent[{event._id}].{what}"
+        self.what = what
+        self._ev = event
+        self.external = event if what == "record" else None  # what drive_external looks for
+
+    def step(self, sched: Scheduler) -> bool:
+        event = self._ev
+        if self.what == "wait":
+            if not event._recorded:
+                sched.drive_external(event)
+            return event._recorded
+        event._recorded = self.what == "record"
+        return True
+
+    def blocker(self) -> str:
+        return f"ExternalEvent {self._ev._id}, which nothing records"
 
 
 class ExternalEvent:
     """An event a graph can wait on before anyone records it (``graph_external=True``).
 
     On a capturing stream, ``wait``/``reset``/``record`` become steps of the graph; elsewhere they
-    act at once. Reset clears the flag a record sets; a wait needs the flag set.
+    are queued on the stream. Reset clears the flag a record sets; a wait holds its stream (or the
+    replay) until the flag is set.
     """
 
     _ids = itertools.count()
@@ -254,19 +354,20 @@ class ExternalEvent:
         self._id = next(cls._ids)
         return self
 
-    def _act(self, stream, name: str, fn: Callable[[], None]) -> None:
-        stream = stream if stream is not None else current_stream()
-        graph_ = _STATE.capturing.get(stream.stream_id)
+    def _act(self, stream, what: str, fn: Callable[[], None]) -> None:
+        sid = _stream_id(stream)
+        graph_ = _STATE.capturing.get(sid)
         if graph_ is not None:
-            graph_._append_step(_Step(f"ExternalEvent[{self._id}].{name}", fn))
-        else:
-            fn()
+            ready = (lambda: self._recorded) if what == "wait" else None
+            graph_._append_step(_Step(f"ExternalEvent[{self._id}].{what}", fn, ready, self))
+            return
+        _STATE.sched.submit(sid, _ExternalWork(self, what))
 
     def record(self, stream=None):
         self._act(stream, "record", self._set)
 
     def wait(self, stream=None):
-        self._act(stream, "wait", self._check)
+        self._act(stream, "wait", _noop)
 
     def reset(self, stream=None):
         self._act(stream, "reset", self._clear)
@@ -277,13 +378,9 @@ class ExternalEvent:
     def _clear(self) -> None:
         self._recorded = False
 
-    def _check(self) -> None:
-        if not self._recorded:
-            raise RuntimeError(
-                f"simulated NPU graph would hang: a task waits on ExternalEvent {self._id}, which nobody "
-                "recorded since its last reset. Record it before each replay, e.g. by updating the task "
-                "(graph_task_update_begin/end then event.record(update_stream), or NPUGraph.update(...))."
-            )
+
+def _noop() -> None:
+    pass
 
 
 # -- memory --------------------------------------------------------------------------------------
@@ -340,6 +437,16 @@ def _describe_tensor(t: torch.Tensor) -> str:
     return f"[{', '.join(map(str, t.shape))}] {t.dtype}"
 
 
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensor arguments ``func`` writes (``Tensor(a!)`` arguments, or ``out``)."""
+    written: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name == "out":
+            written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return written
+
+
 class _SimRecorder(Recorder):
     """The CPU recorder, recording what the NPU kernels launch (capture, or a task update).
 
@@ -386,7 +493,7 @@ class _SimRecorder(Recorder):
         entry = Entry(func, name, args, kwargs, rerun=not allocating)
         if frozen_lens:
             entry.own(7)  # the task's own copy: nothing else holds it
-        result = func(*args, **kwargs)
+        result = self._issue(func, args, kwargs, allocating)
         self._inputs = frozenset(_storage_ptr(t) for t in inputs if tensor_bytes(t))
         self._allocating = allocating
         result = self._place_outputs(func, entry, result)
@@ -394,13 +501,27 @@ class _SimRecorder(Recorder):
             self.segment.entries.append(entry)
         return result
 
+    def _issue(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], allocating: bool) -> Any:
+        """Run ``func`` as capture does; in a task update, run nothing the hardware would not.
+
+        A task update rewrites the task's parameters; nothing runs until a replay. An ``.out`` op
+        is only checked (``_npu_sim_ops.check_call``) and hands back its ``out`` tensors; any other
+        op runs (its results are needed) and what it writes is put back afterwards.
+        """
+        if not self.updating or allocating:
+            return func(*args, **kwargs)
+        if func._overloadname == "out" and "out" in kwargs and check_call(func, args, kwargs):
+            return tuple(kwargs["out"])
+        written = _written(func, args, kwargs)
+        saved = [t.clone() for t in written]
+        result = func(*args, **kwargs)
+        for t, before in zip(written, saved):
+            t.copy_(before)
+        return result
+
     def _check_inputs(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: list) -> None:
         """Raise if a re-issued task reads or writes memory allocated during the update."""
-        written: set[int] = set()  # ids of the arguments it writes (``Tensor(a!)``, or ``out``)
-        for i, arg in enumerate(func._schema.arguments):
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name == "out":
-                written.update(id(t) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+        written = {id(t) for t in _written(func, args, kwargs)}
         for t in inputs:
             born = self._born.get(_storage_ptr(t)) if tensor_bytes(t) else None
             if born is not None:
@@ -432,13 +553,19 @@ class _SimRecorder(Recorder):
 
 
 class _TaskGroupHandle:
-    """What ``graph_task_group_end`` returns: the group's segment in its graph."""
+    """What ``graph_task_group_end`` returns: the group's segment, and where it sits in its graph.
 
-    __slots__ = ("graph", "segment")
+    ``segment`` is the group as last re-issued on the host (its rewrite may still be queued);
+    ``segments``/``position`` locate it in the graph's tape (a reset replaces the list).
+    """
+
+    __slots__ = ("graph", "position", "segment", "segments")
 
     def __init__(self, graph_: NPUGraph, segment: Segment) -> None:
         self.graph = graph_
         self.segment = segment
+        self.segments = graph_._tape.segments
+        self.position = self.segments.index(segment)
 
 
 @dataclass
@@ -474,7 +601,7 @@ def graph_task_update_begin(stream, handle):
         raise RuntimeError("graph_task_update_begin: the update stream must not be capturing")
     if stream.stream_id in _STATE.updating:
         raise RuntimeError("graph_task_update_begin: a task update is already open on this stream")
-    if handle.segment not in handle.graph._tape.segments:
+    if handle.segments is not handle.graph._tape.segments:
         raise RuntimeError("graph_task_update_begin: the task group's graph was reset or never captured")
     new = Segment(handle.segment.group_index)
     recorder = _SimRecorder(handle.graph._pool_token.pool, new, updating=True)
@@ -488,20 +615,100 @@ def _tasks(segment: Segment) -> list[str]:
 
 
 def graph_task_update_end(stream):
+    """Close the update and queue the rewrite of the group's tasks on ``stream``.
+
+    torch_npu has no abort: whatever the update re-issued is committed. When the update issued
+    only the first k of the group's captured tasks (its block raised), the group replays those k
+    rewritten tasks followed by the rest as they were -- a partial update, as on hardware.
+    """
     update = _STATE.updating.pop(stream.stream_id, None)
     if update is None:
         raise RuntimeError("graph_task_update_end without graph_task_update_begin on this stream")
     update.recorder.__exit__(None, None, None)
     old, new = update.handle.segment, update.segment
-    if update.recorder.failed:
-        return  # the update raised (its error is the one to report): the group keeps its tasks
-    if _tasks(new) != _tasks(old):
+    issued, captured = _tasks(new), _tasks(old)
+    if issued != captured[: len(issued)]:
         raise RuntimeError(
-            f"graph_task_update_end: the update issued {_tasks(new)}, the task group captured "
-            f"{_tasks(old)}; re-issue exactly the captured calls"
+            f"graph_task_update_end: the update issued {issued}, the task group captured "
+            f"{captured}; re-issue exactly the captured calls"
         )
-    update.handle.graph._tape.replace(old, new)
-    update.handle.segment = new
+    partial = len(issued) < len(captured)
+    if issued:
+        _commit(update.handle, _merge_prefix(new, old, len(issued)) if partial else new, stream)
+    if partial and not update.recorder.failed:
+        raise RuntimeError(
+            f"graph_task_update_end: the update issued {len(issued)} of the group's {len(captured)} "
+            f"tasks ({captured}); torch_npu has no abort, so the re-issued ones are committed and the "
+            "rest keep their previous arguments"
+        )
+
+
+def _commit(handle: _TaskGroupHandle, new: Segment, stream) -> None:
+    """Queue the rewrite of ``handle``'s group as ``new`` on ``stream``."""
+    graph_, index, segments = handle.graph, handle.position, handle.segments
+    handle.segment = new
+
+    def rewrite() -> None:
+        if graph_._tape.segments is segments:  # else the graph was reset meanwhile
+            graph_._tape.replace(segments[index], new)
+
+    _STATE.sched.submit(stream.stream_id, Call(f"task update of group {new.group_index}", rewrite))
+
+
+def _merge_prefix(new: Segment, old: Segment, issued: int) -> Segment:
+    """The group's segment after a partial update: the re-issued tasks, then the captured rest."""
+    merged = Segment(old.group_index)
+    merged.entries = list(new.entries)
+    seen = 0
+    for position, entry in enumerate(old.entries):
+        if isinstance(entry, Entry) and entry.rerun:
+            seen += 1
+            if seen == issued:
+                merged.entries.extend(old.entries[position + 1 :])
+                break
+    return merged
+
+
+class _Replay(Work):
+    """A graph replay queued on a stream: runs the graph's steps, stopping at an unready wait.
+
+    It reads each segment when it reaches it, so a task update whose rewrite runs before the
+    replay gets to the group is replayed with the new arguments, one that runs after is not.
+    """
+
+    def __init__(self, graph_: NPUGraph) -> None:
+        self.name = f"replay of NPUGraph {graph_._id}"
+        self.segments = graph_._tape.segments
+        self.index = 0
+        self.current: Segment | None = None
+        self.entry = 0
+        self.waiting: _Step | None = None
+
+    def step(self, sched: Scheduler) -> bool:
+        with torch.inference_mode():
+            while self.index < len(self.segments):
+                if self.current is None:
+                    self.current, self.entry = self.segments[self.index], 0
+                entries = self.current.entries
+                while self.entry < len(entries):
+                    item = entries[self.entry]
+                    ready = getattr(item, "ready", None)
+                    if ready is not None and not ready():
+                        sched.drive_external(item.event)
+                        if not ready():
+                            self.waiting = item
+                            return False
+                    item.run()
+                    self.entry += 1
+                    sched.ticks += 1
+                self.index, self.current = self.index + 1, None
+        return True
+
+    def blocker(self) -> str:
+        step = self.waiting
+        group = next((s for s in self.segments[self.index + 1 :] if s.group_index is not None), None)
+        where = f"task group {group.group_index} {_tasks(group)}" if group is not None else "the graph's end"
+        return f"{step.name if step else '?'} in front of {where}, which nothing records"
 
 
 class NPUGraph:
@@ -510,7 +717,10 @@ class NPUGraph:
     def __new__(cls):
         return super().__new__(cls)
 
+    _ids = itertools.count()
+
     def __init__(self):
+        self._id = next(NPUGraph._ids)
         self.graph_dispatch_mode = _GraphDispatchMode()
         self.auto_dispatch_capture = False
         self._tape = Tape()
@@ -554,7 +764,7 @@ class NPUGraph:
     def replay(self):
         if not self._tape.segments or self._tape.recorder is not None:
             raise RuntimeError("Called NPUGraph::replay without a preceding successful capture.")
-        self._tape.replay()
+        _STATE.sched.submit(current_stream().stream_id, _Replay(self))
 
     def reset(self):
         if self._tape.recorder is not None:

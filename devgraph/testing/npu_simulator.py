@@ -9,12 +9,14 @@ are forgotten, on entry too, so a device never outlives the module it was built 
 What it is: a CPU model of the subset of torch_npu 2.13.0 that devgraph calls, with the real
 signatures (``tests/test_npu_signatures.py`` checks them against the wheel):
 
-* ``torch_npu.npu``: ``Stream``, ``Event``, ``ExternalEvent``, ``current_stream``, ``set_stream``,
+* ``torch_npu.npu``: ``Stream``, ``Event``, ``ExternalEvent`` (asynchronous: work is queued per
+  stream, see ``simulated_torch_npu``), ``current_stream``, ``set_stream``,
   ``stream``, ``synchronize``, ``is_available``, ``device_count``, the memory counters,
   ``NPUGraph``, ``graph`` (``auto_dispatch_capture`` included), ``graph_pool_handle`` and the four
   ``graph_task_*`` functions; see ``devgraph.testing._npu_sim_runtime``.
 * ``torch_npu.<op>``: reference kernels of the ops the NPU kernels call, as dispatcher ops with
-  torch_npu's schemas; see ``devgraph.testing._npu_sim_ops``.
+  torch_npu's schemas, refusing the dtypes/layouts/sizes the hardware refuses; see
+  ``devgraph.testing._npu_sim_ops``.
 
 What it is not: a performance model, or a model of anything else in torch_npu. Tensors are CPU
 tensors (``torch_npu._devgraph_simulated_device_type == "cpu"`` is the one seam the NPU backend
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.machinery
+import logging
 import sys
 import types
 from collections.abc import Iterator
@@ -43,6 +46,8 @@ SIMULATED_OPS = tuple(sorted({name.split(".")[0] for name in _npu_sim_ops.SCHEMA
 
 _MISSING = object()
 
+logger = logging.getLogger("devgraph.testing.npu_simulator")
+
 _DOC = """A CPU *simulator* of torch_npu 2.13.0 (devgraph.testing.npu_simulator), not the real thing.
 
 It implements only what devgraph's NPU backend calls, with torch_npu's signatures. Installed in
@@ -58,7 +63,7 @@ def _build() -> types.ModuleType:
     origin = "devgraph.testing.npu_simulator"
     top.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None, origin=origin)
     npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu.npu", None, origin=origin)
-    names = [n for n in _npu_sim_runtime.__all__ if n != "reset_state"]
+    names = [n for n in _npu_sim_runtime.__all__ if n not in _npu_sim_runtime.SIMULATOR_ONLY]
     npu.__dict__.update({name: getattr(_npu_sim_runtime, name) for name in names}, __all__=names)
     top.__dict__.update(
         __version__="2.13.0",
@@ -72,29 +77,46 @@ def _build() -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def simulated_torch_npu() -> Iterator[types.ModuleType]:
+def simulated_torch_npu(streams: str = "eager", hang_timeout: float = 2.0) -> Iterator[types.ModuleType]:
     """Install the torch_npu simulator in ``sys.modules`` for the block; yield the fake module.
 
-    Nests (the inner block restores the outer simulator). Not for use from several threads at
-    once: ``sys.modules`` is process-wide.
+    Args:
+        streams: when queued device work runs (``devgraph.testing._npu_sim_streams``):
+            ``"eager"`` runs each stream as far as its waits allow as soon as work is queued (CPU
+            reads of graph outputs then see finished replays); ``"lazy"`` runs streams only when
+            the host synchronises or another stream waits on them, side streams first, so a
+            missing stream or event dependency shows as a wrong result or a hang. In lazy mode
+            call ``device.synchronize()`` before reading what a replay wrote.
+        hang_timeout: seconds a host sync waits for blocked work before raising
+            ``SimulatedHang`` (a ``RuntimeError`` naming the task).
+
+    On a normal exit the block's queued work is run (a hang raises); then queues are dropped.
+    Nests (the inner block restores the outer simulator and its mode). Not for use from several
+    threads at once: ``sys.modules`` is process-wide.
     """
     from devgraph import _plugins
     from devgraph.ops import route
 
     module = _build()
     saved = {name: sys.modules.get(name, _MISSING) for name in MODULE_NAMES}
-    _npu_sim_runtime.reset_state()
+    outer_mode = _npu_sim_runtime.stream_mode()
+    _npu_sim_runtime.reset_state(streams, hang_timeout)
     _plugins.forget_devices("npu")
     sys.modules["torch_npu"] = module
     sys.modules["torch_npu.npu"] = module.__dict__["npu"]
+    ok = False
     try:
         with route(CPU="PrivateUse1"):
             yield module
+            ok = True
+            module.npu.synchronize()  # the block's device work must be able to finish
     finally:
         for name, previous in saved.items():
             if previous is _MISSING:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = previous  # type: ignore[assignment]
-        _npu_sim_runtime.reset_state()
+        left = _npu_sim_runtime.reset_state(*outer_mode)
+        if left and ok:
+            logger.debug("simulator exit dropped %d queued work items", len(left))
         _plugins.forget_devices("npu")

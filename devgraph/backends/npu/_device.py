@@ -11,26 +11,39 @@ own ``ExternalEvent`` captured in front of it; an update re-issues the group's w
 update stream between ``graph_task_update_begin/end`` and records the event. A group nobody
 updated since the last replay has its event recorded just before the next replay, so the graph
 never hangs: it replays with the arguments it last had (stale, as on the CPU reference backend).
+``replay(host_args)`` overlaps the updates with the replay by default (``NpuDevice.update_order``;
+see ``NpuGraph.replay``). The ordering steps are small methods of ``NpuGraph``
+(``_fence_update_stream``, ``_release_updated``, ``_release_stale``): tests/test_npu_async.py
+removes each in turn on the asynchronous simulator and watches a test fail.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import threading
 import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from devgraph._capture import user_source_line
 from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph._errors import DevgraphError
-from devgraph._tasks import TaskGroup
+from devgraph._tasks import TaskGroup, apply_host_args
 from devgraph.backends.npu import _kernels
 
-__all__ = ["NPU_HARDWARE_STREAMS", "NpuDevice", "NpuEvent", "NpuGraph", "NpuPool", "NpuStream"]
+__all__ = [
+    "NPU_HARDWARE_STREAMS",
+    "UPDATE_ORDERS",
+    "NpuDevice",
+    "NpuEvent",
+    "NpuGraph",
+    "NpuPool",
+    "NpuStream",
+]
 
 logger = logging.getLogger("devgraph.npu")
 
@@ -126,6 +139,12 @@ class NpuPool(MemoryPool):
         self.handle = device._npu.graph_pool_handle()
 
 
+#: How ``replay(host_args)`` orders the task updates and the replay (``NpuDevice.update_order``).
+UPDATE_ORDERS = ("overlap", "serial")
+
+_thread = threading.local()  # .updating: what this thread is updating now (nesting is refused)
+
+
 class NpuGraph(Graph):
     """A devgraph graph over ``torch_npu.npu.NPUGraph`` (see the module docstring for task update)."""
 
@@ -134,10 +153,15 @@ class NpuGraph(Graph):
         self.native: Any = None
         self._released: set[int] = set()  # task groups whose event was recorded since the last replay
         self._update: Any = None
+        self._scratch: _kernels.Scratch = {}  # attention workspaces of this graph's capture
+        self._capture_work: Any = None
+        self._poisoned: str | None = None  # why replay() refuses until reset()
 
     @property
     def _npu(self) -> Any:
         return self.device._npu  # type: ignore[attr-defined]
+
+    # -- capture ---------------------------------------------------------------------------------
 
     def _begin_capture(self, stream: Stream, pool: MemoryPool) -> None:
         if not isinstance(pool, NpuPool):
@@ -145,12 +169,24 @@ class NpuGraph(Graph):
         self._npu.synchronize(self.device.index)  # as torch_npu.npu.graph does: nothing in flight
         self.native = self._npu.NPUGraph()
         self._released = set()
+        self._scratch = {}
+        self._poisoned = None
         self.native.capture_begin(pool=pool.handle)
+        self._capture_work = _kernels.graph_work(self._scratch)
+        self._capture_work.__enter__()
+
+    def _leave_capture_work(self) -> None:
+        work, self._capture_work = self._capture_work, None
+        if work is not None:
+            work.__exit__(None, None, None)
 
     def _end_capture(self) -> None:
+        self._leave_capture_work()
         self.native.capture_end()
 
     def _abort_capture(self) -> None:
+        self._leave_capture_work()
+        self._scratch = {}
         native, self.native = self.native, None
         if native is None:
             return
@@ -163,20 +199,180 @@ class NpuGraph(Graph):
         except Exception:
             logger.debug("reset after a failed capture raised", exc_info=True)
 
-    def _replay(self) -> None:
-        pending = [g for g in self._tasks if g.index not in self._released]
-        if pending:
-            current = self._npu.current_stream(self.device.index)
-            for group in pending:
-                group.handle[1].record(current)  # release the task with the arguments it holds
-        self._released = set()
-        self.native.replay()
-
     def _reset(self) -> None:
         if self.native is not None:
             self.native.reset()
         self.native = None
         self._released = set()
+        self._scratch = {}  # the workspaces pointed into this graph's pool: free them with it
+        self._poisoned = None
+
+    # -- the ordering steps of task update (tests/test_npu_async.py removes each in turn) ---------
+
+    def _fence_update_stream(self, update_stream: Any) -> None:
+        """The update stream waits for the work queued so far on the current stream: an earlier
+        replay may still run the tasks about to be rewritten."""
+        update_stream.wait_stream(self._npu.current_stream(self.device.index))
+
+    def _release_updated(self, group: TaskGroup, update_stream: Any) -> None:
+        """Record the group's event on the update stream, after its rewrite: a replay waiting on
+        it runs the task only once the new arguments are in."""
+        group.handle[1].record(update_stream)
+        self._released.add(group.index)
+
+    def _release_stale(self, stream: Any, skip: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        """Record, on ``stream``, the event of every group nobody updated since the last replay (and
+        that ``skip`` does not name): it replays with the arguments it holds instead of hanging."""
+        for group in self._tasks:
+            if group.index not in self._released and group.index not in skip:
+                group.handle[1].record(stream)
+
+    def _launch(self) -> None:
+        """Queue the replay on the current stream; the released set starts over."""
+        self._released = set()
+        self.native.replay()
+
+    # -- replay and update -----------------------------------------------------------------------
+
+    def _replay(self) -> None:
+        self._check_poisoned()
+        self._release_stale(self._npu.current_stream(self.device.index))
+        self._launch()
+
+    def replay(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None) -> None:
+        """Re-run the captured work; with ``host_args`` the updated tasks get them first.
+
+        With ``device.update_order == "overlap"`` (the default) the replay is queued first and the
+        tasks are re-issued on the update stream while it runs, as vllm-ascend does: each updated
+        task waits on its event, which the update records after rewriting it. ``"serial"``
+        re-issues every task, then replays; so does a call updating a task whose event an
+        ``update()`` since the last replay already recorded (overlapping would race with it).
+        """
+        order = self.device.update_order  # type: ignore[attr-defined]
+        if host_args is None or order == "serial" or self._state != "captured":
+            super().replay(host_args)  # its checks and messages for a graph that is not captured
+            return
+        _refuse_nested("replay(host_args)")
+        with self._lock:
+            if self._state != "captured":  # reset by another thread since the check above
+                super().replay(host_args)
+                return
+            self._check_poisoned()
+            pairs = list(apply_host_args(self._tasks, host_args))  # every check before anything is queued
+            updating = {group.index for group, _ in pairs}
+            if updating & self._released:
+                # An event already recorded (an update() since the last replay) would let the
+                # replay run that task before this update rewrites it: update first, then replay.
+                self.update(host_args)
+                self._replay()
+                return
+            with self._updating() as update_stream:
+                self._release_stale(self._npu.current_stream(self.device.index), updating)
+                self._launch()
+                try:
+                    self._reissue_all(pairs, update_stream)
+                except BaseException:
+                    # The replay in flight must not wait forever on the tasks left un-updated.
+                    for group, _ in pairs:
+                        if group.index not in self._released:
+                            group.handle[1].record(update_stream)
+                    raise
+                finally:
+                    self._released = set()  # the replay in flight consumed these releases
+
+    def update(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Re-issue the updatable tasks with ``host_args`` before the next replay, all or nothing:
+        if one re-issue fails, the tasks already re-issued get their previous arguments back."""
+        _refuse_nested("update()")
+        with self._lock:
+            if self._state != "captured":
+                raise DevgraphError("update() needs a captured graph")
+            pairs = list(apply_host_args(self._tasks, host_args))
+            with self._updating() as update_stream:
+                self._reissue_all(pairs, update_stream)
+
+    @contextlib.contextmanager
+    def task_update(self, group: TaskGroup) -> Iterator[None]:
+        _refuse_nested("task_update()")  # before the graph lock: nesting across graphs must not deadlock
+        with super().task_update(group):
+            yield
+
+    @contextlib.contextmanager
+    def _updating(self) -> Iterator[Any]:
+        """Hold the device's update stream (one per device: threads take turns), fenced."""
+        device: NpuDevice = self.device  # type: ignore[assignment]
+        _refuse_nested("a task update")  # the lock is not re-entrant: this thread would wait on itself
+        with device._update_lock:
+            _thread.updating = self
+            try:
+                update_stream = device._update_stream()
+                self._fence_update_stream(update_stream)
+                yield update_stream
+            finally:
+                _thread.updating = None
+
+    def _reissue(self, group: TaskGroup, host_args: Mapping[str, Any], update_stream: Any) -> None:
+        """Rewrite one auto task with ``host_args`` and release it."""
+        npu = self._npu
+        call = group.call_with(host_args)
+        with npu.stream(update_stream), _kernels.graph_work(self._scratch):
+            npu.graph_task_update_begin(update_stream, group.handle[0])
+            try:
+                call()
+            except BaseException:
+                with contextlib.suppress(
+                    Exception
+                ):  # torch_npu has no abort: end it, report the call's error
+                    npu.graph_task_update_end(update_stream)
+                raise
+            npu.graph_task_update_end(update_stream)
+        self._release_updated(group, update_stream)
+
+    def _reissue_all(self, pairs: list[tuple[TaskGroup, dict[str, Any]]], update_stream: Any) -> None:
+        done: list[tuple[TaskGroup, dict[str, Any]]] = []
+        for group, host_args in pairs:
+            previous = dict(group.host_args)
+            try:
+                self._reissue(group, host_args, update_stream)
+            except Exception as exc:
+                restored = self._restore([*done, (group, previous)], update_stream)
+                raise DevgraphError(
+                    f"task update of task {group.index} ({group.op}) with {host_args} failed "
+                    f"({type(exc).__name__}: {exc}). "
+                    + (
+                        "Every task of this update keeps its previous arguments (a replay already in "
+                        "flight ran with some new ones: do not use its outputs)."
+                        if restored
+                        else "Restoring the previous arguments failed too: the graph is poisoned; "
+                        "reset() and capture it again."
+                    )
+                ) from exc
+            done.append((group, previous))
+            group.remember(host_args)
+
+    def _restore(self, items: list[tuple[TaskGroup, dict[str, Any]]], update_stream: Any) -> bool:
+        """Re-issue ``items`` with their previous arguments; poison the graph if that fails."""
+        for group, previous in reversed(items):
+            try:
+                self._reissue(group, previous, update_stream)
+            except Exception as exc:
+                self._poison(f"restoring task {group.index} ({group.op}) after a failed update failed: {exc}")
+                return False
+            group.host_args = previous
+        return True
+
+    def _poison(self, why: str) -> None:
+        self._poisoned = why
+        logger.error("npu graph poisoned: %s", why)
+
+    def _check_poisoned(self) -> None:
+        if self._poisoned is not None:
+            raise DevgraphError(
+                f"this npu graph cannot replay: {self._poisoned}. torch_npu cannot abort a task update, "
+                "so a task may hold half-rewritten arguments; call graph.reset() and capture it again"
+            )
+
+    # -- explicit task groups (Graph.task_update) --------------------------------------------------
 
     def _task_group_begin(self, group: TaskGroup) -> None:
         npu = self._npu
@@ -193,17 +389,11 @@ class NpuGraph(Graph):
 
     def _task_update_begin(self, group: TaskGroup) -> None:
         npu = self._npu
-        device: NpuDevice = self.device  # type: ignore[assignment]
-        # One update stream per device: graphs updated from several threads take turns on it.
-        device._update_lock.acquire()
         stack = contextlib.ExitStack()
-        stack.callback(device._update_lock.release)
         try:
-            update_stream = device._update_stream()
-            # Do not rewrite a task while an earlier replay may still run it.
-            update_stream.wait_stream(npu.current_stream(device.index))
+            update_stream = stack.enter_context(self._updating())
             stack.enter_context(npu.stream(update_stream))
-            stack.enter_context(_kernels.graph_work())
+            stack.enter_context(_kernels.graph_work(self._scratch))
             npu.graph_task_update_begin(update_stream, group.handle[0])
         except BaseException:
             stack.close()
@@ -215,8 +405,23 @@ class NpuGraph(Graph):
         self._update = None
         with stack:
             self._npu.graph_task_update_end(update_stream)
-            group.handle[1].record(update_stream)
-            self._released.add(group.index)
+            self._release_updated(group, update_stream)
+
+    def _task_update_abort(self, group: TaskGroup) -> None:
+        """The re-issue block raised. torch_npu commits whatever it re-issued (no abort): an auto
+        task gets its previous arguments back; an explicit group, whose work devgraph cannot
+        re-issue, poisons the graph."""
+        update_stream, stack = self._update
+        self._update = None
+        with stack:
+            with contextlib.suppress(Exception):  # the block's error is the one to report
+                self._npu.graph_task_update_end(update_stream)
+            if group.is_auto:
+                if self._restore([(group, dict(group.host_args))], update_stream):
+                    return
+            else:
+                self._poison(f"the task_update() block of explicit task group {group.index} raised")
+            self._release_updated(group, update_stream)  # replays must not hang on it
 
     def call_opaque(self, fn: Any, *args: Any, name: str = "opaque") -> Any:
         """Run ``fn(*args)``; stream capture records what it launches.
@@ -228,6 +433,17 @@ class NpuGraph(Graph):
         if record is not None and self._state == "capturing":
             return record(fn, args, name)
         return fn(*args)
+
+
+def _refuse_nested(what: str) -> None:
+    """Task updates cannot nest (one update stream per device, one open update on it)."""
+    inner = getattr(_thread, "updating", None)
+    if inner is not None:
+        raise DevgraphError(
+            f"{what} inside another task update (of {inner!r}) on this thread: task updates cannot nest "
+            "(they share the device's update stream). Finish the outer update first, then update or "
+            f"replay this graph (at {user_source_line()})"
+        )
 
 
 class NpuDevice(Device):
@@ -249,8 +465,11 @@ class NpuDevice(Device):
         self._streams: weakref.WeakValueDictionary[Any, NpuStream] = weakref.WeakValueDictionary()
         self._updates: Any = None
         self._update_lock = threading.Lock()
-        # torchair (Ascend's graph compiler) compiles pieces where it can be imported; else eager.
-        self.default_compile_backend = "torchair" if importlib.util.find_spec("torchair") else "eager"
+        #: "overlap": replay(host_args) queues the replay, then re-issues the tasks while it runs;
+        #: "serial": re-issue, then replay (see NpuGraph.replay).
+        self.update_order = "overlap"
+        # Not torchair: its modes cannot run inside the ACL graphs pieces are captured into.
+        self.default_compile_backend = "eager"
 
     @property
     def simulated(self) -> bool:

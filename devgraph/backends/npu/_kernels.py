@@ -23,9 +23,10 @@ int8 step; the composition matches it exactly.
 
 Attention reads its lengths from the host list ``seq_lens_host`` (``actual_seq_lengths_kv``), which
 a captured graph freezes: that is why the op is updatable (``NpuDevice.updatable_ops``). Inside
-graph work (capture, or a task update) its workspace and softmax-lse buffer are cached per static
-shape and reused, so a task update rewrites the task with the very buffers captured with it
-(vllm-ascend keeps its captured workspace for the same reason); eager calls let the op allocate.
+graph work (capture, or a task update) its workspace and softmax-lse buffer are kept per static
+shape in the graph's own cache (``graph_work``) and reused, so a task update rewrites the task
+with the very buffers captured with it (vllm-ascend keeps its captured workspace for the same
+reason), and a graph reset frees them; eager calls let the op allocate.
 For the same reason graph work takes ``block_table`` as int32 and a contiguous ``out`` only
 (``ValueError`` otherwise): a converted table or a staging output would be a per-call temporary
 the task points at, freed as soon as a task update returns while the rewritten task keeps its
@@ -50,10 +51,13 @@ __all__ = ["KEY", "graph_work", "paged_decode_attention", "register_all"]
 
 KEY = "PrivateUse1"
 
-_graph_work: contextvars.ContextVar[bool] = contextvars.ContextVar("devgraph_npu_graph_work", default=False)
-# (device, shapes, heads, block size, dtype) -> (workspace, softmax_lse) of attention in graph work.
-# Kept for the life of the process: captured graphs point at these buffers.
-_scratch: dict[tuple[Any, ...], tuple[torch.Tensor | None, torch.Tensor]] = {}
+#: (shapes, dtype) -> (workspace, softmax_lse) of attention: one graph's buffers (``Scratch``).
+Scratch = dict[tuple[Any, ...], tuple["torch.Tensor | None", torch.Tensor]]
+
+# The scratch of the graph whose work (capture or task update) is in progress, or None.
+_graph_work: contextvars.ContextVar[Scratch | None] = contextvars.ContextVar(
+    "devgraph_npu_graph_work", default=None
+)
 
 
 def _torch_npu() -> Any:
@@ -63,9 +67,14 @@ def _torch_npu() -> Any:
 
 
 @contextlib.contextmanager
-def graph_work() -> Iterator[None]:
-    """Mark a task update in progress (``NpuGraph`` does): kernels reuse their captured buffers."""
-    token = _graph_work.set(True)
+def graph_work(scratch: Scratch) -> Iterator[None]:
+    """Mark a graph's capture or task update in progress (``NpuGraph`` does).
+
+    Attention keeps its workspace in ``scratch`` (the graph's own dict): buffers allocated while
+    capturing are reused by every task update of that graph, and freed with the graph's dict when
+    it is reset, not kept for the life of the process.
+    """
+    token = _graph_work.set(scratch)
     try:
         yield
     finally:
@@ -140,22 +149,47 @@ def split_qkv_rms_norm_rope(
 
 def _in_graph_work(torch_npu: Any) -> bool:
     """True while the work is captured into a graph or re-issued by a task update."""
-    return _graph_work.get() or bool(torch_npu.npu.is_current_stream_capturing())
+    return _graph_work.get() is not None or bool(torch_npu.npu.is_current_stream_capturing())
 
 
 def _attention_scratch(
     torch_npu: Any, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], in_graph: bool
 ):
-    """(workspace, softmax_lse) for one attention call: cached in graph work, fresh otherwise."""
+    """(workspace, softmax_lse) for one attention call: the graph's own in graph work, else fresh.
+
+    A capture devgraph does not drive (no ``graph_work``) gets buffers of its own per call.
+    """
     query = args[0]
     if not in_graph:
         return None, torch.empty(1, dtype=torch.float32, device=query.device)
-    scratch = _scratch.get(key)
+    cache = _graph_work.get()
+    scratch = cache.get(key) if cache is not None else None
     if scratch is None:
         workspace = torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs)
         scratch = (workspace, torch.empty(1, dtype=torch.float32, device=query.device))
-        _scratch[key] = scratch
+        if cache is not None:
+            cache[key] = scratch
     return scratch
+
+
+#: Query dtypes devgraph's NPU attention accepts: npu_fused_infer_attention_score takes float16 /
+#: bfloat16 / int8 queries, and int8 needs quantisation scales devgraph does not pass.
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _check_attention_rules(query: torch.Tensor, key_cache: torch.Tensor, block_size: int) -> None:
+    """Refuse, with the remedy, what npu_fused_infer_attention_score refuses on Ascend hardware."""
+    if query.dtype not in ATTENTION_DTYPES or key_cache.dtype != query.dtype:
+        raise ValueError(
+            f"devgraph.paged_decode_attention on npu: query {query.dtype} / kv cache {key_cache.dtype}; "
+            "npu_fused_infer_attention_score takes float16 or bfloat16 (float32 fails on Ascend). Run "
+            "the model in torch.bfloat16 or torch.float16 (e.g. DecoderConfig(dtype=torch.bfloat16))"
+        )
+    if block_size % 16 or not 0 < block_size <= 512:
+        raise ValueError(
+            f"devgraph.paged_decode_attention on npu: block_size {block_size}; page attention needs a "
+            "multiple of 16 of at most 512 for float16/bfloat16 caches (128 recommended)"
+        )
 
 
 def paged_decode_attention(
@@ -177,6 +211,7 @@ def paged_decode_attention(
             f"devgraph.paged_decode_attention: seq_lens_host must list B = {batch} lengths on npu "
             f"(the kernel reads the host lengths: actual_seq_lengths_kv), got {len(seq_lens_host)}"
         )
+    _check_attention_rules(query, key_cache, block_size)
     in_graph = _in_graph_work(torch_npu)
     if block_table.dtype != torch.int32:
         if in_graph:

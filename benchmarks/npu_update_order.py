@@ -1,0 +1,112 @@
+"""Host time of ``replay(host_args)`` per attention layer, overlapped vs serial task update (NPU).
+
+A graph of ``--layers`` paged-attention calls (bfloat16) is captured with its attention as
+updatable tasks; each timed call is ``graph.replay(host_args={"seq_lens_host": ...})`` with new
+lengths, in each ``NpuDevice.update_order``. Only the host call is timed: the device work is
+synchronised after it, untimed. Also counts the torch_npu stream/event calls each order makes per
+replay (machine independent).
+
+Without Ascend hardware this runs on devgraph.testing's torch_npu simulator in lazy mode (streams
+run only at the untimed sync; a re-issued attention call is checked, not run), so the time is
+devgraph's host work plus the simulator's recording of each re-issue -- compare the two orders with
+each other, not with hardware.
+
+    python benchmarks/npu_update_order.py --layers 32 --iters 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections import Counter
+
+import torch
+
+import devgraph
+import devgraph.ops as ops
+
+OP = "devgraph::paged_decode_attention"
+COUNTED = ("wait_stream", "record", "graph_task_update_begin", "replay")
+
+
+def _capture(device, layers: int):
+    g = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, dim, block, blocks = 4, 8, 2, 64, 16, 16
+    k = torch.randn(blocks, block, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(blocks, block, kv_heads, dim, generator=g).to(torch.bfloat16)
+    table = torch.arange(batch * 4, dtype=torch.int32).view(batch, 4)
+    qs = [torch.randn(batch, heads, dim, generator=g).to(torch.bfloat16) for _ in range(layers)]
+    lens = [40] * batch
+    seq = torch.tensor(lens, dtype=torch.int32)
+    graph = device.graph()
+    with graph.capture(auto_update_ops=[OP]):
+        for q in qs:
+            ops.paged_decode_attention(q, k, v, table, seq, lens, 0.125)
+    return graph, batch, (k, v, table, seq, qs)  # a graph's inputs must outlive it (as on hardware)
+
+
+def _counting(sim, counts: Counter):
+    """Count the torch_npu stream/event calls (wrapping the simulator's classes for the block)."""
+    npu = sim.npu
+    stack = contextlib.ExitStack()
+    targets = [(npu.Stream, "wait_stream"), (npu.ExternalEvent, "record"), (npu.Event, "record"),
+               (npu.NPUGraph, "replay")]  # fmt: skip
+    for cls, name in targets:
+        real = getattr(cls, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            counts[_name] += 1
+            return _real(*args, **kwargs)
+
+        setattr(cls, name, spy)
+        stack.callback(setattr, cls, name, real)
+    real_begin = npu.graph_task_update_begin
+
+    def begin(*args):
+        counts["graph_task_update_begin"] += 1
+        return real_begin(*args)
+
+    npu.graph_task_update_begin = begin
+    stack.callback(setattr, npu, "graph_task_update_begin", real_begin)
+    return stack
+
+
+def measure(layers: int, iters: int, order: str) -> tuple[float, dict[str, float]]:
+    """(median host microseconds per layer, torch_npu calls per replay) for one update order."""
+    from devgraph.testing import simulated_torch_npu
+
+    with simulated_torch_npu(streams="lazy") as sim:
+        device = devgraph.device("npu")
+        device.update_order = order
+        graph, batch, _inputs = _capture(device, layers)
+        samples, counts = [], Counter()
+        for i in range(iters + 3):
+            lens = [1 + (7 * i + b) % 64 for b in range(batch)]
+            counts.clear()
+            with _counting(sim, counts):
+                start = time.perf_counter()
+                graph.replay(host_args={"seq_lens_host": lens})
+                elapsed = time.perf_counter() - start
+            device.synchronize()  # the device work, untimed
+            if i >= 3:
+                samples.append(elapsed)
+        per_replay = {name: counts[name] for name in COUNTED}
+    return statistics.median(samples) / layers * 1e6, per_replay
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args()
+    print(f"replay(host_args) host time per layer, {args.layers} layers, median of {args.iters} (simulator)")
+    print(f"{'order':>8}  {'us/layer':>9}  " + "  ".join(f"{c:>23}" for c in COUNTED))
+    for order in ("overlap", "serial"):
+        us, calls = measure(args.layers, args.iters, order)
+        print(f"{order:>8}  {us:>9.1f}  " + "  ".join(f"{calls[c]:>23}" for c in COUNTED))
+
+
+if __name__ == "__main__":
+    main()
