@@ -8,14 +8,19 @@ import pytest
 import torch
 
 import devgraph
-from devgraph.testing.models import KVBlockManager, greedy_decode, make_decoder
+from devgraph.testing.models import DecoderConfig, KVBlockManager, greedy_decode, make_decoder
 
 SIZES = [1, 2, 4]
 
 
+def _config(dev) -> DecoderConfig:
+    """bfloat16 on npu: Ascend's fused attention (and the simulator) refuses float32."""
+    return DecoderConfig(dtype=torch.bfloat16) if dev.name == "npu" else DecoderConfig()
+
+
 def _pair(dev, **options):
-    eager = make_decoder(seed=1, device=dev.torch_device)
-    model = make_decoder(seed=1, device=dev.torch_device)
+    eager = make_decoder(_config(dev), seed=1, device=dev.torch_device)
+    model = make_decoder(_config(dev), seed=1, device=dev.torch_device)
     options.setdefault("batch_sizes", SIZES)
     return eager, devgraph.wrap(model, device=dev, **options)
 
@@ -62,8 +67,8 @@ def test_decoder_graph_needs_task_update_for_host_lengths(any_device, update):
     """Lengths reach attention as a host list frozen at capture: stale without task update."""
     dev = any_device
     eager, model = (
-        make_decoder(seed=1, device=dev.torch_device),
-        make_decoder(seed=1, device=dev.torch_device),
+        make_decoder(_config(dev), seed=1, device=dev.torch_device),
+        make_decoder(_config(dev), seed=1, device=dev.torch_device),
     )
     managers = [KVBlockManager(eager.config, device=dev.torch_device) for _ in range(2)]
     static = model.dummy_inputs(2)

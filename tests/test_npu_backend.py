@@ -160,18 +160,7 @@ def test_probe_reports_a_disabled_torch_npu():
 # -- the graph contract --------------------------------------------------------------------------------
 
 
-def _conformance_params():
-    for check in conformance.CHECKS:
-        marks = ()
-        if check.__name__ == "check_task_update":
-            # Its attention runs in float32 with block_size 4, which npu_fused_infer_attention_score
-            # refuses on Ascend (and so does the simulator now): for devgraph.testing.conformance's
-            # owner to run it in bfloat16 with block_size 16 on npu.
-            marks = pytest.mark.xfail(raises=ValueError, reason="float32 attention is refused on npu")
-        yield pytest.param(check, id=check.__name__, marks=marks)
-
-
-@pytest.mark.parametrize("check", list(_conformance_params()))
+@pytest.mark.parametrize("check", conformance.CHECKS, ids=lambda c: c.__name__)
 def test_conformance(check, npu):
     check(npu)
 
