@@ -168,7 +168,7 @@ class GraphedCausalLM(GraphedModule):
             extra: dict[str, Any] = {"past_key_values": self.cache.view(rows)}
             if config.cache_implementation is not None:  # "static" from the model's config: ours is static
                 extra["cache_implementation"] = None
-            compile_config = _route_config(self._route)
+            compile_config = _route_config()
             if call.named.get("generation_config") is not None:
                 # A config object and generation kwargs together are deprecated in transformers.
                 import copy
@@ -188,11 +188,13 @@ class GraphedCausalLM(GraphedModule):
         )
 
 
-def _route_config(route: DecodeRoute) -> Any:
+def _route_config() -> Any:
     """A ``CompileConfig`` that lets ``generate`` use the per-instance compiled call on any device."""
     from transformers import CompileConfig
 
-    config = CompileConfig(backend=route, mode=None, fullgraph=False)
+    # A backend name no torch.compile knows: were transformers ever to compile instead of taking the
+    # per-instance call, it would fail loudly rather than run something else.
+    config = CompileConfig(backend="devgraph-hf-decode-route", mode=None, fullgraph=False)
     # transformers' switch (a class attribute it reads per instance) for auto-compile off CUDA.
     config._compile_all_devices = True
     return config
