@@ -176,3 +176,16 @@ def test_sliding_window_shorter_than_the_cache_matches_eager():
         graphed.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), eager_greedy(model, ids, mask)
     )
     assert graphed.stats.replays == NEW_TOKENS - 1
+
+
+def test_all_buckets_with_their_cache_fit_in_125_percent_of_the_largest_alone():
+    def graph_and_cache_bytes(batch_sizes):
+        graphed = devgraph.wrap(tiny_model("llama"), "cpu", batch_sizes=batch_sizes, max_cache_len=128).capture()
+        return graphed.stats.pool_bytes + graphed.cache.nbytes
+
+    assert graph_and_cache_bytes([1, 2, 4, 8]) <= 1.25 * graph_and_cache_bytes([8])
+
+
+def test_piecewise_mode_is_refused_with_the_reason():
+    with pytest.raises(DevgraphError, match="mode='piecewise'.*mode='full'"):
+        devgraph.wrap(tiny_model("llama"), "cpu", mode="piecewise")

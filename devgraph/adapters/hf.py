@@ -98,6 +98,13 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
             cannot capture (the message says why and what to change).
     """
     dev = device if isinstance(device, Device) else _device(device)
+    mode = options.pop("mode", "full")
+    if mode != "full":
+        raise DevgraphError(
+            f"mode={mode!r} is not available for Hugging Face models yet: their prefill runs eagerly "
+            "(transformers' own forward over devgraph's static cache) and every decode step replays a full "
+            "graph. Use mode='full' (the default)."
+        )
     hf = make_config(HFOptions, options, extra_valid=RUNNER_OPTIONS, what=" for a Hugging Face model")
     batch_sizes, max_batch_size = hf.runner_sizes()
     runner_config = RunnerConfig(
