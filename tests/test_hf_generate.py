@@ -187,3 +187,16 @@ def test_fp16_greedy_matches_eager():
     out, ref = both(graphed, input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
     assert torch.equal(out, ref)
     assert graphed.stats.replays == NEW - 1
+
+
+def test_bf16_logits_are_bitwise_those_of_eager_generate_with_a_static_cache():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[4], max_cache_len=64)
+    ids, mask = prompts(3, seed=15)
+    mask[0, :2] = 0
+    common = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, return_dict_in_generate=True, output_logits=True)
+    out = graphed.generate(ids, **common)
+    ref = model.generate(ids, cache_implementation="static", max_cache_len=64, **common)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(got, want) for got, want in zip(out.logits, ref.logits, strict=True))
+    assert graphed.stats.replays == 23
