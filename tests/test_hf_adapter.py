@@ -184,8 +184,3 @@ def test_all_buckets_with_their_cache_fit_in_125_percent_of_the_largest_alone():
         return graphed.stats.pool_bytes + graphed.cache.nbytes
 
     assert graph_and_cache_bytes([1, 2, 4, 8]) <= 1.25 * graph_and_cache_bytes([8])
-
-
-def test_piecewise_mode_is_refused_with_the_reason():
-    with pytest.raises(DevgraphError, match="mode='piecewise'.*mode='full'"):
-        devgraph.wrap(tiny_model("llama"), "cpu", mode="piecewise")

@@ -97,16 +97,17 @@ class DecodeRoute:
     decode call that had to run eagerly (it counts and warns).
     """
 
-    def __init__(self, model: Any, step: DecodeStep, runner: Any, on_eager: Any) -> None:
+    def __init__(self, model: Any, step: DecodeStep, runner: Any, on_eager: Any, prefill: Any = None) -> None:
         self.model = model
         self.step = step
         self.runner = runner
         self.on_eager = on_eager
+        self.prefill = prefill  # a PiecewisePrefill (piecewise modes) or None: prefill runs eagerly
 
     def __call__(self, **kwargs: Any) -> Any:
         why = self._not_decode(kwargs)
         if why == "prefill":
-            return self.model(**kwargs)  # a prefill chunk: eager by design, not a fallback
+            return self.run_prefill(kwargs)
         if why is not None:
             self.on_eager(*why)
             return self.model(**kwargs)
@@ -125,6 +126,17 @@ class DecodeRoute:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         return CausalLMOutputWithPast(logits=logits, past_key_values=kwargs["past_key_values"])
+
+    def run_prefill(self, kwargs: dict[str, Any]) -> Any:
+        """A forward of several tokens per row: from the pieces when there are some, else eagerly."""
+        if self.prefill is None or not self.step.cache.owns(kwargs.get("past_key_values")):
+            return self.model(**kwargs)  # full mode: the prefill is eager by design, not a fallback
+        self.prefill.fill_missing_mask(kwargs)
+        why = self.prefill.can_serve(kwargs)
+        if why is not None:
+            self.on_eager("prefill_not_piecewise", why)
+            return self.model(**kwargs)
+        return self.prefill(kwargs)
 
     def _capture(self, input_ids: torch.Tensor, position_ids: Any, masks: dict[str, torch.Tensor]) -> None:
         # Warm-ups and captures advance the cache's write positions (and write slots past them, which

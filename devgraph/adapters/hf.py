@@ -42,6 +42,7 @@ from devgraph._errors import DevgraphError
 from devgraph._plugins import device as _device
 from devgraph._wrap import GraphedModule
 from devgraph.adapters._hf_cache import SharedStaticCache
+from devgraph.adapters._hf_prefill import PiecewisePrefill
 from devgraph.adapters._hf_plan import eager_reason, read_generate_call
 from devgraph.adapters._hf_step import MAX_MASKS, DecodeRoute, DecodeStep
 from devgraph.runner import GraphRunner, RunnerConfig, make_config, normalise_batch_sizes
@@ -54,6 +55,12 @@ RUNNER_OPTIONS = ("strict", "debug", "warmup_iters")
 #: Attention layer types whose keys/values a full-length ``StaticLayer`` holds (transformers'
 #: mask code hides what a sliding or chunked layer must not see).
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+#: Modes: ``full`` prefills eagerly; the piecewise ones prefill from pieces. Decode is always full graphs.
+_MODES = ("full", "piecewise", "full_and_piecewise")
+
+#: CompileConfig fields for the piecewise prefill (``is_decode`` is the adapter's own business).
+_COMPILE_OPTIONS = ("splitting_ops", "compile_backend", "passes", "capture_sizes", "capture_budget", "traffic")
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -99,13 +106,16 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
     """
     dev = device if isinstance(device, Device) else _device(device)
     mode = options.pop("mode", "full")
-    if mode != "full":
+    if mode not in _MODES:
+        raise DevgraphError(f"mode must be one of {list(_MODES)} for a Hugging Face model, got {mode!r}")
+    compile_options = {k: options.pop(k) for k in list(options) if k in _COMPILE_OPTIONS}
+    if compile_options and mode == "full":
         raise DevgraphError(
-            f"mode={mode!r} is not available for Hugging Face models yet: their prefill runs eagerly "
-            "(transformers' own forward over devgraph's static cache) and every decode step replays a full "
-            "graph. Use mode='full' (the default)."
+            f"option(s) {sorted(compile_options)} apply to the piecewise prefill: add mode='piecewise' or drop them"
         )
-    hf = make_config(HFOptions, options, extra_valid=RUNNER_OPTIONS, what=" for a Hugging Face model")
+    hf = make_config(
+        HFOptions, options, extra_valid=RUNNER_OPTIONS + _COMPILE_OPTIONS + ("mode",), what=" for a Hugging Face model"
+    )
     batch_sizes, max_batch_size = hf.runner_sizes()
     runner_config = RunnerConfig(
         batch_sizes=batch_sizes,
@@ -113,7 +123,33 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
         pad_values={f"mask{i}": True for i in range(MAX_MASKS)},  # padded rows see every slot: finite
         **{k: v for k, v in options.items() if k in RUNNER_OPTIONS},
     )
-    return GraphedCausalLM(model, dev, hf, runner_config)
+    prefill = None
+    if mode != "full":
+        prefill = _prefill_factory(dev, hf, runner_config, compile_options)
+    return GraphedCausalLM(model, dev, hf, runner_config, prefill)
+
+
+def _prefill_factory(dev: Device, hf: HFOptions, runner_config: RunnerConfig, options: dict[str, Any]) -> Any:
+    """A function building the prefill's ``PiecewiseRunner`` for a ``PrefillRow``."""
+    from devgraph.compile import piecewise_runner
+
+    options = {
+        "splitting_ops": ("aten::scaled_dot_product_attention",),
+        "passes": (),  # exactness first: a fused norm rounds differently from the model's own
+        "capture_sizes": _prefill_sizes(hf.max_cache_len),
+        **options,
+    }
+    config = attrs.evolve(runner_config, mode="piecewise", batch_sizes=None, max_batch_size=None)
+    return lambda row: piecewise_runner(row, dev, config, **options)
+
+
+def _prefill_sizes(max_cache_len: int) -> tuple[int, ...]:
+    """Prompt lengths to capture the pieces for: powers of two from 16, and ``max_cache_len``."""
+    sizes, size = [], 16
+    while size < max_cache_len:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_cache_len)
 
 
 
@@ -125,7 +161,14 @@ class GraphedCausalLM(GraphedModule):
     by ``capture()``); ``stats`` counts replays and eager fallbacks by reason.
     """
 
-    def __init__(self, model: Any, device: Device, options: HFOptions, runner_config: RunnerConfig) -> None:
+    def __init__(
+        self,
+        model: Any,
+        device: Device,
+        options: HFOptions,
+        runner_config: RunnerConfig,
+        prefill_factory: Any = None,
+    ) -> None:
         layers = _check_model(model, device)
         self.options = options
         extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
@@ -134,11 +177,17 @@ class GraphedCausalLM(GraphedModule):
         step = DecodeStep(model, self.cache, extra)
         super().__init__(model, GraphRunner(step, device, runner_config))
         self._step = step
-        self._route = DecodeRoute(model, step, self.runner, self.runner.note_fallback)
+        self.prefill = None if prefill_factory is None else PiecewisePrefill(model, self.cache, prefill_factory)
+        self._route = DecodeRoute(model, step, self.runner, self.runner.note_fallback, self.prefill)
         self._lock = threading.RLock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    @property
+    def prefill_stats(self) -> Any:
+        """The piecewise prefill's counters (``PiecewiseStats``), or None in ``mode="full"``."""
+        return None if self.prefill is None else self.prefill.runner.stats
 
     @property
     def sizes(self) -> list[int]:
@@ -172,21 +221,32 @@ class GraphedCausalLM(GraphedModule):
         with self._lock, torch.no_grad():
             self.cache.allocate(model, self._step.extra_kwargs)
             self.cache.reset()
-            extra: dict[str, Any] = {"past_key_values": self.cache.view(rows)}
+            fields: dict[str, Any] = {"compile_config": _route_config()}
             if config.cache_implementation is not None:  # "static" from the model's config: ours is static
-                extra["cache_implementation"] = None
-            compile_config = _route_config()
-            if call.named.get("generation_config") is not None:
+                fields["cache_implementation"] = None
+            self._route.prefill = self.prefill
+            if self.prefill is not None:
+                if config.prefill_chunk_size is None:
+                    # transformers sends a chunked prefill through the decode hook (a plain one calls
+                    # the model directly): one chunk as long as the cache is the whole prompt.
+                    fields["prefill_chunk_size"] = self.options.max_cache_len
+                else:  # later chunks start mid-cache; the pieces prefill from slot 0
+                    self.runner.note_fallback(
+                        "prefill_chunk_size", "prefill_chunk_size: chunked prefills run eagerly, decode from graphs"
+                    )
+                    self._route.prefill = None
+            named = dict(call.named)
+            if named.get("generation_config") is not None:
                 # A config object and generation kwargs together are deprecated in transformers.
                 import copy
 
-                own = copy.deepcopy(call.named["generation_config"])
-                own.compile_config = compile_config
-                call.named["generation_config"] = own
+                named["generation_config"] = copy.deepcopy(named["generation_config"])
+                for name, value in fields.items():
+                    setattr(named["generation_config"], name, value)
             else:
-                extra["compile_config"] = compile_config
-            with _decode_route(model, self._route, compile_config):
-                return model.generate(**call.named, **extra)
+                named.update(fields)
+            with _decode_route(model, self._route, fields["compile_config"]):
+                return model.generate(**named, past_key_values=self.cache.view(rows))
 
     def __repr__(self) -> str:
         return (
