@@ -35,8 +35,13 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2_mixed_sliding": (
         "Qwen2Config",
         "Qwen2ForCausalLM",
-        dict(_HEAD, use_sliding_window=True, sliding_window=4, max_window_layers=1,
-             layer_types=["full_attention", "sliding_attention"]),
+        dict(
+            _HEAD,
+            use_sliding_window=True,
+            sliding_window=4,
+            max_window_layers=1,
+            layer_types=["full_attention", "sliding_attention"],
+        ),
     ),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", _HEAD),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_HEAD, sliding_window=4)),
@@ -47,10 +52,22 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", _COMMON),
     "phi": ("PhiConfig", "PhiForCausalLM", _COMMON),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", _COMMON),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_HEAD, num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(_HEAD, **_MOE, shared_expert_intermediate_size=32)),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(_HEAD, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(_HEAD, **_MOE, shared_expert_intermediate_size=32),
+    ),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(_HEAD, **_MOE)),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2),
+    ),
 }
 
 

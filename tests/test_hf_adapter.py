@@ -180,7 +180,9 @@ def test_sliding_window_shorter_than_the_cache_matches_eager():
 
 def test_all_buckets_with_their_cache_fit_in_125_percent_of_the_largest_alone():
     def graph_and_cache_bytes(batch_sizes):
-        graphed = devgraph.wrap(tiny_model("llama"), "cpu", batch_sizes=batch_sizes, max_cache_len=128).capture()
+        graphed = devgraph.wrap(
+            tiny_model("llama"), "cpu", batch_sizes=batch_sizes, max_cache_len=128
+        ).capture()
         return graphed.stats.pool_bytes + graphed.cache.nbytes
 
     assert graph_and_cache_bytes([1, 2, 4, 8]) <= 1.25 * graph_and_cache_bytes([8])

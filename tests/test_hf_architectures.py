@@ -9,8 +9,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-import devgraph  # noqa: E402
-from _hf_models import ARCHITECTURES, prompts, tiny_model  # noqa: E402
+from _hf_models import ARCHITECTURES, prompts, tiny_model
+
+import devgraph
 
 NEW_TOKENS = 6
 

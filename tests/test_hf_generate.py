@@ -11,8 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import devgraph  # noqa: E402
 from _hf_models import prompts, tiny_model  # noqa: E402
+
+import devgraph  # noqa: E402
 
 NEW = 6
 CACHE_LEN = 32
@@ -41,13 +42,15 @@ def replays_during(graphed, fn):
 
 def test_generate_accepts_do_sample_false(llama):
     ids, mask = prompts(2, seed=1)
-    (out, ref), = [both(llama, input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)]
+    ((out, ref),) = [both(llama, input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)]
     assert torch.equal(out, ref)
 
 
 def test_positional_inputs_like_model_generate(llama):
     ids, _ = prompts(1, seed=2)
-    out, replays = replays_during(llama, lambda: llama.generate(ids, None, max_new_tokens=NEW, do_sample=False))
+    out, replays = replays_during(
+        llama, lambda: llama.generate(ids, None, max_new_tokens=NEW, do_sample=False)
+    )
     assert torch.equal(out, llama.module.generate(ids, None, max_new_tokens=NEW, do_sample=False))
     assert replays == NEW - 1
 
@@ -77,7 +80,13 @@ def test_sampling_set_in_the_models_generation_config_is_honoured():
 def test_num_return_sequences_samples_each_copy_like_eager(llama):
     ids, mask = prompts(2, seed=5)
     out, ref = both(
-        llama, seed=3, input_ids=ids, attention_mask=mask, do_sample=True, num_return_sequences=2, max_new_tokens=NEW
+        llama,
+        seed=3,
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        num_return_sequences=2,
+        max_new_tokens=NEW,
     )
     assert out.shape[0] == 4
     assert torch.equal(out, ref)
@@ -97,7 +106,9 @@ def test_streamer_receives_the_same_tokens(llama):
     ids, mask = prompts(1, seed=6)
     graphed_stream, eager_stream = Collect(), Collect()
     llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, streamer=graphed_stream)
-    llama.module.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, streamer=eager_stream)
+    llama.module.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, streamer=eager_stream
+    )
     assert graphed_stream.chunks == eager_stream.chunks
     assert len(graphed_stream.chunks) == NEW + 2  # the prompt, each new token, end
 
@@ -106,7 +117,10 @@ def test_logits_processors_from_generation_options_match_eager(llama):
     ids, mask = prompts(2, seed=7)
     options = dict(repetition_penalty=1.5, no_repeat_ngram_size=2, suppress_tokens=[5, 6], min_new_tokens=3)
     (out, ref), replays = replays_during(
-        llama, lambda: both(llama, input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **options)
+        llama,
+        lambda: both(
+            llama, input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **options
+        ),
     )
     assert torch.equal(out, ref)
     assert replays == NEW - 1
@@ -128,7 +142,12 @@ def test_custom_stopping_criteria_stop_like_eager(llama):
     ids, mask = prompts(1, seed=9)
     criteria = transformers.StoppingCriteriaList([StopAtLength()])
     out, ref = both(
-        llama, input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, stopping_criteria=criteria
+        llama,
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=NEW,
+        stopping_criteria=criteria,
     )
     assert torch.equal(out, ref)
     assert out.shape[1] == 10
@@ -156,7 +175,9 @@ def test_beam_search_runs_eagerly_with_a_warning_naming_num_beams():
     ids, mask = prompts(1, seed=11)
     with pytest.warns(UserWarning, match="num_beams=2"):
         out = graphed.generate(ids, attention_mask=mask, num_beams=2, do_sample=False, max_new_tokens=NEW)
-    assert torch.equal(out, model.generate(ids, attention_mask=mask, num_beams=2, do_sample=False, max_new_tokens=NEW))
+    assert torch.equal(
+        out, model.generate(ids, attention_mask=mask, num_beams=2, do_sample=False, max_new_tokens=NEW)
+    )
     assert graphed.stats.fallbacks == {"beam_search": 1}
     assert graphed.stats.replays == 0
 
@@ -165,7 +186,9 @@ def test_output_hidden_states_runs_eagerly_with_a_warning():
     model = tiny_model("llama")
     graphed = devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=CACHE_LEN)
     ids, mask = prompts(1, seed=12)
-    kwargs = dict(attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True, output_hidden_states=True)
+    kwargs = dict(
+        attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True, output_hidden_states=True
+    )
     with pytest.warns(UserWarning, match="output_hidden_states"):
         out = graphed.generate(ids, **kwargs)
     assert len(out.hidden_states) == 3
@@ -194,7 +217,13 @@ def test_bf16_logits_are_bitwise_those_of_eager_generate_with_a_static_cache():
     graphed = devgraph.wrap(model, "cpu", batch_sizes=[4], max_cache_len=64)
     ids, mask = prompts(3, seed=15)
     mask[0, :2] = 0
-    common = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, return_dict_in_generate=True, output_logits=True)
+    common = dict(
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=24,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     out = graphed.generate(ids, **common)
     ref = model.generate(ids, cache_implementation="static", max_cache_len=64, **common)
     assert torch.equal(out.sequences, ref.sequences)

@@ -10,9 +10,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-import devgraph  # noqa: E402
-from devgraph import DevgraphError  # noqa: E402
-from _hf_models import prompts, tiny_model  # noqa: E402
+from _hf_models import prompts, tiny_model
+
+import devgraph
+from devgraph import DevgraphError
 
 NEW = 5
 
@@ -29,7 +30,9 @@ def test_piecewise_prefill_greedy_matches_eager(piecewise, length):
     mask[0, :2] = 0  # a left-padded row
     before = piecewise.prefill_stats.replays
     out = piecewise.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
-    assert torch.equal(out, piecewise.module.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW))
+    assert torch.equal(
+        out, piecewise.module.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    )
     assert piecewise.prefill_stats.replays - before == 3  # one piecewise replay per prompt row
     assert piecewise.stats.fallbacks == {} and piecewise.prefill_stats.fallbacks == {}
 

@@ -95,7 +95,10 @@ def eager_reason(
             f"cache_implementation={config.cache_implementation!r}: devgraph decodes over its own static cache",
         ), config
     if config.compile_config is not None or config.disable_compile:
-        return ("compile_config", "compile_config/disable_compile: devgraph serves the decode step itself"), config
+        return (
+            "compile_config",
+            "compile_config/disable_compile: devgraph serves the decode step itself",
+        ), config
     if config.output_attentions or config.output_hidden_states:
         return (
             "output_attentions",

@@ -61,7 +61,9 @@ class PrefillRow(nn.Module):
         return out.logits[0]
 
 
-def prefill_mask_structure(attention_mask: Any, tokens: int) -> tuple[tuple[str | None, ...], list[torch.Tensor]] | None:
+def prefill_mask_structure(
+    attention_mask: Any, tokens: int
+) -> tuple[tuple[str | None, ...], list[torch.Tensor]] | None:
     """``(keys, [B, 1, T, L] tensors)`` of a prefill call's mask(s), or None when not all 4-D."""
     if isinstance(attention_mask, torch.Tensor):
         items: list[tuple[str | None, Any]] = [(None, attention_mask)]
@@ -114,7 +116,15 @@ class PiecewisePrefill:
         extra = sorted(
             k
             for k, v in kwargs.items()
-            if k not in ("input_ids", "position_ids", "attention_mask", "past_key_values", "use_cache", "return_dict")
+            if k
+            not in (
+                "input_ids",
+                "position_ids",
+                "attention_mask",
+                "past_key_values",
+                "use_cache",
+                "return_dict",
+            )
             and k != "logits_to_keep"
             and v is not None
             and v is not False

@@ -116,7 +116,8 @@ class DecodeRoute:
             self.step.mask_keys = keys
         elif keys != self.step.mask_keys:
             self.on_eager(
-                "mask_structure", f"the decode mask has layer types {keys}, the captured one {self.step.mask_keys}"
+                "mask_structure",
+                f"the decode mask has layer types {keys}, the captured one {self.step.mask_keys}",
             )
             return self.model(**kwargs)
         named = {f"mask{i}": m for i, m in enumerate(masks)}
@@ -159,7 +160,13 @@ class DecodeRoute:
             if k not in _DECODE_KEYS and not (k in _IGNORED_IF_DEFAULT and v in _IGNORED_IF_DEFAULT[k])
         )
         if extra:
-            return "decode_arguments", f"the decode step was called with {extra}, which the graph does not take"
+            return (
+                "decode_arguments",
+                f"the decode step was called with {extra}, which the graph does not take",
+            )
         if mask_structure(kwargs.get("attention_mask")) is None:
-            return "mask_structure", "the decode mask is not a 4-D tensor (or a dict of them) for a static cache"
+            return (
+                "mask_structure",
+                "the decode mask is not a 4-D tensor (or a dict of them) for a static cache",
+            )
         return None

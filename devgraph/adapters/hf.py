@@ -42,8 +42,8 @@ from devgraph._errors import DevgraphError
 from devgraph._plugins import device as _device
 from devgraph._wrap import GraphedModule
 from devgraph.adapters._hf_cache import SharedStaticCache
-from devgraph.adapters._hf_prefill import PiecewisePrefill
 from devgraph.adapters._hf_plan import eager_reason, read_generate_call
+from devgraph.adapters._hf_prefill import PiecewisePrefill
 from devgraph.adapters._hf_step import MAX_MASKS, DecodeRoute, DecodeStep
 from devgraph.runner import GraphRunner, RunnerConfig, make_config, normalise_batch_sizes
 
@@ -60,7 +60,15 @@ _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attent
 _MODES = ("full", "piecewise", "full_and_piecewise")
 
 #: CompileConfig fields for the piecewise prefill (``is_decode`` is the adapter's own business).
-_COMPILE_OPTIONS = ("splitting_ops", "compile_backend", "passes", "capture_sizes", "capture_budget", "traffic")
+_COMPILE_OPTIONS = (
+    "splitting_ops",
+    "compile_backend",
+    "passes",
+    "capture_sizes",
+    "capture_budget",
+    "traffic",
+)
+
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -114,7 +122,10 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
             f"option(s) {sorted(compile_options)} apply to the piecewise prefill: add mode='piecewise' or drop them"
         )
     hf = make_config(
-        HFOptions, options, extra_valid=RUNNER_OPTIONS + _COMPILE_OPTIONS + ("mode",), what=" for a Hugging Face model"
+        HFOptions,
+        options,
+        extra_valid=RUNNER_OPTIONS + _COMPILE_OPTIONS + ("mode",),
+        what=" for a Hugging Face model",
     )
     batch_sizes, max_batch_size = hf.runner_sizes()
     runner_config = RunnerConfig(
@@ -152,7 +163,6 @@ def _prefill_sizes(max_cache_len: int) -> tuple[int, ...]:
     return (*sizes, max_cache_len)
 
 
-
 class GraphedCausalLM(GraphedModule):
     """A causal LM whose ``generate()`` is transformers' own, with decode steps replayed from graphs.
 
@@ -177,7 +187,9 @@ class GraphedCausalLM(GraphedModule):
         step = DecodeStep(model, self.cache, extra)
         super().__init__(model, GraphRunner(step, device, runner_config))
         self._step = step
-        self.prefill = None if prefill_factory is None else PiecewisePrefill(model, self.cache, prefill_factory)
+        self.prefill = (
+            None if prefill_factory is None else PiecewisePrefill(model, self.cache, prefill_factory)
+        )
         self._route = DecodeRoute(model, step, self.runner, self.runner.note_fallback, self.prefill)
         self._lock = threading.RLock()
 
@@ -195,10 +207,10 @@ class GraphedCausalLM(GraphedModule):
         return list(self.runner.sizes)
 
     def capture(self) -> GraphedCausalLM:  # type: ignore[override]
-        """Capture every bucket's decode step now (a two-token greedy generation of one row)."""
+        """Capture every bucket's decode step (and the prefill pieces) now: a short greedy generation."""
         with self._lock:
-            if not self.runner.captured:
-                ids = torch.zeros(1, 1, dtype=torch.long, device=self.module.device)
+            if not self.runner.captured or (self.prefill is not None and not self.prefill.runner.captured):
+                ids = torch.zeros(1, 2, dtype=torch.long, device=self.module.device)
                 self.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=2)
         return self
 
@@ -232,7 +244,8 @@ class GraphedCausalLM(GraphedModule):
                     fields["prefill_chunk_size"] = self.options.max_cache_len
                 else:  # later chunks start mid-cache; the pieces prefill from slot 0
                     self.runner.note_fallback(
-                        "prefill_chunk_size", "prefill_chunk_size: chunked prefills run eagerly, decode from graphs"
+                        "prefill_chunk_size",
+                        "prefill_chunk_size: chunked prefills run eagerly, decode from graphs",
                     )
                     self._route.prefill = None
             named = dict(call.named)
