@@ -16,9 +16,11 @@ How the decode forward reaches devgraph: transformers' ``_sample`` loop calls
 ``model.get_compiled_call(generation_config.compile_config)`` for every step after the prefill when
 the cache is a compilable (static) one; that method returns the instance's ``_compiled_call`` when
 it was made for an equal ``compile_config``. For the duration of one ``generate`` (under a lock)
-devgraph sets that per-instance attribute to its route and passes a ``CompileConfig`` that names
-the route as its backend; the model's own attributes are put back afterwards. Nothing in
-transformers or torch is patched.
+devgraph sets that per-instance attribute to its route and passes its own ``CompileConfig`` (a
+backend name torch.compile does not know, so nothing is ever compiled by mistake); the model's
+own attributes are put back afterwards. Nothing in transformers or torch is patched. In the
+piecewise modes devgraph also sets ``prefill_chunk_size`` to ``max_cache_len``: transformers sends
+a chunked prefill (here: one chunk, the whole prompt) through the same hook.
 
 Calls the decode step cannot serve (beam search and other decoding methods, a cache or
 ``compile_config`` of your own, attentions or hidden states as outputs, a batch above the largest
