@@ -2,7 +2,7 @@
 devgraph wrapper captured (twice: the largest bucket alone for the pool bytes, then every bucket).
 
 * ``llama``: a transformers ``LlamaForCausalLM`` (random bf16) stepped by the Hugging Face adapter's
-  own decode step over its per-bucket static KV caches;
+  own decode step over its shared static KV cache;
 * ``paged``: ``devgraph.testing.models.PagedDecoder`` (random bf16) with a paged KV cache of
   ``BLOCK_SIZE``-token blocks, batches built by ``KVBlockManager``.
 """
@@ -126,7 +126,7 @@ def capture_devgraph(
 
 
 def build_llama(dev: devgraph.Device, args: argparse.Namespace) -> Workload:
-    """LlamaForCausalLM (random bf16) and the HF adapter's decode step over its static caches."""
+    """LlamaForCausalLM (random bf16) and the HF adapter's decode step over its shared static cache."""
     try:
         import transformers
 
@@ -156,12 +156,11 @@ def build_llama(dev: devgraph.Device, args: argparse.Namespace) -> Workload:
     runner, info = capture_devgraph(
         dev,
         lambda: wrap_hf(model, dev, batch_sizes=[largest], max_cache_len=cache_len).capture(),
-        graphed.capture,  # allocates a static cache per bucket, then captures every bucket
+        graphed.capture,  # allocates the shared static cache, then captures every bucket
     )
     step = graphed._step  # the module the runner captured: eager, hand-written graph and compile run it
-    missing = [b for b in args.batches if b not in step.caches]
-    if missing:
-        raise RuntimeError(f"no static cache for batch(es) {missing}: {info.get('all_buckets_error')}")
+    if not graphed.runner.captured:
+        raise RuntimeError(f"the decode steps were not captured: {info.get('all_buckets_error')}")
 
     torch.manual_seed(args.seed + 1)
     inputs = {}
@@ -171,14 +170,14 @@ def build_llama(dev: devgraph.Device, args: argparse.Namespace) -> Workload:
         inputs[b] = {
             "input_ids": torch.randint(3, s["vocab"], (b, 1), device=tdev),
             "position_ids": torch.full((b, 1), args.context, dtype=torch.long, device=tdev),
-            "attention_mask": mask,
+            "mask0": mask[:, None, None, :],  # the 4-D sdpa mask transformers builds for a static cache
         }
-        for layer in step.caches[b].layers:  # the "prefilled" context: random keys and values
-            layer.keys.normal_()
-            layer.values.normal_()
+    for layer in graphed.cache.base.layers:  # the "prefilled" context: random keys and values
+        layer.keys.normal_()
+        layer.values.normal_()
 
     def prepare(b: int) -> None:
-        for layer in step.caches[b].layers:
+        for layer in graphed.cache.base.layers:  # one write position shared by every bucket's rows
             layer.cumulative_length.fill_(args.context)  # the step advances it on the device
 
     shape = {**s, "params": sum(p.numel() for p in model.parameters()), "dtype": "bfloat16"}

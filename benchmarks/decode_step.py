@@ -6,7 +6,7 @@ token per row) at a fixed context length, for each batch size:
 * ``llama``: a transformers ``LlamaForCausalLM`` built in code (hidden 1024, 8 layers, 16 heads,
   8 KV heads, MLP 2816, vocab 32000, ``sdpa``), stepping over a static KV cache. The step is the
   Hugging Face adapter's own decode step (``devgraph.adapters.hf``): every method runs the very
-  module ``GraphedCausalLM`` captures, on the same per-bucket static caches.
+  module ``GraphedCausalLM`` captures, on its one shared static cache.
 * ``paged``: ``devgraph.testing.models.PagedDecoder`` at the same size, paged KV cache of 16-token
   blocks, batches built by ``KVBlockManager``. Both caches hold ``--context`` tokens of random K/V
   (written directly, no token-by-token prefill) and attend over ``context + 64`` slots.

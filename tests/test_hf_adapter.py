@@ -103,7 +103,8 @@ def test_eos_finishes_rows_and_pads_them_like_eager(llama):
 
 
 def test_second_generate_reuses_the_captured_graphs(llama):
-    llama.generate(*prompts(1, seed=4), max_new_tokens=2)
+    ids, mask = prompts(1, seed=4)
+    llama.generate(ids, attention_mask=mask, max_new_tokens=2)
     captured = llama.stats.capture_seconds
     ids, mask = prompts(1, seed=5)
     assert torch.equal(
@@ -150,7 +151,7 @@ def test_strict_raises_instead_of_falling_back():
         tiny_model("llama"), "cpu", max_batch_size=1, max_cache_len=CACHE_LEN, strict=True
     )
     with pytest.raises(DevgraphError, match="strict=True"):
-        graphed.generate(*prompts(2, seed=9), max_new_tokens=2)
+        graphed.generate(prompts(2, seed=9)[0], max_new_tokens=2)
 
 
 def test_call_runs_the_model_eagerly():
@@ -167,7 +168,21 @@ def test_unknown_option_names_the_valid_ones():
         devgraph.wrap(tiny_model("llama"), "cpu", pad_values={"x": 0})
 
 
-def test_sliding_window_shorter_than_the_cache_is_refused():
-    model = tiny_model("mistral", sliding_window=16)
-    with pytest.raises(DevgraphError, match="max_cache_len <= 16"):
-        devgraph.wrap(model, "cpu", max_cache_len=CACHE_LEN)
+def test_sliding_window_shorter_than_the_cache_matches_eager():
+    model = tiny_model("mistral", sliding_window=4)  # the window slides during prompt and decode
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[2], max_cache_len=CACHE_LEN)
+    ids, mask = prompts(2, seed=11)
+    assert torch.equal(
+        graphed.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), eager_greedy(model, ids, mask)
+    )
+    assert graphed.stats.replays == NEW_TOKENS - 1
+
+
+def test_all_buckets_with_their_cache_fit_in_125_percent_of_the_largest_alone():
+    def graph_and_cache_bytes(batch_sizes):
+        graphed = devgraph.wrap(
+            tiny_model("llama"), "cpu", batch_sizes=batch_sizes, max_cache_len=128
+        ).capture()
+        return graphed.stats.pool_bytes + graphed.cache.nbytes
+
+    assert graph_and_cache_bytes([1, 2, 4, 8]) <= 1.25 * graph_and_cache_bytes([8])

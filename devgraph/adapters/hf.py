@@ -1,45 +1,53 @@
-"""Hugging Face causal LMs: greedy ``generate()`` whose decode steps replay captured graphs.
+"""Hugging Face causal LMs: transformers' own ``generate()`` with decode steps replayed from graphs.
 
 ``wrap_hf(model, device)`` (what ``devgraph.wrap`` calls for a transformers ``PreTrainedModel``)
-returns a ``GraphedCausalLM``. Its ``generate()`` follows transformers' greedy search step by step:
+returns a ``GraphedCausalLM``. Its ``generate(...)`` takes everything ``model.generate`` takes and
+runs ``model.generate`` itself — transformers' loop, logits processors, stopping criteria,
+``streamer``, ``generation_config``, sampling — with two differences:
 
-* The prompt is prefilled eagerly by the model's own forward over a ``DynamicCache``: the very call
-  ``model.generate()`` makes, so the first new token and the cached keys/values are eager's own.
-* Those keys/values are copied into a static KV cache (transformers ``StaticLayer``s, ``max_cache_len``
-  slots; one cache per batch-size bucket), and every decode step (one token per row) is served by a
-  ``GraphRunner`` replaying the step captured for that bucket. The cache's write position is a device
-  tensor the captured step advances itself, so nothing on the host changes between replays.
-  Memory: one cache per bucket means KV memory of ``sum(buckets) * max_cache_len`` rows (about 2x the
-  largest bucket's with the default powers of two); choose ``batch_sizes`` and ``max_cache_len`` to fit.
+* the KV cache is devgraph's: one static cache (transformers ``StaticLayer``s, ``max_cache_len``
+  slots) for the largest bucket, shared by every bucket; a batch of ``n`` rows prefills into its
+  first ``n`` rows (``SharedStaticCache``);
+* every decode forward (one token per row) is served by a ``GraphRunner`` replaying the step
+  captured for the batch's bucket (``DecodeRoute``/``DecodeStep``). The prefill runs eagerly (or,
+  with ``mode="piecewise"``/``"full_and_piecewise"``, from pieces split at attention).
 
-Host syncs in transformers' mask code: given a 2-D mask, ``create_causal_mask`` calls
-``Tensor.to(device=...)`` and, for dynamic caches, ``bool(tensor)`` on mask values. The captured step
-never lets it: it builds the 4-D mask itself from a fixed-width *slot mask* (``[batch, max_cache_len]``,
-True where a slot holds a real token of that row: left padding stays masked, future slots are not
-yet set) in the form the attention implementation wants (bool for ``sdpa``, additive float for
-``eager``), and transformers returns a 4-D mask as is.
+How the decode forward reaches devgraph: transformers' ``_sample`` loop calls
+``model.get_compiled_call(generation_config.compile_config)`` for every step after the prefill when
+the cache is a compilable (static) one; that method returns the instance's ``_compiled_call`` when
+it was made for an equal ``compile_config``. For the duration of one ``generate`` (under a lock)
+devgraph sets that per-instance attribute to its route and passes its own ``CompileConfig`` (a
+backend name torch.compile does not know, so nothing is ever compiled by mistake); the model's
+own attributes are put back afterwards. Nothing in transformers or torch is patched. In the
+piecewise modes devgraph also sets ``prefill_chunk_size`` to ``max_cache_len``: transformers sends
+a chunked prefill (here: one chunk, the whole prompt) through the same hook.
 
-Limits: greedy search only. A generation config with logits processors, beams or stop strings, a
-batch above the largest bucket, or a prompt plus ``max_new_tokens`` that overflows ``max_cache_len``
-runs eager ``model.generate(do_sample=False)`` with a warning (counted in ``stats.fallbacks``).
-Decoders must use full attention (sliding windows only when ``max_cache_len`` fits inside them) with
-the ``sdpa`` or ``eager`` attention implementation; needs transformers >= 5.
+Calls the decode step cannot serve (beam search and other decoding methods, a cache or
+``compile_config`` of your own, attentions or hidden states as outputs, a batch above the largest
+bucket, a sequence longer than ``max_cache_len``) run plain ``model.generate`` with a one-time
+warning naming the option, counted in ``stats.fallbacks`` (``strict=True`` raises instead).
+Needs transformers >= 5 and attention layers only (full, sliding-window or chunked).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
 import torch
-from torch import nn
 
 from devgraph._contract import Device
 from devgraph._errors import DevgraphError
 from devgraph._plugins import device as _device
 from devgraph._wrap import GraphedModule
-from devgraph.runner import GraphRunner, RunnerConfig, choose_bucket, make_config
+from devgraph.adapters._hf_cache import SharedStaticCache
+from devgraph.adapters._hf_plan import eager_reason, read_generate_call
+from devgraph.adapters._hf_prefill import PiecewisePrefill
+from devgraph.adapters._hf_step import MAX_MASKS, DecodeRoute, DecodeStep
+from devgraph.runner import GraphRunner, RunnerConfig, make_config, normalise_batch_sizes
 from devgraph.runner._config import positive_ints
 
 __all__ = ["GraphedCausalLM", "HFOptions", "wrap_hf"]
@@ -47,33 +55,21 @@ __all__ = ["GraphedCausalLM", "HFOptions", "wrap_hf"]
 #: RunnerConfig fields a caller may set; the adapter owns the others (arguments, padding, buckets).
 RUNNER_OPTIONS = ("strict", "debug", "warmup_iters")
 
-#: Attention implementations whose 4-D mask the decode step knows how to build.
-_MASK_KINDS = ("sdpa", "eager")
+#: Attention layer types whose keys/values a full-length ``StaticLayer`` holds (transformers'
+#: mask code hides what a sliding or chunked layer must not see).
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
-#: GenerationConfig fields that change greedy search (logits processors, beams, stopping): when one
-#: differs from its default, ``generate`` runs eagerly so that its tokens stay those of HF.
-_GREEDY_CHANGING_FIELDS = (
-    "bad_words_ids",
-    "begin_suppress_tokens",
-    "encoder_no_repeat_ngram_size",
-    "encoder_repetition_penalty",
-    "exponential_decay_length_penalty",
-    "forced_bos_token_id",
-    "forced_eos_token_id",
-    "guidance_scale",
-    "max_time",
-    "min_length",
-    "min_new_tokens",
-    "no_repeat_ngram_size",
-    "num_beams",
-    "prefill_chunk_size",
-    "remove_invalid_values",
-    "renormalize_logits",
-    "repetition_penalty",
-    "sequence_bias",
-    "stop_strings",
-    "suppress_tokens",
-    "watermarking_config",
+#: Modes: ``full`` prefills eagerly; the piecewise ones prefill from pieces. Decode is always full graphs.
+_MODES = ("full", "piecewise", "full_and_piecewise")
+
+#: CompileConfig fields for the piecewise prefill (``is_decode`` is the adapter's own business).
+_COMPILE_OPTIONS = (
+    "splitting_ops",
+    "compile_backend",
+    "passes",
+    "capture_sizes",
+    "capture_budget",
+    "traffic",
 )
 
 
@@ -107,7 +103,7 @@ class HFOptions:
 
 
 def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> GraphedCausalLM:
-    """Serve ``model``'s greedy decode steps from graphs captured per batch-size bucket on ``device``.
+    """Serve ``model.generate``'s decode steps from graphs captured per batch-size bucket on ``device``.
 
     Args:
         model: a transformers causal LM (``PreTrainedModel`` with ``generate``), already on the
@@ -120,88 +116,154 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
             cannot capture (the message says why and what to change).
     """
     dev = device if isinstance(device, Device) else _device(device)
-    hf = make_config(HFOptions, options, extra_valid=RUNNER_OPTIONS, what=" for a Hugging Face model")
+    mode = options.pop("mode", "full")
+    if mode not in _MODES:
+        raise DevgraphError(f"mode must be one of {list(_MODES)} for a Hugging Face model, got {mode!r}")
+    compile_options = {k: options.pop(k) for k in list(options) if k in _COMPILE_OPTIONS}
+    if compile_options and mode == "full":
+        raise DevgraphError(
+            f"option(s) {sorted(compile_options)} apply to the piecewise prefill: add mode='piecewise' or drop them"
+        )
+    hf = make_config(
+        HFOptions,
+        options,
+        extra_valid=RUNNER_OPTIONS + _COMPILE_OPTIONS + ("mode",),
+        what=" for a Hugging Face model",
+    )
     batch_sizes, max_batch_size = hf.runner_sizes()
     runner_config = RunnerConfig(
         batch_sizes=batch_sizes,
         max_batch_size=max_batch_size,
-        pad_values={"attention_mask": True},  # padded rows attend to every slot: finite, ignored
+        pad_values={f"mask{i}": True for i in range(MAX_MASKS)},  # padded rows see every slot: finite
         **{k: v for k, v in options.items() if k in RUNNER_OPTIONS},
     )
-    return GraphedCausalLM(model, dev, hf, runner_config)
+    prefill = None
+    if mode != "full":
+        prefill = _prefill_factory(dev, hf, runner_config, compile_options)
+    return GraphedCausalLM(model, dev, hf, runner_config, prefill)
+
+
+def _prefill_factory(dev: Device, hf: HFOptions, runner_config: RunnerConfig, options: dict[str, Any]) -> Any:
+    """A function building the prefill's ``PiecewiseRunner`` for a ``PrefillRow``."""
+    from devgraph.compile import piecewise_runner
+
+    options = {
+        "splitting_ops": ("aten::scaled_dot_product_attention",),
+        "passes": (),  # exactness first: a fused norm rounds differently from the model's own
+        "capture_sizes": _prefill_sizes(hf.max_cache_len),
+        **options,
+    }
+    config = attrs.evolve(runner_config, mode="piecewise", batch_sizes=None, max_batch_size=None)
+    return lambda row: piecewise_runner(row, dev, config, **options)
+
+
+def _prefill_sizes(max_cache_len: int) -> tuple[int, ...]:
+    """Prompt lengths to capture the pieces for: powers of two from 16, and ``max_cache_len``."""
+    sizes, size = [], 16
+    while size < max_cache_len:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_cache_len)
 
 
 class GraphedCausalLM(GraphedModule):
-    """A causal LM whose greedy ``generate()`` replays captured decode steps.
+    """A causal LM whose ``generate()`` is transformers' own, with decode steps replayed from graphs.
 
     Calling it runs the model eagerly (``graphed(input_ids)`` is ``model(input_ids)``); attributes it
-    does not define are the model's own. Graphs are captured on the first ``generate()`` (or by
-    ``capture()``); ``stats`` counts replays and eager fallbacks.
+    does not define are the model's own. Graphs are captured on the first graphed decode step (or
+    by ``capture()``); ``stats`` counts replays and eager fallbacks by reason.
     """
 
-    def __init__(self, model: Any, device: Device, options: HFOptions, runner_config: RunnerConfig) -> None:
-        _check_model(model, device, options.max_cache_len)
+    def __init__(
+        self,
+        model: Any,
+        device: Device,
+        options: HFOptions,
+        runner_config: RunnerConfig,
+        prefill_factory: Any = None,
+    ) -> None:
+        layers = _check_model(model, device)
         self.options = options
-        step = _DecodeStep(model, options.max_cache_len)
+        extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
+        largest = normalise_batch_sizes(runner_config.batch_sizes, runner_config.max_batch_size)[-1]
+        self.cache = SharedStaticCache(layers, largest, options.max_cache_len)
+        step = DecodeStep(model, self.cache, extra)
         # generate() reads every step's logits under self._lock: threads may share the wrapper.
         super().__init__(model, GraphRunner(step, device, runner_config, caller_serialises=True))
         self._step = step
+        self.prefill = (
+            None if prefill_factory is None else PiecewisePrefill(model, self.cache, prefill_factory)
+        )
+        self._route = DecodeRoute(model, step, self.runner, self.runner.note_fallback, self.prefill)
         self._lock = threading.RLock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     @property
+    def prefill_stats(self) -> Any:
+        """The piecewise prefill's counters (``PiecewiseStats``), or None in ``mode="full"``."""
+        return None if self.prefill is None else self.prefill.runner.stats
+
+    @property
     def sizes(self) -> list[int]:
-        """The batch-size buckets (one captured decode step and one static KV cache each)."""
+        """The batch-size buckets (one captured decode step each, all over one shared KV cache)."""
         return list(self.runner.sizes)
 
     def capture(self) -> GraphedCausalLM:  # type: ignore[override]
-        """Allocate a static KV cache per bucket and capture every bucket's decode step now."""
-        with self._lock, torch.no_grad():
-            for size in self.runner.sizes:
-                self._step.caches[size] = _static_cache(self.module, self.options.max_cache_len)
-                self._step(*self._example(size))  # eager: allocate the cache tensors outside capture
-            self.runner.capture(*self._example(1))
-            for cache in self._step.caches.values():
-                cache.reset()  # warm-up and capture wrote into the caches
+        """Capture every bucket's decode step (and the prefill pieces) now: a short greedy generation."""
+        with self._lock:
+            if not self.runner.captured or (self.prefill is not None and not self.prefill.runner.captured):
+                ids = torch.zeros(1, 2, dtype=torch.long, device=self.module.device)
+                self.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=2)
         return self
 
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        max_new_tokens: int = 20,
-        eos_token_id: int | list[int] | None = None,
-        pad_token_id: int | None = None,
-    ) -> torch.Tensor:
-        """Greedy generation: the tokens and layout of ``model.generate(..., do_sample=False)``.
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``model.generate(*args, **kwargs)``, its decode steps replayed from graphs.
 
-        Args:
-            input_ids: ``[batch, prompt_len]`` prompts (left-padded when their lengths differ).
-            attention_mask: ``[batch, prompt_len]``, 0 at padding (inferred as transformers does when
-                None).
-            max_new_tokens: tokens to generate per row at most.
-            eos_token_id, pad_token_id: override the model's generation config; rows that reached
-                ``eos_token_id`` are continued with ``pad_token_id`` (default: the first eos token).
-        Returns:
-            ``[batch, prompt_len + n]`` token ids, prompt first, ``n <= max_new_tokens`` (fewer when
-            every row has finished).
+        Takes and returns exactly what ``PreTrainedModel.generate`` does. Calls devgraph cannot
+        serve run ``model.generate`` eagerly (see the module docstring), warned about once per
+        reason and counted in ``stats.fallbacks``; with ``strict=True`` they raise ``DevgraphError``.
+        With ``return_dict_in_generate=True`` the returned ``past_key_values`` is a view of
+        devgraph's shared cache: the next ``generate`` overwrites it.
         """
-        if input_ids.dim() != 2:
-            raise DevgraphError(f"input_ids must be [batch, prompt_len], got shape {tuple(input_ids.shape)}")
-        if max_new_tokens < 1:
-            raise DevgraphError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        batch, prompt_len = input_ids.shape
-        why = self._eager_reason(batch, prompt_len, max_new_tokens)
+        model = self.module
+        call = read_generate_call(args, kwargs)
+        why, config = eager_reason(model, call, self.runner.sizes[-1], self.options.max_cache_len)
         if why is not None:
-            return self._eager_generate(
-                why, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id
-            )
+            self.runner.note_fallback(*why)  # raises when strict; counts; warns once per reason
+            return model.generate(*args, **kwargs)
+        rows = call.input_ids.shape[0] * max(config.num_return_sequences or 1, 1)
         with self._lock, torch.no_grad():
-            if not self.runner.captured:
-                self.capture()
-            return self._generate(input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+            self.cache.allocate(model, self._step.extra_kwargs)
+            self.cache.reset()
+            fields: dict[str, Any] = {"compile_config": _route_config()}
+            if config.cache_implementation is not None:  # "static" from the model's config: ours is static
+                fields["cache_implementation"] = None
+            self._route.prefill = self.prefill
+            if self.prefill is not None:
+                if config.prefill_chunk_size is None:
+                    # transformers sends a chunked prefill through the decode hook (a plain one calls
+                    # the model directly): one chunk as long as the cache is the whole prompt.
+                    fields["prefill_chunk_size"] = self.options.max_cache_len
+                else:  # later chunks start mid-cache; the pieces prefill from slot 0
+                    self.runner.note_fallback(
+                        "prefill_chunk_size",
+                        "prefill_chunk_size: chunked prefills run eagerly, decode from graphs",
+                    )
+                    self._route.prefill = None
+            named = dict(call.named)
+            if named.get("generation_config") is not None:
+                # A config object and generation kwargs together are deprecated in transformers.
+                import copy
+
+                named["generation_config"] = copy.deepcopy(named["generation_config"])
+                for name, value in fields.items():
+                    setattr(named["generation_config"], name, value)
+            else:
+                named.update(fields)
+            with _decode_route(model, self._route, fields["compile_config"]):
+                return model.generate(**named, past_key_values=self.cache.view(rows))
 
     def __repr__(self) -> str:
         return (
@@ -209,161 +271,43 @@ class GraphedCausalLM(GraphedModule):
             f"sizes {self.runner.sizes}, max_cache_len {self.options.max_cache_len}>"
         )
 
-    # -- generation ------------------------------------------------------------------------------
 
-    def _generate(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        max_new_tokens: int,
-        eos_token_id: Any,
-        pad_token_id: Any,
-    ) -> torch.Tensor:
-        model = self.module
-        dev = model.device
-        input_ids = input_ids.to(dev)
-        batch, prompt_len = input_ids.shape
-        eos, pad = _special_tokens(model.generation_config, eos_token_id, pad_token_id, dev)
-        if attention_mask is None:
-            attention_mask = _infer_attention_mask(input_ids, eos, pad)
-        attention_mask = attention_mask.to(dev)
+def _route_config() -> Any:
+    """A ``CompileConfig`` that lets ``generate`` use the per-instance compiled call on any device."""
+    from transformers import CompileConfig
 
-        # Prefill: transformers' own first forward (positions from the mask, the mask dropped when
-        # it has no padding, logits of the last position only).
-        position_ids = attention_mask.long().cumsum(-1) - 1
-        position_ids = position_ids.masked_fill(attention_mask == 0, 0)
-        prefill_mask = None if bool((attention_mask == 1).all()) else attention_mask
-        from transformers.cache_utils import DynamicCache
-
-        prefill_cache: Any = DynamicCache(config=model.config.get_text_config(decoder=True))
-        out = model(
-            input_ids=input_ids.clone(memory_format=torch.contiguous_format),
-            attention_mask=prefill_mask,
-            position_ids=position_ids,
-            past_key_values=prefill_cache,
-            use_cache=True,
-            return_dict=True,
-            **self._step.extra_kwargs,
-        )
-        logits = out.logits[:, -1]
-        del out
-        size = choose_bucket(batch, self.runner.sizes)
-        assert size is not None  # _eager_reason sent larger batches to eager generate
-
-        slots = torch.zeros(batch, self.options.max_cache_len, dtype=torch.bool, device=dev)
-        slots[:, :prompt_len] = attention_mask.bool()
-        positions = position_ids[:, -1:]
-        unfinished = torch.ones(batch, dtype=torch.long, device=dev)
-        sequences = input_ids
-        for new in range(1, max_new_tokens + 1):
-            next_tokens = logits.float().argmax(dim=-1)
-            if eos is not None and pad is not None:  # pad defaults to eos[0]: never None here
-                next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
-            sequences = torch.cat([sequences, next_tokens[:, None]], dim=-1)
-            if eos is not None:
-                unfinished = unfinished & ~torch.isin(next_tokens, eos)
-                if not bool(unfinished.any()):
-                    break
-            if new == max_new_tokens:
-                break
-            if prefill_cache is not None:  # a decode step follows: hand the prompt's keys/values over
-                _load_prefill(self._step.caches[size], prefill_cache, batch, prompt_len)
-                prefill_cache = None
-            positions = positions + 1
-            slots[:, prompt_len + new - 1] = True  # the slot this step writes
-            logits = self.runner(input_ids=next_tokens[:, None], position_ids=positions, attention_mask=slots)
-        return sequences
-
-    def _eager_reason(self, batch: int, prompt_len: int, max_new_tokens: int) -> tuple[str, str] | None:
-        if batch > self.runner.sizes[-1]:
-            return (
-                "batch_too_large",
-                f"batch {batch} is above the largest captured bucket ({self.runner.sizes[-1]})",
-            )
-        need = prompt_len + max_new_tokens - 1
-        if need > self.options.max_cache_len:
-            return "sequence_too_long", (
-                f"prompt {prompt_len} + max_new_tokens {max_new_tokens} needs {need} KV-cache slots, "
-                f"max_cache_len is {self.options.max_cache_len}; wrap with a larger max_cache_len"
-            )
-        config = self.module.generation_config
-        default = type(config)()
-        changed = [
-            f for f in _GREEDY_CHANGING_FIELDS if getattr(config, f, None) != getattr(default, f, None)
-        ]
-        if changed:
-            return (
-                "generation_config",
-                f"the model's generation_config sets {changed}, which graphed greedy search lacks",
-            )
-        return None
-
-    def _eager_generate(
-        self,
-        why: tuple[str, str],
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        max_new_tokens: int,
-        eos_token_id: Any,
-        pad_token_id: Any,
-    ) -> torch.Tensor:
-        self.runner.note_fallback(*why)  # raises when strict; counts; warns once per category
-        tokens = {
-            k: v for k, v in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)) if v is not None
-        }
-        return self.module.generate(
-            input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=max_new_tokens, **tokens
-        )
-
-    def _example(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dev = self.module.device
-        ids = torch.zeros(size, 1, dtype=torch.long, device=dev)
-        return ids, ids.clone(), torch.ones(size, self.options.max_cache_len, dtype=torch.bool, device=dev)
+    # A backend name no torch.compile knows: were transformers ever to compile instead of taking the
+    # per-instance call, it would fail loudly rather than run something else.
+    config = CompileConfig(backend="devgraph-hf-decode-route", mode=None, fullgraph=False)
+    # transformers' switch (a class attribute it reads per instance) for auto-compile off CUDA.
+    config._compile_all_devices = True
+    return config
 
 
-class _DecodeStep(nn.Module):
-    """One decode step over the static KV cache of its batch's bucket: what the runner captures.
-
-    ``forward(input_ids[B, 1], position_ids[B, 1], attention_mask[B, max_cache_len] bool)`` returns the
-    last-position logits ``[B, vocab]``. ``B`` picks the cache (``caches[B]``), so each bucket's graph
-    reads and writes its own cache.
-    """
-
-    def __init__(self, model: Any, max_cache_len: int) -> None:
-        super().__init__()
-        self.model = model
-        self.max_cache_len = max_cache_len
-        self.caches: dict[int, Any] = {}
-        self.mask_kind = model.config._attn_implementation or "sdpa"
-        self.extra_kwargs = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
-
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
-    ) -> torch.Tensor:
-        cache = self.caches[input_ids.shape[0]]
-        mask = attention_mask[:, None, None, :]  # [B, 1, q=1, kv]: a 4-D mask skips HF's mask code
-        if self.mask_kind == "eager":
-            dtype = self.model.dtype
-            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(dtype).min
-            )
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-            return_dict=True,
-            **self.extra_kwargs,
-        )
-        return out.logits[:, -1, :]
+_MISSING = object()
 
 
-# -- model checks and caches ---------------------------------------------------------------------
+@contextlib.contextmanager
+def _decode_route(model: Any, route: DecodeRoute, compile_config: Any) -> Iterator[None]:
+    """Make ``model.get_compiled_call(compile_config)`` return ``route`` for one ``generate``."""
+    saved = {name: model.__dict__.get(name, _MISSING) for name in ("_compiled_call", "_last_compile_config")}
+    model.__dict__["_compiled_call"] = route
+    model.__dict__["_last_compile_config"] = compile_config
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is _MISSING:
+                model.__dict__.pop(name, None)
+            else:
+                model.__dict__[name] = value
 
 
-def _check_model(model: Any, device: Device, max_cache_len: int) -> None:
-    """Refuse, with the reason and the fix, models whose decode step this adapter cannot capture."""
+# -- model checks ----------------------------------------------------------------------------------
+
+
+def _check_model(model: Any, device: Device) -> int:
+    """The number of cache layers; refuse, with the reason and the fix, models this adapter cannot serve."""
     name = type(model).__name__
     config = model.config
     if not (hasattr(model, "can_generate") and model.can_generate()) or config.is_encoder_decoder:
@@ -374,79 +318,29 @@ def _check_model(model: Any, device: Device, max_cache_len: int) -> None:
         )
     from transformers.cache_utils import StaticLayer, get_layer_types_and_kwargs
 
-    if not hasattr(StaticLayer(max_cache_len=1), "cumulative_length"):
+    if not hasattr(StaticLayer(max_cache_len=1), "cumulative_length") or not hasattr(
+        model, "get_compiled_call"
+    ):
         raise DevgraphError(
-            "the Hugging Face adapter needs transformers >= 5.0 (StaticLayer.cumulative_length)"
+            "the Hugging Face adapter needs transformers >= 5.0 (StaticLayer.cumulative_length, "
+            "get_compiled_call)"
         )
-    kind = config._attn_implementation or "sdpa"
-    if kind not in _MASK_KINDS:
+    if not model._supports_default_dynamic_cache():
         raise DevgraphError(
-            f"{name} uses attn_implementation={kind!r}; the graphed decode step supports "
-            f"{list(_MASK_KINDS)}. Load the model with attn_implementation='sdpa'."
+            f"{name} keeps a cache of its own kind (state-space or linear attention), not keys/values; "
+            "the graphed decode step needs a static KV cache. Use eager model.generate() for this model."
         )
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-        window = kwargs.get("sliding_window")
-        if layer_type == "full_attention" or (
-            layer_type == "sliding_attention" and window is not None and window >= max_cache_len
-        ):
-            continue  # a window at least as long as the cache never hides a token
-        detail = (
-            f"sliding window {window}" if layer_type == "sliding_attention" else f"layer type {layer_type!r}"
-        )
-        fix = (
-            f"wrap with max_cache_len <= {window}" if window else "use eager model.generate() for this model"
-        )
-        raise DevgraphError(
-            f"{name} layer {index} has {detail}; the graphed decode step supports full attention only: {fix}"
-        )
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    for index, layer_type in enumerate(layer_types):
+        if layer_type not in _ATTENTION_LAYER_TYPES:
+            raise DevgraphError(
+                f"{name} layer {index} has layer type {layer_type!r}; the graphed decode step caches "
+                f"{list(_ATTENTION_LAYER_TYPES)} layers only. Use eager model.generate() for this model."
+            )
     param = next(model.parameters(), None)
     if param is not None and param.device.type != torch.device(device.torch_device).type:
         raise DevgraphError(
             f"{name} lives on {param.device}, the devgraph device {device} on {device.torch_device}; "
             f"move it first: model.to({str(device.torch_device)!r})"
         )
-
-
-def _static_cache(model: Any, max_cache_len: int) -> Any:
-    """A transformers ``Cache`` of full-attention ``StaticLayer``s (allocated on the first update)."""
-    from transformers.cache_utils import Cache, StaticLayer
-
-    layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    return Cache(layers=[StaticLayer(max_cache_len=max_cache_len) for _ in range(layers)])
-
-
-def _load_prefill(cache: Any, prefill: Any, batch: int, prompt_len: int) -> None:
-    """Copy a prefilled ``DynamicCache`` into rows ``:batch``, slots ``:prompt_len`` of a static cache."""
-    for static, dynamic in zip(cache.layers, prefill.layers, strict=True):
-        static.reset()
-        static.keys[:batch, :, :prompt_len].copy_(dynamic.keys)
-        static.values[:batch, :, :prompt_len].copy_(dynamic.values)
-        static.cumulative_length.fill_(prompt_len)  # in place: the captured steps hold this tensor
-
-
-def _special_tokens(
-    generation_config: Any, eos_token_id: Any, pad_token_id: Any, dev: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(eos ids [n], pad id [])`` as transformers picks them: the pad id defaults to the first eos id."""
-    eos = eos_token_id if eos_token_id is not None else generation_config.eos_token_id
-    pad = pad_token_id if pad_token_id is not None else generation_config.pad_token_id
-    eos_t = None if eos is None else torch.as_tensor(eos, dtype=torch.long, device=dev).reshape(-1)
-    pad_t = None if pad is None else torch.as_tensor(pad, dtype=torch.long, device=dev).reshape(())
-    if eos_t is not None and eos_t.numel() == 0:
-        eos_t = None
-    if pad_t is None and eos_t is not None:
-        pad_t = eos_t[0]
-    return eos_t, pad_t
-
-
-def _infer_attention_mask(
-    input_ids: torch.Tensor, eos: torch.Tensor | None, pad: torch.Tensor | None
-) -> torch.Tensor:
-    """transformers' rule: mask out ``pad`` tokens when there are some and pad is not an eos token."""
-    ones = torch.ones_like(input_ids, dtype=torch.long)
-    if pad is None:
-        return ones
-    pad_in_inputs = bool(torch.isin(input_ids, pad).any())
-    pad_is_eos = eos is not None and bool(torch.isin(eos, pad).any())
-    return input_ids.ne(pad).long() if pad_in_inputs and not pad_is_eos else ones
+    return len(layer_types)

@@ -1,0 +1,122 @@
+"""Which ``generate()`` calls the graphed decode step can serve, and why the others run eagerly.
+
+``eager_reason(model, args, kwargs, ...)`` resolves the call's generation config the way
+``PreTrainedModel.generate`` does (``model._prepare_generation_config``) and returns
+``(category, detail)`` naming the option that keeps devgraph out, or None. Only transformers'
+``_sample`` loop (greedy search and sampling, with any logits processors, stopping criteria,
+streamer or ``return_dict_in_generate``) routes its decode forward through the hook devgraph uses;
+beam search, assisted and other decoding methods call the model directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["GenerateCall", "eager_reason", "read_generate_call"]
+
+#: ``PreTrainedModel.generate`` parameters that are not generation-config fields, in its order.
+_GENERATE_PARAMS = (
+    "inputs",
+    "generation_config",
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "synced_gpus",
+    "assistant_model",
+    "streamer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+)
+
+#: Arguments that take generation away from the ``_sample`` loop or from devgraph's cache.
+_EAGER_ARGUMENTS = {
+    "assistant_model": "assisted generation calls the model directly, not through the decode hook",
+    "custom_generate": "a custom decoding loop is not transformers' own",
+    "negative_prompt_ids": "classifier-free guidance runs a second, unshared model pass",
+    "synced_gpus": "synchronised multi-GPU generation",
+    "past_key_values": "a cache you pass is not devgraph's static cache",
+    "cache_params": "a cache you pass is not devgraph's static cache",
+    "inputs_embeds": "prompts given as embeddings",
+}
+
+
+class GenerateCall:
+    """A ``generate()`` call's arguments by name (``named``) plus the prompt ``input_ids``."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if len(args) > len(_GENERATE_PARAMS):
+            raise TypeError(f"generate() takes at most {len(_GENERATE_PARAMS)} positional arguments")
+        self.named = dict(zip(_GENERATE_PARAMS, args, strict=False))
+        duplicated = set(self.named) & set(kwargs)
+        if duplicated:
+            raise TypeError(f"generate() got multiple values for {sorted(duplicated)}")
+        self.named.update(kwargs)
+        ids = self.named.get("inputs")
+        self.input_ids = ids if ids is not None else self.named.get("input_ids")
+
+    def config_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments ``generate`` hands to ``_prepare_generation_config``."""
+        return {k: v for k, v in self.named.items() if k not in _GENERATE_PARAMS}
+
+
+def read_generate_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> GenerateCall:
+    return GenerateCall(args, kwargs)
+
+
+def eager_reason(
+    model: Any, call: GenerateCall, max_batch: int, max_cache_len: int
+) -> tuple[tuple[str, str] | None, Any]:
+    """``(reason, generation_config)``: why ``call`` must run eagerly (None: it can be graphed).
+
+    ``generation_config`` is the call's resolved config (None when the reason came first).
+    """
+    for name, why in _EAGER_ARGUMENTS.items():
+        if call.named.get(name) not in (None, False):
+            return (name, f"{name}: {why}"), None
+    ids = call.input_ids
+    if ids is None or not hasattr(ids, "dim") or ids.dim() != 2:
+        return ("inputs", "generate() needs input_ids of shape [batch, prompt_len] to be graphed"), None
+    from transformers.generation.configuration_utils import GenerationMode
+
+    config, _ = model._prepare_generation_config(call.named.get("generation_config"), **call.config_kwargs())
+    mode = config.get_generation_mode(call.named.get("assistant_model"))
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return (
+            str(mode.value),
+            f"{mode.value} (num_beams={config.num_beams}) calls the model directly; only greedy search and "
+            "sampling run their decode steps through devgraph",
+        ), config
+    if config.use_cache is False:
+        return ("use_cache", "use_cache=False: every step reruns the whole sequence"), config
+    if config.cache_implementation not in (None, "static"):
+        return (
+            "cache_implementation",
+            f"cache_implementation={config.cache_implementation!r}: devgraph decodes over its own static cache",
+        ), config
+    if config.compile_config is not None or config.disable_compile:
+        return (
+            "compile_config",
+            "compile_config/disable_compile: devgraph serves the decode step itself",
+        ), config
+    if config.output_attentions or config.output_hidden_states:
+        return (
+            "output_attentions",
+            "output_attentions/output_hidden_states: the captured decode step returns logits only",
+        ), config
+    batch, prompt_len = ids.shape
+    rows = batch * max(config.num_return_sequences or 1, 1)
+    if rows > max_batch:
+        return (
+            "batch_too_large",
+            f"batch {rows} (with num_return_sequences) is above the largest captured bucket ({max_batch})",
+        ), config
+    new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
+    need = prompt_len + new - 1
+    if need > max_cache_len:
+        return (
+            "sequence_too_long",
+            f"prompt {prompt_len} + {new} new tokens needs {need} KV-cache slots, max_cache_len is "
+            f"{max_cache_len}; wrap with a larger max_cache_len",
+        ), config
+    return None, config

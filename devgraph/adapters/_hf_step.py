@@ -1,0 +1,172 @@
+"""The decode forward transformers' generation loop calls, served from captured graphs.
+
+``DecodeStep`` is what the ``GraphRunner`` captures per bucket: one token per row over the shared
+static cache's first ``bucket`` rows. ``DecodeRoute`` is the callable transformers' ``_sample`` loop
+uses for every forward after the prefill (see ``hf.py`` for how it gets there): it recognises a
+decode call (one token per row, over the cache devgraph owns, with the 4-D mask(s) that
+``prepare_inputs_for_generation`` built eagerly for a static cache) and hands its tensors to the
+runner; any other call (a chunked prefill, a call asking for attentions or hidden states) runs the
+model eagerly.
+
+Masks: for a static cache transformers builds the 4-D masks outside the model (eager code, here
+outside the graph), ``[batch, 1, 1, max_cache_len]`` — a tensor, or a dict per layer type
+(``full_attention``/``sliding_attention``) for models that mix them. They reach the graph as plain
+tensor arguments ``mask0``, ``mask1``, ... (in ``mask_keys`` order), so no mask code, and none of
+its host syncs, runs inside the capture.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from devgraph.adapters._hf_cache import SharedStaticCache
+
+__all__ = ["DecodeRoute", "DecodeStep", "MAX_MASKS"]
+
+#: Mask tensors a decode step takes (one per attention layer type a model mixes).
+MAX_MASKS = 3
+
+#: Decode-call arguments the step reproduces itself; any other argument set makes the call eager.
+_DECODE_KEYS = {"input_ids", "position_ids", "attention_mask", "past_key_values", "use_cache", "return_dict"}
+_IGNORED_IF_DEFAULT = {"logits_to_keep": (None, 0, 1), "output_attentions": (None, False)}
+_IGNORED_IF_DEFAULT["output_hidden_states"] = (None, False)
+_IGNORED_IF_DEFAULT["cache_position"] = (None,)
+
+
+class DecodeStep(nn.Module):
+    """One decode step over the shared cache's first ``B`` rows: what the runner captures.
+
+    ``forward(input_ids[B, 1], position_ids[B, 1] | None, mask0[B, 1, 1, L], mask1, mask2)`` returns
+    the logits ``[B, 1, vocab]``. ``mask_keys`` says how the masks are handed to the model: ``(None,)``
+    for one tensor, else the dict keys of ``mask0, mask1, ...``.
+    """
+
+    def __init__(self, model: Any, cache: SharedStaticCache, extra_kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.cache = cache
+        self.extra_kwargs = extra_kwargs
+        self.mask_keys: tuple[str | None, ...] | None = None  # fixed by the first decode call
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        mask0: torch.Tensor | None = None,
+        mask1: torch.Tensor | None = None,
+        mask2: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        assert self.mask_keys is not None
+        masks = (mask0, mask1, mask2)[: len(self.mask_keys)]
+        if self.mask_keys == (None,):
+            attention_mask: Any = masks[0]
+        else:
+            attention_mask = dict(zip(self.mask_keys, masks, strict=True))
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=self.cache.view(input_ids.shape[0]),
+            use_cache=True,
+            return_dict=True,
+            **self.extra_kwargs,
+        )
+        return out.logits
+
+
+def mask_structure(attention_mask: Any) -> tuple[tuple[str | None, ...], list[torch.Tensor]] | None:
+    """``(mask_keys, tensors)`` of a decode call's mask, or None when it is not all 4-D tensors."""
+    if isinstance(attention_mask, torch.Tensor):
+        items: list[tuple[str | None, Any]] = [(None, attention_mask)]
+    elif isinstance(attention_mask, dict) and 0 < len(attention_mask) <= MAX_MASKS:
+        items = sorted(attention_mask.items())
+    else:
+        return None
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] == 1 for _, t in items):
+        return None
+    return tuple(k for k, _ in items), [t for _, t in items]
+
+
+class DecodeRoute:
+    """The forward transformers calls for each step after the prefill; decode steps replay graphs.
+
+    ``runner`` is a ``GraphRunner`` over ``step``. ``on_eager(reason, detail)`` is told about each
+    decode call that had to run eagerly (it counts and warns).
+    """
+
+    def __init__(self, model: Any, step: DecodeStep, runner: Any, on_eager: Any, prefill: Any = None) -> None:
+        self.model = model
+        self.step = step
+        self.runner = runner
+        self.on_eager = on_eager
+        self.prefill = prefill  # a PiecewisePrefill (piecewise modes) or None: prefill runs eagerly
+
+    def __call__(self, **kwargs: Any) -> Any:
+        why = self._not_decode(kwargs)
+        if why == "prefill":
+            return self.run_prefill(kwargs)
+        if why is not None:
+            self.on_eager(*why)
+            return self.model(**kwargs)
+        keys, masks = mask_structure(kwargs["attention_mask"])  # type: ignore[misc]
+        if self.step.mask_keys is None:
+            self.step.mask_keys = keys
+        elif keys != self.step.mask_keys:
+            self.on_eager(
+                "mask_structure",
+                f"the decode mask has layer types {keys}, the captured one {self.step.mask_keys}",
+            )
+            return self.model(**kwargs)
+        named = {f"mask{i}": m for i, m in enumerate(masks)}
+        if not self.runner.captured:
+            self._capture(kwargs["input_ids"], kwargs.get("position_ids"), named)
+        logits = self.runner(input_ids=kwargs["input_ids"], position_ids=kwargs.get("position_ids"), **named)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(logits=logits, past_key_values=kwargs["past_key_values"])
+
+    def run_prefill(self, kwargs: dict[str, Any]) -> Any:
+        """A forward of several tokens per row: from the pieces when there are some, else eagerly."""
+        if self.prefill is None or not self.step.cache.owns(kwargs.get("past_key_values")):
+            return self.model(**kwargs)  # full mode: the prefill is eager by design, not a fallback
+        self.prefill.fill_missing_mask(kwargs)
+        why = self.prefill.can_serve(kwargs)
+        if why is not None:
+            self.on_eager("prefill_not_piecewise", why)
+            return self.model(**kwargs)
+        return self.prefill(kwargs)
+
+    def _capture(self, input_ids: torch.Tensor, position_ids: Any, masks: dict[str, torch.Tensor]) -> None:
+        # Warm-ups and captures advance the cache's write positions (and write slots past them, which
+        # the masks hide until the real step writes them again): put the positions back.
+        saved = self.step.cache.positions()
+        try:
+            self.runner.capture(input_ids=input_ids, position_ids=position_ids, **masks)
+        finally:
+            self.step.cache.restore_positions(saved)
+
+    def _not_decode(self, kwargs: dict[str, Any]) -> tuple[str, str] | str | None:
+        ids = kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+            return "prefill"
+        if not self.step.cache.owns(kwargs.get("past_key_values")):
+            return "prefill"
+        extra = sorted(
+            k
+            for k, v in kwargs.items()
+            if k not in _DECODE_KEYS and not (k in _IGNORED_IF_DEFAULT and v in _IGNORED_IF_DEFAULT[k])
+        )
+        if extra:
+            return (
+                "decode_arguments",
+                f"the decode step was called with {extra}, which the graph does not take",
+            )
+        if mask_structure(kwargs.get("attention_mask")) is None:
+            return (
+                "mask_structure",
+                "the decode mask is not a 4-D tensor (or a dict of them) for a static cache",
+            )
+        return None

@@ -1,0 +1,88 @@
+"""Tiny random transformers causal LMs built from configs in code (no downloads), for the HF tests.
+
+``ARCHITECTURES`` maps a name to ``(config class, model class, config overrides)``; each builds in
+well under a second. Among them: a mixture-of-experts model (``qwen2_moe``, ``mixtral``,
+``qwen3_moe``) and sliding-window attention (``mistral_sliding``, ``gemma2``, ``qwen2`` with mixed
+layer types).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+VOCAB = 128
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_HEAD = dict(_COMMON, head_dim=16)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _HEAD),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _HEAD),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", _HEAD),
+    "mistral": ("MistralConfig", "MistralForCausalLM", _HEAD),
+    "mistral_sliding": ("MistralConfig", "MistralForCausalLM", dict(_HEAD, sliding_window=4)),
+    "qwen2_mixed_sliding": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            _HEAD,
+            use_sliding_window=True,
+            sliding_window=4,
+            max_window_layers=1,
+            layer_types=["full_attention", "sliding_attention"],
+        ),
+    ),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", _HEAD),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_HEAD, sliding_window=4)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_COMMON, pad_token_id=0)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _COMMON),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", _COMMON),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", _COMMON),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", _COMMON),
+    "phi": ("PhiConfig", "PhiForCausalLM", _COMMON),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", _COMMON),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(_HEAD, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(_HEAD, **_MOE, shared_expert_intermediate_size=32),
+    ),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(_HEAD, **_MOE)),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2),
+    ),
+}
+
+
+def tiny_model(name: str, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
+    """The architecture ``name``, seeded, in eval mode."""
+    import transformers
+
+    config_name, model_name, base = ARCHITECTURES[name]
+    config = getattr(transformers, config_name)(**{**base, **overrides})
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config).to(dtype).eval()
+
+
+def prompts(batch: int, seed: int, length: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts (ids 3.. so no special token) and an all-ones mask."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=gen)
+    return ids, torch.ones_like(ids)

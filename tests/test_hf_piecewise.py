@@ -1,0 +1,61 @@
+"""``mode="piecewise"``/``"full_and_piecewise"`` for Hugging Face models: the prompt is prefilled from
+pieces split at attention (any length), each decode step replays a full graph; greedy tokens equal
+eager ``model.generate``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from _hf_models import prompts, tiny_model
+
+import devgraph
+from devgraph import DevgraphError
+
+NEW = 5
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def piecewise(request):
+    model = tiny_model(request.param)
+    return devgraph.wrap(model, "cpu", batch_sizes=[1, 4], max_cache_len=32, mode="piecewise")
+
+
+@pytest.mark.parametrize("length", [16, 7, 21], ids=["at_a_capture_size", "padded_up", "between_sizes"])
+def test_piecewise_prefill_greedy_matches_eager(piecewise, length):
+    ids, mask = prompts(3, seed=length, length=length)
+    mask[0, :2] = 0  # a left-padded row
+    before = piecewise.prefill_stats.replays
+    out = piecewise.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    assert torch.equal(
+        out, piecewise.module.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    )
+    assert piecewise.prefill_stats.replays - before == 3  # one piecewise replay per prompt row
+    assert piecewise.stats.fallbacks == {} and piecewise.prefill_stats.fallbacks == {}
+
+
+def test_full_and_piecewise_prefills_from_pieces_and_decodes_from_full_graphs():
+    model = tiny_model("llama")
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[2], max_cache_len=32, mode="full_and_piecewise")
+    ids, mask = prompts(2, seed=3, length=9)
+    out = graphed.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW))
+    assert graphed.prefill_stats.replays == 2
+    assert graphed.stats.replays == NEW - 1
+
+
+def test_piecewise_prefill_with_sliding_and_full_layers_matches_eager():
+    model = tiny_model("qwen2_mixed_sliding")  # the mask is a dict per layer type
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[2], max_cache_len=32, mode="piecewise")
+    ids, mask = prompts(2, seed=4, length=10)
+    out = graphed.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW))
+    assert graphed.prefill_stats.replays == 2
+
+
+def test_compile_options_without_a_piecewise_mode_are_refused():
+    with pytest.raises(DevgraphError, match=r"capture_sizes.*mode='piecewise'"):
+        devgraph.wrap(tiny_model("llama"), "cpu", capture_sizes=[16])
