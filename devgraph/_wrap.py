@@ -99,8 +99,12 @@ class GraphedModule:
         before = _captured_state(self.module)
         result = getattr(self.module, name)(*args, **kwargs)
         if _captured_state(self.module) != before:
-            self.runner.reset()  # weights moved, cast or replaced, or a training flag flipped
+            self._drop_graphs()  # weights moved, cast or replaced, or a training flag flipped
         return self if result is self.module else result
+
+    def _drop_graphs(self) -> None:
+        """Forget everything captured for the module as it was; the next call captures again."""
+        self.runner.reset()
 
     def _check_device(self, name: str, target: Any) -> None:
         import torch

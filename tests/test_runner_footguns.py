@@ -190,7 +190,8 @@ def test_ops_is_reachable_after_a_plain_import_without_loading_an_accelerator():
     assert out.split() == ["True", "True", "False", "False"]
 
 
-def test_hf_wrapper_methods_keep_the_graphed_causal_lm_and_recapture_after_a_cast():
+@pytest.mark.parametrize("mode", ["full", "piecewise"])
+def test_hf_wrapper_methods_keep_the_graphed_causal_lm_and_recapture_after_a_cast(mode):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         hidden_size=32,
@@ -202,11 +203,14 @@ def test_hf_wrapper_methods_keep_the_graphed_causal_lm_and_recapture_after_a_cas
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
-    graphed = devgraph.wrap(model, "cpu", batch_sizes=[2], max_cache_len=16)
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[2], max_cache_len=16, mode=mode)
     ids = torch.randint(3, 64, (2, 5), generator=torch.Generator().manual_seed(0))
     graphed.generate(ids, max_new_tokens=4)  # captured in float32
     assert graphed.eval().double() is graphed
     replays = graphed.stats.replays
+    prefills = graphed.prefill_stats.replays if mode == "piecewise" else 0
     out = graphed.generate(ids, max_new_tokens=4)
     assert torch.equal(out, model.generate(ids, do_sample=False, max_new_tokens=4))
     assert graphed.stats.replays - replays == 3  # served from fresh float64 graphs, not eagerly
+    if mode == "piecewise":  # the prompt's rows came from fresh float64 pieces too
+        assert graphed.prefill_stats.replays > prefills

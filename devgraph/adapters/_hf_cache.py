@@ -57,6 +57,13 @@ class SharedStaticCache:
             model(input_ids=ids, past_key_values=self.base, use_cache=True, **extra_kwargs)
         self.reset()
 
+    def release(self) -> None:
+        """Forget the tensors (the model's dtype or device changed): ``allocate`` sizes them again."""
+        from transformers.cache_utils import Cache, StaticLayer
+
+        self.base = Cache(layers=[StaticLayer(max_cache_len=self.max_cache_len) for _ in self.base.layers])
+        self._views.clear()
+
     def reset(self) -> None:
         """Empty every row: zero keys, values and write positions, in place (graphs hold them)."""
         for layer in self.base.layers:

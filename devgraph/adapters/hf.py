@@ -200,6 +200,15 @@ class GraphedCausalLM(GraphedModule):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+    def _drop_graphs(self) -> None:
+        """The model was cast, moved or flipped: drop the graphs and the caches sized for it."""
+        with self._lock:
+            self.runner.reset()
+            self.cache.release()
+            if self.prefill is not None:
+                self.prefill.runner.reset()
+                self.prefill.scratch.release()
+
     @property
     def prefill_stats(self) -> Any:
         """The piecewise prefill's counters (``PiecewiseStats``), or None in ``mode="full"``."""
