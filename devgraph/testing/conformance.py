@@ -266,7 +266,10 @@ def _attention_inputs(device: Device, lens: list[int], num_blocks: int = 16):
     dev = device.torch_device
     bf16 = torch.bfloat16
     q = _t(device, 2, 4, 8).to(bf16)
-    k, v = _t(device, num_blocks, 16, 2, 8, seed=1).to(bf16), _t(device, num_blocks, 16, 2, 8, seed=2).to(bf16)
+    k, v = (
+        _t(device, num_blocks, 16, 2, 8, seed=1).to(bf16),
+        _t(device, num_blocks, 16, 2, 8, seed=2).to(bf16),
+    )
     table = torch.arange(1, 7, dtype=torch.int32).view(2, 3).to(dev)
     seq = torch.tensor(lens, dtype=torch.int32, device=dev)
     return q, k, v, table, seq
