@@ -28,8 +28,9 @@ def grad_mode(request):
     return GRAD_MODES[request.param]
 
 
-def _replay_matches_eager(fn, inputs, mode, refill=None):
-    """Capture ``fn(*inputs)`` under ``mode``, refill the inputs, replay, compare with eager."""
+def _replay_matches_eager(fn, inputs, mode, refill=None, eager=None):
+    """Capture ``fn(*inputs)`` under ``mode``, refill the inputs, replay, compare with eager
+    (``eager(*inputs)``, ``fn`` itself by default)."""
     graph = devgraph.device("cpu").graph()
     with mode():
         with graph.capture():
@@ -41,7 +42,7 @@ def _replay_matches_eager(fn, inputs, mode, refill=None):
     fresh = [t.clone() for t in inputs]  # before replay: fn may write its inputs
     graph.replay()
     with mode():
-        expected = fn(*fresh)
+        expected = (eager or fn)(*fresh)
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(inputs, fresh)  # and writes them as eager does
     return graph
@@ -474,3 +475,19 @@ def test_a_cuda_capture_may_move_host_scalars_and_stay_on_the_host():
     with guard, dispatch:
         same = t.to("cpu") + t.to(torch.float64).float()
     torch.testing.assert_close(same, t * 2)
+
+
+def test_opaque_calls_replay_on_the_captured_tensors_under_every_grad_mode(grad_mode):
+    """``Graph.call_opaque`` (inductor's dispatcher-free code) is one task over the captured tensors."""
+
+    def kernel(a, o):
+        o.copy_(a.to(torch.float64).float() * 2)  # runs unrecorded: the task replays it whole
+        return o + 1
+
+    def fn(x, o):
+        return devgraph._capture.current_graph().call_opaque(kernel, x, o, name="kernel") * 3
+
+    graph = _replay_matches_eager(
+        fn, [torch.randn(3), torch.zeros(3)], grad_mode, eager=lambda x, o: (kernel(x, o)) * 3
+    )
+    assert "kernel" in graph.recorded_ops

@@ -2,8 +2,9 @@
 
 Capture runs the work eagerly under a ``TorchDispatchMode`` that appends one entry per aten op.
 An entry remembers the op, its host (non-tensor) arguments as they were, and for every tensor
-argument either the tensor itself (memory from outside the capture: weights, static inputs) or a
-reference into a pool block (memory allocated during the capture). Fresh outputs are moved into
+argument either a weak reference to its memory (from outside the capture: weights, static inputs;
+replay raises naming one that was freed) or a reference into a pool block (memory allocated during
+the capture); see ``_held``. Fresh outputs are moved into
 pool blocks so that replay re-runs every op on the very same memory: inputs are read from the
 capture-time tensors, outputs land in the capture-time outputs.
 
@@ -28,13 +29,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from devgraph._capture import raise_refusal, user_source_line
 from devgraph._errors import CaptureError, DevgraphError
-from devgraph.backends.cpu._pool import Block, BlockPool, block_of, tensor_bytes
+from devgraph.backends.cpu._held import Held, _External, _Ref, _Strong, describe, materialise
+from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
 
 __all__ = ["Entry", "Recorder", "Segment", "Tape"]
 
@@ -47,108 +48,6 @@ _UNINITIALISED = {
 }
 
 
-class _Ref:
-    """A tensor in a pool block, rebuilt from metadata at replay (holds no reference to it).
-
-    The metadata includes the lazy conjugate and negative bits: ``_conj`` views a complex tensor
-    without touching its memory, and a rebuilt tensor without the bit would read the wrong values.
-    """
-
-    __slots__ = ("block", "conj", "dtype", "neg", "offset", "size", "stride")
-
-    def __init__(self, block: Block, t: torch.Tensor) -> None:
-        self.block = block
-        self.offset = int(t.storage_offset())
-        self.size = tuple(t.shape)
-        self.stride = tuple(t.stride())
-        self.dtype = t.dtype
-        self.conj = t.is_conj()
-        self.neg = t.is_neg()
-
-    def get(self) -> torch.Tensor:
-        t = self.block.tensor(self.offset, self.size, self.stride, self.dtype)
-        if self.conj:
-            torch._C._set_conj(t, True)
-        if self.neg:
-            torch._C._set_neg(t, True)
-        return t
-
-
-class _Strong:
-    """A tensor held as is: a 0-d value (a kernel scalar on a device), an empty or non-CPU tensor, or
-    a copy a task owns (``Entry.own``)."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t
-
-    def get(self) -> torch.Tensor:
-        return self.tensor
-
-    def alive(self) -> bool:
-        return True
-
-
-class _External:
-    """A tensor from outside the capture (weights, static inputs), held as a device graph holds it:
-    by address, without keeping it alive.
-
-    The storage is held by weak reference and the tensor rebuilt from metadata at replay. A device
-    graph whose input was freed reads whatever memory took its place; here ``get`` raises a
-    ``DevgraphError`` naming the input instead (the caller must keep graph inputs alive).
-    """
-
-    __slots__ = ("conj", "dtype", "neg", "offset", "op", "ref", "size", "stride")
-
-    def __init__(self, t: torch.Tensor, op: str) -> None:
-        self.ref = StorageWeakRef(t.untyped_storage())
-        self.offset = int(t.storage_offset())
-        self.size = tuple(t.shape)
-        self.stride = tuple(t.stride())
-        self.dtype = t.dtype
-        self.conj = t.is_conj()
-        self.neg = t.is_neg()
-        self.op = op
-
-    def alive(self) -> bool:
-        return not self.ref.expired()
-
-    def describe(self) -> str:
-        return f"a [{', '.join(map(str, self.size))}] {self.dtype} tensor read by {self.op}"
-
-    def get(self) -> torch.Tensor:
-        storage = None if self.ref.expired() else torch.UntypedStorage._new_with_weak_ptr(self.ref.cdata)
-        if storage is None:
-            raise DevgraphError(
-                f"a captured graph input was freed: {self.describe()} no longer exists. A device graph "
-                "would read freed memory here; keep every tensor the captured code read from outside the "
-                "capture (inputs, weights, buffers) alive as long as the graph is replayed"
-            )
-        t = torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
-        if self.conj:
-            torch._C._set_conj(t, True)
-        if self.neg:
-            torch._C._set_neg(t, True)
-        return t
-
-
-_Held = (_Ref, _Strong, _External)
-
-
-def _describe(t: torch.Tensor, op: str) -> _Ref | _Strong | _External:
-    block = block_of(t)
-    if block is not None:
-        return _Ref(block, t)
-    if t.dim() == 0 or t.device.type != "cpu" or t.layout != torch.strided or not tensor_bytes(t):
-        return _Strong(t)
-    return _External(t, op)
-
-
-def _materialise(x: Any) -> Any:
-    return x.get() if isinstance(x, _Held) else x
-
-
 class Entry:
     """One recorded call: ``func(*args, **kwargs)`` with fresh outputs copied into ``outs``."""
 
@@ -159,16 +58,16 @@ class Entry:
     ) -> None:
         self.func = func
         self.name = name
-        self.args = tree_map(lambda x: _describe(x, name) if isinstance(x, torch.Tensor) else x, args)
-        self.kwargs = tree_map(lambda x: _describe(x, name) if isinstance(x, torch.Tensor) else x, kwargs)
+        self.args = tree_map(lambda x: describe(x, name) if isinstance(x, torch.Tensor) else x, args)
+        self.kwargs = tree_map(lambda x: describe(x, name) if isinstance(x, torch.Tensor) else x, kwargs)
         self.outs: list[tuple[int, _Ref]] = []  # (leaf index in the flattened result, destination)
         self.rerun = rerun
 
     def run(self) -> None:
         if not self.rerun:
             return
-        args = tree_map(_materialise, self.args, is_leaf=lambda x: isinstance(x, _Held))
-        kwargs = tree_map(_materialise, self.kwargs, is_leaf=lambda x: isinstance(x, _Held))
+        args = tree_map(materialise, self.args, is_leaf=lambda x: isinstance(x, Held))
+        kwargs = tree_map(materialise, self.kwargs, is_leaf=lambda x: isinstance(x, Held))
         result = self.func(*args, **kwargs)
         if self.outs:
             leaves, _ = tree_flatten(result)
@@ -192,7 +91,7 @@ class Entry:
 
     def externals(self) -> list[_External]:
         """The tensors from outside the capture this entry reads and writes."""
-        leaves = tree_flatten((self.args, self.kwargs), is_leaf=lambda x: isinstance(x, _Held))[0]
+        leaves = tree_flatten((self.args, self.kwargs), is_leaf=lambda x: isinstance(x, Held))[0]
         return [x for x in leaves if isinstance(x, _External)]
 
     def __repr__(self) -> str:
