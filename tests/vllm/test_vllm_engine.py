@@ -17,3 +17,31 @@ def test_piecewise_decode_steps_replay_piece_graphs(engine):
     assert run["cudagraph_mode"] == "PIECEWISE"
     assert run["stats"].get("capture.PIECEWISE", 0) > 0
     assert run["stats"].get("replay.PIECEWISE", 0) > 0
+
+
+def test_full_tokens_match_vllm_without_devgraph(engine):
+    assert engine("FULL", devgraph=True)["tokens"] == engine("eager", devgraph=False)["tokens"]
+
+
+def test_full_decode_steps_replay_full_graphs_with_updated_attention(engine):
+    run = engine("FULL", devgraph=True)
+    # devgraph's attention backend supports FULL graphs for uniform decode batches: vLLM resolves
+    # FULL to FULL_DECODE_ONLY (prefills run eagerly).
+    assert run["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert run["stats"].get("capture.FULL", 0) > 0
+    assert run["stats"].get("replay.FULL", 0) > 0
+    # Every FULL replay re-issued the attention tasks with the step's host sequence lengths.
+    assert run["stats"].get("update.FULL", 0) == run["stats"]["replay.FULL"]
+
+
+def test_full_and_piecewise_tokens_match_vllm_without_devgraph(engine):
+    assert engine("FULL_AND_PIECEWISE", devgraph=True)["tokens"] == engine("eager", devgraph=False)["tokens"]
+
+
+def test_full_and_piecewise_on_cpu_replays_pieces_only(engine):
+    # vLLM's CPU attention (which the pieces split at) declares no FULL support: vLLM resolves
+    # FULL_AND_PIECEWISE to PIECEWISE, so no FULL graph captures vLLM's Python attention op.
+    run = engine("FULL_AND_PIECEWISE", devgraph=True)
+    assert run["cudagraph_mode"] == "PIECEWISE"
+    assert "capture.FULL" not in run["stats"]
+    assert run["stats"].get("replay.PIECEWISE", 0) > 0

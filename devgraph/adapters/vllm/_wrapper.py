@@ -196,6 +196,8 @@ class DevgraphGraphWrapper:
             self._check_addresses(entry, args)
         host_args = step_host_args(context, entry.graph) if entry.graph.tasks else None
         entry.graph.replay(host_args=host_args)
+        if host_args is not None:
+            _stats.count("update", self.runtime_mode.name)
         _stats.count("replay", self.runtime_mode.name)
         return entry.output
 
