@@ -29,8 +29,8 @@ def test_switch_subclasses_the_platform_vllm_would_use():
 
 @pytest.mark.parametrize(
     "setting",
-    [{"DEVGRAPH_BACKEND": "cuda"}, {"DEVGRAPH_BACKEND": "no-such-device"}, {"DEVGRAPH_VLLM": "maybe"}],
-    ids=["unavailable-device", "unknown-device", "bad-switch-value"],
+    [{"DEVGRAPH_BACKEND": "cuda"}, {"DEVGRAPH_VLLM": "maybe"}],
+    ids=["unavailable-device", "bad-switch-value"],
 )
 def test_broken_setting_fails_at_engine_start_naming_the_switch(tiny_model, tmp_path, setting):
     from conftest import HERE
