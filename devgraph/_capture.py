@@ -24,7 +24,14 @@ from devgraph._errors import CaptureError
 if TYPE_CHECKING:
     from devgraph._contract import Graph
 
-__all__ = ["capturing", "current_graph", "user_source_line", "user_stacklevel"]
+__all__ = [
+    "capturing",
+    "current_graph",
+    "dispatch_refusal",
+    "raise_refusal",
+    "user_source_line",
+    "user_stacklevel",
+]
 
 _current: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("devgraph_graph", default=None)
 
@@ -107,7 +114,13 @@ _SHAPE_REMEDY = (
 )
 _COPY_REMEDY = "move device-to-host copies out of the captured region (do them after replay)"
 
-#: Tensor methods that make the host wait for a device value.
+_READ_REMEDY = (
+    "do not print or convert device tensors inside the captured region: the graph would not redo it at "
+    "replay; read the outputs after replay (log shapes and dtypes, which are host metadata, if you need to)"
+)
+
+#: Tensor methods that make the host wait for a device value (refused only on the capturing device's
+#: tensors: a CPU tensor inside a CUDA capture is host memory, and reading it is no sync).
 _FUNCTION_SYNCS = {
     "item": _SYNC_REMEDY,
     "tolist": _SYNC_REMEDY,
@@ -118,14 +131,23 @@ _FUNCTION_SYNCS = {
     "__float__": _SYNC_REMEDY,
     "__index__": _SYNC_REMEDY,
     "__complex__": _SYNC_REMEDY,
+    "__contains__": _SYNC_REMEDY,
+    "__repr__": _READ_REMEDY,  # print(t), repr(t), f"{t}", logging of a tensor's values
+    "__str__": _READ_REMEDY,
+    "__format__": _READ_REMEDY,
+    "__array__": _COPY_REMEDY,  # numpy.asarray(t)
 }
 
-#: aten ops that sync with the host or produce data-dependent shapes.
+#: aten ops that sync with the host or produce data-dependent shapes (besides those torch tags
+#: ``data_dependent_output`` / ``dynamic_output_shape``: see ``dispatch_refusal``).
 _DISPATCH_SYNCS = {
     "aten::_local_scalar_dense": _SYNC_REMEDY,
     "aten::is_nonzero": _SYNC_REMEDY,
     "aten::equal": _SYNC_REMEDY,
     "aten::allclose": _SYNC_REMEDY,
+    # linalg's error checks read the info tensor on the host (CUDA syncs there): use the _ex variants.
+    "aten::_linalg_check_errors": "use the torch.linalg.*_ex variant (inv_ex, cholesky_ex, ...) and "
+    "check its info output after replay",
     "aten::nonzero": _SHAPE_REMEDY,
     "aten::nonzero_static": "",  # fixed size: allowed
     "aten::masked_select": _SHAPE_REMEDY,
@@ -135,11 +157,86 @@ _DISPATCH_SYNCS = {
     "aten::unique_dim_consecutive": _SHAPE_REMEDY,
 }
 
+_SPLIT_REMEDY = "pass the split points as a Python list (host values fixed at capture), not a tensor"
+_BOOL_INDEX = "boolean-mask indexing has a data-dependent shape: " + _SHAPE_REMEDY
+
+
+def _has_mask(indices: Any) -> bool:
+    import torch
+
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (indices or ()))
+
+
+def dispatch_refusal(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The remedy when aten op ``func`` on these arguments cannot be captured, else None.
+
+    An op is refused when it makes the host read a device value, or when the shape of its result
+    depends on the values of its inputs (a graph replays fixed shapes). The general rule is torch's
+    own: ops tagged ``data_dependent_output`` or ``dynamic_output_shape`` (the tags FakeTensor relies
+    on to know it cannot infer a shape); the few tagged ops whose shape is fixed for some arguments
+    (indexing with integer indices, ``repeat_interleave`` given ``output_size``) are refused only
+    for the others.
+    """
+    import torch
+
+    name = func._schema.name
+    remedy = _DISPATCH_SYNCS.get(name)
+    if remedy is not None:
+        return remedy or None
+    tags = func.tags
+    if torch.Tag.data_dependent_output in tags:
+        return _SYNC_REMEDY
+    if name == "aten::index":
+        return _BOOL_INDEX if _has_mask(args[1] if len(args) > 1 else kwargs.get("indices")) else None
+    if name in ("aten::index_put", "aten::index_put_", "aten::_index_put_impl_"):
+        # x[mask] = values: fine for one broadcast value; values that match the mask's count do not.
+        indices = args[1] if len(args) > 1 else kwargs.get("indices")
+        values = args[2] if len(args) > 2 else kwargs.get("values")
+        if _has_mask(indices) and isinstance(values, torch.Tensor) and values.numel() != 1:
+            return _BOOL_INDEX
+        return None
+    if name == "aten::repeat_interleave" and kwargs.get("output_size") is not None:
+        return None
+    if name == "aten::one_hot" and (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) != -1:
+        return None
+    if torch.Tag.dynamic_output_shape in tags:
+        return _SHAPE_REMEDY
+    return None
+
+
+def _on_device(tree: Any, device_type: str) -> bool:
+    """True when some tensor in ``tree`` is on ``device_type`` (what the captured device owns)."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    return any(isinstance(t, torch.Tensor) and t.device.type == device_type for t in tree_flatten(tree)[0])
+
+
+def raise_refusal(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise ``CaptureError`` if aten op ``func`` cannot be captured (see ``dispatch_refusal``).
+
+    For recorders that see ops the capture guard does not (what a composite op decomposes into).
+    """
+    remedy = dispatch_refusal(func, args, kwargs)
+    if remedy:
+        _raise_sync(func._schema.name, remedy)
+
 
 def _raise_sync(op: str, remedy: str) -> None:
+    if remedy in (_SHAPE_REMEDY, _BOOL_INDEX, _SPLIT_REMEDY):
+        what = (
+            "data-dependent output shape inside graph capture: a graph replays the shapes it was "
+            "captured with, whatever the new values"
+        )
+    elif remedy == _READ_REMEDY:
+        what = "reading a device tensor's values on the host inside graph capture (the device would sync)"
+    else:
+        what = (
+            "host synchronisation inside graph capture: the host cannot read device values while a "
+            "graph is being recorded"
+        )
     raise CaptureError(
-        "host synchronisation inside graph capture: the host cannot read device values while a "
-        "graph is being recorded",
+        what,
         op=op,
         source=user_source_line(),
         remedy=remedy,
@@ -163,10 +260,21 @@ def _modes() -> tuple[type, type]:
             kwargs = kwargs or {}
             name = getattr(func, "__name__", "")
             remedy = _FUNCTION_SYNCS.get(name)
-            if remedy is not None and args and _is_tensor_method(func):
+            if (
+                remedy is not None
+                and args
+                and _is_tensor_method(func)
+                and isinstance(args[0], torch.Tensor)
+                and args[0].device.type == self.device_type
+            ):
                 _raise_sync(f"Tensor.{name}", remedy)
             if name == "to" and args and _moves_to_host(args, kwargs):
                 _raise_sync("Tensor.to(cpu)", _COPY_REMEDY)
+            if name == "tensor_split" and _on_device(
+                (args[1:2], kwargs.get("indices_or_sections")), self.device_type
+            ):
+                # The split points are read on the host (in C++, no op to see below): frozen shapes.
+                _raise_sync("torch.tensor_split", _SPLIT_REMEDY)
             result = func(*args, **kwargs)
             if (
                 func in host_data_factories
@@ -191,13 +299,14 @@ def _modes() -> tuple[type, type]:
         def __init__(self, graph: Graph, auto_update_ops: Sequence[str]) -> None:
             super().__init__()
             self.graph = graph
+            self.device_type = graph.device.torch_device.type
             self.auto = frozenset(auto_update_ops)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             name = func._schema.name
-            remedy = _DISPATCH_SYNCS.get(name)
-            if remedy:
+            remedy = dispatch_refusal(func, args, kwargs)
+            if remedy and _on_device((args, kwargs), self.device_type):
                 _raise_sync(name, remedy)
             if name in self.auto and self.graph._open_group is None:
                 return _call_as_task(self.graph, func, args, kwargs)

@@ -7,7 +7,14 @@ reference into a pool block (memory allocated during the capture). Fresh outputs
 pool blocks so that replay re-runs every op on the very same memory: inputs are read from the
 capture-time tensors, outputs land in the capture-time outputs.
 
-View ops leave no entry (a view is only metadata over memory that is already referenced), and
+Composite ops (``CompositeImplicitAutograd``: ``to``, ``reshape``, ``contiguous``, ``type_as``...)
+are recorded as what they decompose into, whatever the grad mode: under ``no_grad`` and grad mode
+the autograd layer decomposes them before they reach a dispatch mode, but under
+``torch.inference_mode()`` they arrive whole, and whether ``reshape`` copies or ``to`` converts is
+only known from what they do. Whether an op's result is a view is decided from what it returned:
+an output sharing storage with an input is an alias (no entry when that is all the op did), any
+other output is fresh memory and goes to the pool.
+
 ``empty``-style factories are not re-run (their contents are undefined anyway).
 
 A ``Tape`` is one graph's list of segments and the recorder filling them: capture, task groups,
@@ -24,7 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from devgraph._errors import DevgraphError
+from devgraph._capture import raise_refusal, user_source_line
+from devgraph._errors import CaptureError, DevgraphError
 from devgraph.backends.cpu._pool import Block, BlockPool, block_of, tensor_bytes
 
 __all__ = ["Entry", "Recorder", "Segment", "Tape"]
@@ -39,9 +47,13 @@ _UNINITIALISED = {
 
 
 class _Ref:
-    """A tensor in a pool block, rebuilt from metadata at replay (holds no reference to it)."""
+    """A tensor in a pool block, rebuilt from metadata at replay (holds no reference to it).
 
-    __slots__ = ("block", "dtype", "offset", "size", "stride")
+    The metadata includes the lazy conjugate and negative bits: ``_conj`` views a complex tensor
+    without touching its memory, and a rebuilt tensor without the bit would read the wrong values.
+    """
+
+    __slots__ = ("block", "conj", "dtype", "neg", "offset", "size", "stride")
 
     def __init__(self, block: Block, t: torch.Tensor) -> None:
         self.block = block
@@ -49,9 +61,16 @@ class _Ref:
         self.size = tuple(t.shape)
         self.stride = tuple(t.stride())
         self.dtype = t.dtype
+        self.conj = t.is_conj()
+        self.neg = t.is_neg()
 
     def get(self) -> torch.Tensor:
-        return self.block.tensor(self.offset, self.size, self.stride, self.dtype)
+        t = self.block.tensor(self.offset, self.size, self.stride, self.dtype)
+        if self.conj:
+            torch._C._set_conj(t, True)
+        if self.neg:
+            torch._C._set_neg(t, True)
+        return t
 
 
 class _Strong:
@@ -99,6 +118,14 @@ class Entry:
         if self.outs:
             leaves, _ = tree_flatten(result)
             for i, ref in self.outs:
+                if tuple(leaves[i].shape) != ref.size:
+                    # Never broadcast a result of another shape into the captured output (a silent
+                    # wrong value): an op capture should have refused as data-dependent.
+                    raise DevgraphError(
+                        f"{self.name} returned shape {tuple(leaves[i].shape)} at replay, {ref.size} at "
+                        "capture: its output shape depends on data, which a graph cannot replay; "
+                        "please report this op to devgraph so capture refuses it"
+                    )
                 ref.get().copy_(leaves[i])
 
     def __repr__(self) -> str:
@@ -127,6 +154,44 @@ def _is_view(func: Any) -> bool:
     return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
 
 
+_COMPOSITE: dict[Any, bool] = {}
+
+
+def _is_composite(func: Any) -> bool:
+    """True for an op with a ``CompositeImplicitAutograd`` kernel (one that calls other ops)."""
+    known = _COMPOSITE.get(func)
+    if known is None:
+        known = _COMPOSITE[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+        )
+    return known
+
+
+def _storages(tree: Any) -> set[int]:
+    """Data pointers of the storages of the (non-empty) tensors in ``tree``."""
+    return {
+        t.untyped_storage().data_ptr()
+        for t in tree_flatten(tree)[0]
+        if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().nbytes()
+    }
+
+
+def _refuse_unstrided(func: Any, tree: Any) -> None:
+    """Refuse sparse and other non-strided tensors: the recorder places and rebuilds strided memory."""
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            raise CaptureError(
+                f"the CPU reference backend cannot record {t.layout} tensors (it replays strided memory)",
+                op=func._schema.name,
+                source=user_source_line(),
+                remedy="keep sparse work outside the captured region (before capture or after replay)",
+            )
+
+
+def _aliases(t: Any, inputs: set[int]) -> bool:
+    return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in inputs
+
+
 class Recorder(TorchDispatchMode):
     """Records the aten ops issued while it is the active dispatch mode into ``segment``.
 
@@ -146,12 +211,26 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _is_view(func):
-            return func(*args, **kwargs)
+        if _is_composite(func):
+            # Record what it launches (as grad mode would show it), never the composite whole: under
+            # inference_mode ``to``/``reshape``/``contiguous`` arrive here and may copy or alias.
+            with self:
+                result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        # What the capture guard refuses, checked again here: the guard does not see the ops a
+        # composite decomposes into (argwhere -> nonzero under inference_mode).
+        raise_refusal(func, args, kwargs)
+        _refuse_unstrided(func, (args, kwargs))
         name = func._schema.name
         entry = Entry(func, name, args, kwargs, rerun=name not in _UNINITIALISED)
+        inputs = _storages((args, kwargs))
         result = func(*args, **kwargs)
-        result = self._place_outputs(func, entry, result)
+        leaves = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        _refuse_unstrided(func, leaves)
+        if _is_view(func) and all(_aliases(t, inputs) or not tensor_bytes(t) for t in leaves):
+            return result  # metadata over memory that is already referenced: nothing to replay
+        result = self._place_outputs(func, entry, result, inputs)
         self.segment.entries.append(entry)
         return result
 
@@ -167,8 +246,10 @@ class Recorder(TorchDispatchMode):
         self.segment.entries.append(entry)
         return tree_unflatten(placed, spec)
 
-    def _place_outputs(self, func: Any, entry: Entry, result: Any) -> Any:
-        fresh = _fresh_returns(func)
+    def _place_outputs(self, func: Any, entry: Entry, result: Any, inputs: set[int] | None = None) -> Any:
+        """Move the fresh outputs into pool blocks: those the schema declares fresh, and those a view
+        op returned without sharing an input's storage (a view op that copied)."""
+        fresh = [f or _is_view(func) for f in _fresh_returns(func)]
         if not fresh or not any(fresh):
             return result
         single = len(fresh) == 1
@@ -179,7 +260,7 @@ class Recorder(TorchDispatchMode):
             leaves, spec = tree_flatten(value)
             placed = []
             for leaf in leaves:
-                if is_fresh and isinstance(leaf, torch.Tensor):
+                if is_fresh and isinstance(leaf, torch.Tensor) and not _aliases(leaf, inputs or set()):
                     leaf = self._place(entry, leaf_index, leaf)
                 placed.append(leaf)
                 leaf_index += 1
