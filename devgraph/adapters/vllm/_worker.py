@@ -53,7 +53,10 @@ class DevgraphCPUWorker(CPUWorker):
 
     def compile_or_warm_up_model(self) -> Any:
         times = super().compile_or_warm_up_model()
-        if not self.model_config.enforce_eager and self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+        if (
+            not self.model_config.enforce_eager
+            and self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+        ):
             self.model_runner.capture_model()
             # Capture ran dummy batches; start generation from the seed as vLLM's GPU worker does.
             set_random_seed(self.model_config.seed, self.parallel_config.data_parallel_index)
