@@ -8,77 +8,25 @@ vLLM, and only the plugin-switch tests run.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _engine import EngineRuns
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 if not HAVE_VLLM:
     collect_ignore_glob = ["test_vllm_*.py"]
 
-HERE = Path(__file__).parent
-ENGINE_TIMEOUT_S = 900
-
-
-def engine_env(devgraph: bool, backend: str = "cpu", **extra: str) -> dict[str, str]:
-    """The environment of one engine process: in-process engine core, 1 GiB KV cache, the switch.
-
-    ``backend="toy"`` is the third-party test backend (tests/plugins/devgraph_toy_backend).
-    """
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEVGRAPH_", "VLLM_"))}
-    env.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_LOGGING_LEVEL="WARNING",
-        TOKENIZERS_PARALLELISM="false",
-    )
-    if devgraph:
-        env["DEVGRAPH_VLLM"] = "1"
-        env["DEVGRAPH_BACKEND"] = backend
-        if backend == "toy":
-            env["DEVGRAPH_TOY_BACKEND"] = "1"
-    env.update(extra)
-    return env
-
-
-def run_python(code_or_script: list[str], env: dict[str, str], timeout: int = ENGINE_TIMEOUT_S):
-    """Run ``python ARGS`` in a fresh process; return the CompletedProcess (text output)."""
-    return subprocess.run(
-        [sys.executable, *code_or_script], env=env, capture_output=True, text=True, timeout=timeout
-    )
-
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(HERE))
     from _tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-class EngineRuns:
-    """Engine runs by (mode, devgraph backend or None), each in its own process, cached for the session."""
-
-    def __init__(self, model: Path, workdir: Path) -> None:
-        self.model = model
-        self.workdir = workdir
-        self.cache: dict[tuple[str, str | None], dict] = {}
-
-    def __call__(self, mode: str, devgraph: str | None) -> dict:
-        key = (mode, devgraph)
-        if key not in self.cache:
-            out = self.workdir / f"{mode}-{devgraph}.json"
-            env = engine_env(devgraph is not None, backend=devgraph or "cpu")
-            proc = run_python([str(HERE / "_run_engine.py"), str(self.model), mode, str(out)], env)
-            if proc.returncode != 0:
-                pytest.fail(f"engine run {key} failed:\n{proc.stderr[-6000:]}")
-            self.cache[key] = json.loads(out.read_text())
-        return self.cache[key]
 
 
 @pytest.fixture(scope="session")

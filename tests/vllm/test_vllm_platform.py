@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import engine_env, run_python
+from _engine import HERE, engine_env, run_python
 
 PLATFORM_MRO = (
     "from vllm.platforms import current_platform as p; "
@@ -33,8 +33,6 @@ def test_switch_subclasses_the_platform_vllm_would_use():
     ids=["unavailable-device", "bad-switch-value"],
 )
 def test_broken_setting_fails_at_engine_start_naming_the_switch(tiny_model, tmp_path, setting):
-    from conftest import HERE
-
     env = engine_env(devgraph=True, **setting)
     proc = run_python(
         [str(HERE / "_run_engine.py"), str(tiny_model), "PIECEWISE", str(tmp_path / "o.json")], env
