@@ -29,6 +29,8 @@ def engine_env(devgraph: bool, backend: str = "cpu", **extra: str) -> dict[str, 
     if devgraph:
         env["DEVGRAPH_VLLM"] = "1"
         env["DEVGRAPH_BACKEND"] = backend
+        # Every replay checks that vLLM passed the capture-time buffers (the wrapper's debug check).
+        env["DEVGRAPH_DEBUG"] = "1"
         if backend == "toy":
             env["DEVGRAPH_TOY_BACKEND"] = "1"
     env.update(extra)

@@ -41,6 +41,13 @@ class _Entry:
         self.input_addresses = input_addresses
 
 
+def _addresses(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+    """Data pointers of the tensor arguments, positional then keyword (by name): vLLM calls the FULL
+    wrapper with keywords (``input_ids=``, ``positions=``), the pieces positionally."""
+    values = [*args, *(kwargs[k] for k in sorted(kwargs))]
+    return [a.data_ptr() for a in values if isinstance(a, torch.Tensor)]
+
+
 @contextlib.contextmanager
 def _gc_paused(pause: bool) -> Iterator[None]:
     # vLLM collects garbage before the first piece of a forward only: collecting once per piece
@@ -167,7 +174,7 @@ class DevgraphGraphWrapper:
         entry = self.entries.get(descriptor)
         if entry is None:
             return self._capture(descriptor, args, kwargs)
-        return self._replay(entry, args, context)
+        return self._replay(entry, args, kwargs, context)
 
     def _capture(self, descriptor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
@@ -175,7 +182,7 @@ class DevgraphGraphWrapper:
         validate_cudagraph_capturing_enabled()  # only inside vLLM's capture phase
         if self.cudagraph_options.debug_log_enable:
             logger.debug("devgraph: capturing %s graph for %s", self.runtime_mode.name, descriptor)
-        addresses = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
+        addresses = _addresses(args, kwargs)
         graph = self.device.graph()
         with (
             _gc_paused(self.cudagraph_options.gc_disable),
@@ -191,9 +198,9 @@ class DevgraphGraphWrapper:
         # The caller gets the captured tensors themselves, not weak views of them.
         return output
 
-    def _replay(self, entry: _Entry, args: tuple[Any, ...], context: Any) -> Any:
+    def _replay(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
         if self.debug:
-            self._check_addresses(entry, args)
+            self._check_addresses(entry, _addresses(args, kwargs))
         host_args = step_host_args(context, entry.graph) if entry.graph.tasks else None
         entry.graph.replay(host_args=host_args)
         if host_args is not None:
@@ -201,8 +208,7 @@ class DevgraphGraphWrapper:
         _stats.count("replay", self.runtime_mode.name)
         return entry.output
 
-    def _check_addresses(self, entry: _Entry, args: tuple[Any, ...]) -> None:
-        now = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
+    def _check_addresses(self, entry: _Entry, now: list[int]) -> None:
         if now != entry.input_addresses:
             moved = [i for i, (a, b) in enumerate(zip(now, entry.input_addresses)) if a != b]
             raise DevgraphError(
