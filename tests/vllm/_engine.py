@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -44,21 +45,44 @@ def run_python(code_or_script: list[str], env: dict[str, str], timeout: int = EN
     )
 
 
+#: Every engine run the tests read, started together (each engine uses one torch thread).
+ALL_RUNS = (
+    ("eager", None),
+    ("PIECEWISE", "cpu"),
+    ("FULL", "cpu"),
+    ("FULL_AND_PIECEWISE", "cpu"),
+    ("PIECEWISE", "toy"),
+)
+
+
 class EngineRuns:
-    """Engine runs by (mode, devgraph backend or None), each in its own process, cached for the session."""
+    """Engine runs by (mode, devgraph backend or None), each in its own process, cached for the session.
+
+    All runs start on first use, ``DEVGRAPH_VLLM_TEST_JOBS`` (default: half the CPUs, at least 1) at a
+    time, so that CI with more cores waits for the slowest engine rather than their sum.
+    """
 
     def __init__(self, model: Path, workdir: Path) -> None:
         self.model = model
         self.workdir = workdir
-        self.cache: dict[tuple[str, str | None], dict] = {}
+        jobs = int(os.environ.get("DEVGRAPH_VLLM_TEST_JOBS", max(1, (os.cpu_count() or 2) // 2)))
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+        self.runs: dict[tuple[str, str | None], concurrent.futures.Future] = {}
+
+    def _run(self, key: tuple[str, str | None]) -> subprocess.CompletedProcess:
+        mode, devgraph = key
+        out = self.workdir / f"{mode}-{devgraph}.json"
+        env = engine_env(devgraph is not None, backend=devgraph or "cpu")
+        proc = run_python([str(HERE / "_run_engine.py"), str(self.model), mode, str(out)], env)
+        return proc, out
 
     def __call__(self, mode: str, devgraph: str | None) -> dict:
+        if not self.runs:
+            self.runs = {key: self.pool.submit(self._run, key) for key in ALL_RUNS}
         key = (mode, devgraph)
-        if key not in self.cache:
-            out = self.workdir / f"{mode}-{devgraph}.json"
-            env = engine_env(devgraph is not None, backend=devgraph or "cpu")
-            proc = run_python([str(HERE / "_run_engine.py"), str(self.model), mode, str(out)], env)
-            if proc.returncode != 0:
-                pytest.fail(f"engine run {key} failed:\n{proc.stderr[-6000:]}")
-            self.cache[key] = json.loads(out.read_text())
-        return self.cache[key]
+        if key not in self.runs:
+            self.runs[key] = self.pool.submit(self._run, key)
+        proc, out = self.runs[key].result()
+        if proc.returncode != 0:
+            pytest.fail(f"engine run {key} failed:\n{proc.stderr[-6000:]}")
+        return json.loads(out.read_text())

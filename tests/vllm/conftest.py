@@ -16,7 +16,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from _engine import EngineRuns
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+def _have_vllm() -> bool:
+    # This directory is on sys.path's parent as a namespace package named "vllm" too; the real
+    # vLLM is a regular package (origin: its __init__.py).
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+HAVE_VLLM = _have_vllm()
 
 if not HAVE_VLLM:
     collect_ignore_glob = ["test_vllm_*.py"]
