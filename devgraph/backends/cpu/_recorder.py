@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -74,7 +75,8 @@ class _Ref:
 
 
 class _Strong:
-    """A tensor from outside the capture (weights, static inputs), held as is."""
+    """A tensor held as is: a 0-d value (a kernel scalar on a device), an empty or non-CPU tensor, or
+    a copy a task owns (``Entry.own``)."""
 
     __slots__ = ("tensor",)
 
@@ -84,14 +86,67 @@ class _Strong:
     def get(self) -> torch.Tensor:
         return self.tensor
 
+    def alive(self) -> bool:
+        return True
 
-def _describe(t: torch.Tensor) -> _Ref | _Strong:
+
+class _External:
+    """A tensor from outside the capture (weights, static inputs), held as a device graph holds it:
+    by address, without keeping it alive.
+
+    The storage is held by weak reference and the tensor rebuilt from metadata at replay. A device
+    graph whose input was freed reads whatever memory took its place; here ``get`` raises a
+    ``DevgraphError`` naming the input instead (the caller must keep graph inputs alive).
+    """
+
+    __slots__ = ("conj", "dtype", "neg", "offset", "op", "ref", "size", "stride")
+
+    def __init__(self, t: torch.Tensor, op: str) -> None:
+        self.ref = StorageWeakRef(t.untyped_storage())
+        self.offset = int(t.storage_offset())
+        self.size = tuple(t.shape)
+        self.stride = tuple(t.stride())
+        self.dtype = t.dtype
+        self.conj = t.is_conj()
+        self.neg = t.is_neg()
+        self.op = op
+
+    def alive(self) -> bool:
+        return not self.ref.expired()
+
+    def describe(self) -> str:
+        return f"a [{', '.join(map(str, self.size))}] {self.dtype} tensor read by {self.op}"
+
+    def get(self) -> torch.Tensor:
+        storage = None if self.ref.expired() else torch.UntypedStorage._new_with_weak_ptr(self.ref.cdata)
+        if storage is None:
+            raise DevgraphError(
+                f"a captured graph input was freed: {self.describe()} no longer exists. A device graph "
+                "would read freed memory here; keep every tensor the captured code read from outside the "
+                "capture (inputs, weights, buffers) alive as long as the graph is replayed"
+            )
+        t = torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
+        if self.conj:
+            torch._C._set_conj(t, True)
+        if self.neg:
+            torch._C._set_neg(t, True)
+        return t
+
+
+_Held = (_Ref, _Strong, _External)
+
+
+def _describe(t: torch.Tensor, op: str) -> _Ref | _Strong | _External:
     block = block_of(t)
-    return _Ref(block, t) if block is not None else _Strong(t)
+    if block is not None:
+        return _Ref(block, t)
+    if t.dim() == 0 or t.device.type != "cpu" or t.layout != torch.strided or not tensor_bytes(t):
+        return _Strong(t)
+    return _External(t, op)
 
 
 def _materialise(x: Any) -> Any:
-    return x.get() if isinstance(x, (_Ref, _Strong)) else x
+    return x.get() if isinstance(x, _Held) else x
 
 
 class Entry:
@@ -104,16 +159,16 @@ class Entry:
     ) -> None:
         self.func = func
         self.name = name
-        self.args = tree_map(lambda x: _describe(x) if isinstance(x, torch.Tensor) else x, args)
-        self.kwargs = tree_map(lambda x: _describe(x) if isinstance(x, torch.Tensor) else x, kwargs)
+        self.args = tree_map(lambda x: _describe(x, name) if isinstance(x, torch.Tensor) else x, args)
+        self.kwargs = tree_map(lambda x: _describe(x, name) if isinstance(x, torch.Tensor) else x, kwargs)
         self.outs: list[tuple[int, _Ref]] = []  # (leaf index in the flattened result, destination)
         self.rerun = rerun
 
     def run(self) -> None:
         if not self.rerun:
             return
-        args = tree_map(_materialise, self.args, is_leaf=lambda x: isinstance(x, (_Ref, _Strong)))
-        kwargs = tree_map(_materialise, self.kwargs, is_leaf=lambda x: isinstance(x, (_Ref, _Strong)))
+        args = tree_map(_materialise, self.args, is_leaf=lambda x: isinstance(x, _Held))
+        kwargs = tree_map(_materialise, self.kwargs, is_leaf=lambda x: isinstance(x, _Held))
         result = self.func(*args, **kwargs)
         if self.outs:
             leaves, _ = tree_flatten(result)
@@ -127,6 +182,17 @@ class Entry:
                         "please report this op to devgraph so capture refuses it"
                     )
                 ref.get().copy_(leaves[i])
+
+    def own(self, index: int) -> None:
+        """Hold positional argument ``index`` strongly: a copy made for this task alone."""
+        held = self.args[index]
+        if isinstance(held, _External):
+            self.args = (*self.args[:index], _Strong(held.get()), *self.args[index + 1 :])
+
+    def externals(self) -> list[_External]:
+        """The tensors from outside the capture this entry reads and writes."""
+        leaves = tree_flatten((self.args, self.kwargs), is_leaf=lambda x: isinstance(x, _Held))[0]
+        return [x for x in leaves if isinstance(x, _External)]
 
     def __repr__(self) -> str:
         return f"<Entry {self.name}>"
@@ -155,6 +221,30 @@ def _is_view(func: Any) -> bool:
 
 
 _COMPOSITE: dict[Any, bool] = {}
+_PYTHON_BODIED: dict[Any, bool] = {}
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+# Namespaces whose Python kernels are recorded whole: torch's own, and devgraph's ops, whose CPU
+# kernels are pure functions of their arguments (host arguments included, which task update changes).
+_WHOLE_NAMESPACES = frozenset({"aten", "prims", "prim", "devgraph"})
+
+
+def _is_python_bodied(func: Any) -> bool:
+    """True for a custom op whose CPU kernel is a Python function (``torch.library``).
+
+    Such a body may read live Python state (vLLM's attention reads its forward context): re-running
+    it at replay would see today's state where a device graph replays what the body launched at
+    capture. So the recorder records what it launches instead.
+    """
+    known = _PYTHON_BODIED.get(func)
+    if known is None:
+        ns, _, rest = func.name().partition("::")
+        overload = func._overloadname
+        name = rest if overload == "default" else f"{rest}.{overload}"
+        registered = getattr(torch.library, "_impls", set())
+        known = _PYTHON_BODIED[func] = ns not in _WHOLE_NAMESPACES and any(
+            f"{ns}/{name}/{key}" in registered for key in ("CPU", "CompositeExplicitAutograd")
+        )
+    return known
 
 
 def _is_composite(func: Any) -> bool:
@@ -211,6 +301,9 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _is_python_bodied(func):
+            with self:  # what the body launches comes back here, op by op
+                return func.redispatch(_CPU_KEYS, *args, **kwargs)
         if _is_composite(func):
             # Record what it launches (as grad mode would show it), never the composite whole: under
             # inference_mode ``to``/``reshape``/``contiguous`` arrive here and may copy or alias.
@@ -319,10 +412,32 @@ class Tape:
         return self.recorder
 
     def end(self) -> None:
-        """Stop recording; the segments stay, ready to replay."""
+        """Stop recording; the segments stay, ready to replay.
+
+        Raises:
+            CaptureError: a tensor the captured work reads from outside the graph's memory was
+                already freed when the capture ended (a temporary made inside the block without
+                going through an op, ``torch.from_numpy(...)`` say): a device graph would read
+                freed memory at every replay. The segments are dropped.
+        """
         assert self.recorder is not None
         self.recorder.__exit__(None, None, None)
         self.recorder = None
+        for segment in self.segments:
+            for entry in segment.entries:
+                if not isinstance(entry, Entry):
+                    continue  # a step of the simulator's own (event wait, record)
+                gone = [x for x in entry.externals() if not x.alive()]
+                if gone:
+                    self.segments = []
+                    raise CaptureError(
+                        f"{gone[0].describe()} was made inside the capture outside the graph's memory "
+                        "and freed when the capture ended; a device graph would read freed memory",
+                        op=entry.name,
+                        source=None,
+                        remedy="create the tensor before capture and keep it alive while the graph is "
+                        "replayed (copy new values into it), or make it with torch ops inside the block",
+                    )
 
     def abandon(self) -> None:
         """Stop recording if it still is, and forget the segments."""
