@@ -1,9 +1,9 @@
 """A vLLM attention backend whose decode attention is ``devgraph::paged_decode_attention``.
 
 vLLM's CPU attention backend declares no FULL graph support (its scheduler metadata is a fresh
-tensor per step), and its attention runs inside vLLM's Python custom op, which re-reads the forward
-context whenever it is called: a FULL graph on the CPU reference would "replay" it only because of
-that live read, never as a device does. This backend is what the devgraph platform uses for FULL
+tensor per step), and its attention runs inside vLLM's Python custom op, which reads the forward
+context when called: a device graph freezes what that read at capture, so FULL graphs need attention
+whose host arguments devgraph re-issues at replay. This backend is what the devgraph platform uses for FULL
 graphs on devices that freeze host arguments (the CPU reference; the NPU kernel reads the same host
 list): decode batches call devgraph's paged decode attention, whose host sequence lengths are
 re-issued at every replay through task update (``devgraph_host_args`` on the metadata; the
