@@ -449,3 +449,28 @@ def test_weights_held_by_the_model_keep_a_runner_graph_valid(grad_mode):
         gc.collect()
         torch.testing.assert_close(graphed(x), first)
         torch.testing.assert_close(first, model(x))
+
+
+UPLOADS = {
+    "to": lambda t: t.to("cuda"),
+    "cuda": lambda t: t.cuda(),
+    "to_device": lambda t: t.to(device="cuda"),
+}
+
+
+@pytest.mark.parametrize("name", list(UPLOADS))
+def test_a_cuda_capture_refuses_a_pageable_host_to_device_copy(name):
+    upload = UPLOADS[name]
+    guard, dispatch = _cuda_guard()
+    with pytest.raises(devgraph.CaptureError) as info:
+        with guard, dispatch:
+            upload(torch.randn(4))
+    assert info.value.op.startswith("Tensor.") and "pinned" in info.value.remedy
+
+
+def test_a_cuda_capture_may_move_host_scalars_and_stay_on_the_host():
+    guard, dispatch = _cuda_guard()
+    t = torch.randn(4)
+    with guard, dispatch:
+        same = t.to("cpu") + t.to(torch.float64).float()
+    torch.testing.assert_close(same, t * 2)
