@@ -240,8 +240,10 @@ class Graph(abc.ABC):
                 stack.enter_context(stream)
                 self._begin_capture(stream, self._pool)
                 stack.callback(self._finish_capture, lambda: body_ok)
-                stack.enter_context(_capture.capturing(self, auto_update_ops))
-                yield self
+                # The guard's own exit may refuse the capture (a compiled graph it could not record
+                # whole): only a block whose guard also exited cleanly ends the capture.
+                with _capture.capturing(self, auto_update_ops):
+                    yield self
                 body_ok = True
         except BaseException as exc:
             self._state = "new"  # the block or the backend's capture end failed

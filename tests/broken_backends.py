@@ -237,6 +237,7 @@ class ReplayDoesNothing(CorrectDevice):
 class _SnapshotsInputsGraph(_SpyGraph):
     def _spy(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         produced: set[int] = self.__dict__.setdefault("_produced", set())
+        kept: list[torch.Tensor] = self.__dict__.setdefault("_snapshots", [])
         written = {id(t) for t in _written(func, args, kwargs)}
 
         def snapshot(x: Any) -> Any:
@@ -245,7 +246,9 @@ class _SnapshotsInputsGraph(_SpyGraph):
             if x.untyped_storage().data_ptr() in produced:
                 return x
             with _disable_current_modes():  # a copy the recorder does not see: replay reads it
-                return x.clone()
+                copy = x.clone()
+            kept.append(copy)  # held by the graph, so it is a live (stale) input, not a freed one
+            return copy
 
         return tree_map(snapshot, args), tree_map(snapshot, kwargs)
 
