@@ -7,7 +7,10 @@ SGLang's token-indexed KV pool (one token per block: ``page_size`` 1), with the 
 ``actual_seq_lengths_kv``. In a captured graph that list is frozen unless the task is updated; the
 backend keeps the current batch's (padded) lengths, set outside the graph in
 ``init_forward_metadata_out_graph``, and ``devgraph_host_args()`` hands them to
-``DevgraphGraphBackend`` at every replay. ``torch_native``'s decode reads a device value on the host
+``DevgraphGraphBackend`` at every replay. Like an NPU backend, it also fills the block tables of a
+graph batch there, outside the graph, into one static buffer: a task update re-issues the attention
+with the new lengths before the replay, and must find that batch's table, not the memory of an
+intermediate the graph has yet to recompute. ``torch_native``'s decode reads a device value on the host
 and cannot be captured; this one can.
 
 Refused with ``DevgraphError`` (at the first decode): cross attention, sliding windows, and
@@ -35,16 +38,28 @@ class DevgraphAttnBackend(TorchNativeAttnBackend):
     def __init__(self, model_runner: Any) -> None:
         super().__init__(model_runner)
         self._seq_lens_host: list[int] = []
+        self._graph_block_table: torch.Tensor | None = None  # [max_bs, max_context] static buffer
+        self._block_table: torch.Tensor | None = None  # this graph batch's rows of it
 
     # -- metadata (outside the graph) ---------------------------------------------------------
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
+        """Eager batches: host lengths only (the block table is gathered in the forward)."""
         super().init_forward_metadata(forward_batch)
         self._set_host_lens(forward_batch)
+        self._block_table = None
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """Graph batches (capture and every replay): host lengths and the static block table."""
         TorchNativeAttnBackend.init_forward_metadata(self, forward_batch)
         self._set_host_lens(forward_batch)
+        if self._graph_block_table is None or not forward_batch.forward_mode.is_decode():
+            self._block_table = None
+            return
+        rows = forward_batch.req_pool_indices.shape[0]
+        table = self._graph_block_table[:rows]
+        torch.index_select(self.req_to_token_pool.req_to_token, 0, forward_batch.req_pool_indices, out=table)
+        self._block_table = table
 
     def _set_host_lens(self, forward_batch: Any) -> None:
         if not forward_batch.forward_mode.is_decode():
@@ -61,9 +76,10 @@ class DevgraphAttnBackend(TorchNativeAttnBackend):
     # -- graph state --------------------------------------------------------------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        # Decode needs no static metadata buffers: block tables and lengths are read from the
-        # runner's static buffers, host lengths arrive by task update.
-        pass
+        req_to_token = self.req_to_token_pool.req_to_token
+        self._graph_block_table = torch.zeros(
+            (max_bs, req_to_token.shape[1]), dtype=req_to_token.dtype, device=req_to_token.device
+        )
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         # Padded rows attend over one token (their KV goes to SGLang's reserved slot 0).
@@ -96,7 +112,9 @@ class DevgraphAttnBackend(TorchNativeAttnBackend):
         # positions to its slots, which is exactly a block table of block size 1.
         key_cache = key_buffer.view(key_buffer.shape[0], 1, kv_heads, dim)
         value_cache = value_buffer.view(value_buffer.shape[0], 1, kv_heads, dim)
-        block_table = self.req_to_token_pool.req_to_token.index_select(0, forward_batch.req_pool_indices)
+        block_table = self._block_table
+        if block_table is None or block_table.shape[0] != q.shape[0]:  # an eager batch
+            block_table = self.req_to_token_pool.req_to_token.index_select(0, forward_batch.req_pool_indices)
         ops.paged_decode_attention(
             q.view(-1, heads, dim),
             key_cache,
