@@ -16,12 +16,12 @@ import pytest
 # "sglang.srt", not "sglang": this directory is itself importable as a namespace package "sglang".
 pytest.importorskip("sglang.srt")
 
-import torch  # noqa: E402
-from sglang.srt.model_executor.runner.shape_key import ShapeKey  # noqa: E402
+import torch
+from sglang.srt.model_executor.runner.shape_key import ShapeKey
 
-from devgraph import ops  # noqa: E402
-from devgraph.adapters.sglang import _stats  # noqa: E402
-from devgraph.adapters.sglang._backend import DevgraphGraphBackend  # noqa: E402
+from devgraph import ops
+from devgraph.adapters.sglang import _stats
+from devgraph.adapters.sglang._backend import DevgraphGraphBackend
 
 BUCKETS = [1, 2, 4]
 HEADS, KV_HEADS, DIM, BLOCK, BLOCKS, MAX_BLOCKS = 4, 2, 8, 4, 32, 6
@@ -150,7 +150,9 @@ def test_replay_with_input_update_gives_every_attention_task_the_lengths():
     runner = StubRunner(attn_backend=None)
     backend = _capture(runner)
     lens = runner.load(4, 2, seed=4)
-    got = backend.replay_with_input_update(ShapeKey(4), seq_lens=torch.tensor(lens), attr_name="seq_lens_host")
+    got = backend.replay_with_input_update(
+        ShapeKey(4), seq_lens=torch.tensor(lens), attr_name="seq_lens_host"
+    )
     torch.testing.assert_close(got.next_token_logits, runner.step(4, lens).next_token_logits)
 
 

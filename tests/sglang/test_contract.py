@@ -17,21 +17,21 @@ import pytest
 # "sglang.srt", not "sglang": this directory is itself importable as a namespace package "sglang".
 pytest.importorskip("sglang.srt")
 
-from sglang.srt.layers.attention import attention_registry  # noqa: E402
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
-from sglang.srt.model_executor.runner.base_cuda_graph_runner import BaseCudaGraphRunner  # noqa: E402
-from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner  # noqa: E402
-from sglang.srt.model_executor.runner_backend import utils as backend_utils  # noqa: E402
-from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import (  # noqa: E402
+from sglang.srt.layers.attention import attention_registry
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.model_executor.runner.base_cuda_graph_runner import BaseCudaGraphRunner
+from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+from sglang.srt.model_executor.runner_backend import utils as backend_utils
+from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import (
     BaseCudaGraphBackend,
 )
-from sglang.srt.platforms.device_mixin import PlatformEnum  # noqa: E402
-from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform  # noqa: E402
-from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP  # noqa: E402
+from sglang.srt.platforms.device_mixin import PlatformEnum
+from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP
 
-from devgraph.adapters.sglang import SGLANG_VERSION  # noqa: E402
-from devgraph.adapters.sglang._backend import DevgraphGraphBackend  # noqa: E402
-from devgraph.adapters.sglang._plugin import activate, register  # noqa: E402
+from devgraph.adapters.sglang import SGLANG_VERSION
+from devgraph.adapters.sglang._backend import DevgraphGraphBackend
+from devgraph.adapters.sglang._plugin import activate, register
 
 
 def _params(fn) -> list[str]:

@@ -13,8 +13,8 @@ import pytest
 # "sglang.srt", not "sglang": this directory is itself importable as a namespace package "sglang".
 pytest.importorskip("sglang.srt")
 
-import engine_run  # noqa: E402  (tests/sglang is on sys.path: pytest's rootdir-less import mode)
-import tiny_model  # noqa: E402
+import engine_run
+import tiny_model
 
 HERE = Path(__file__).parent
 TIMEOUT_S = int(os.environ.get("DEVGRAPH_SGLANG_ENGINE_TIMEOUT", "900"))

@@ -203,7 +203,9 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
         """
         if cpu_update_input is None:
             if attr_name is None:
-                raise DevgraphError("replay_with_input_update needs attr_name with seq_lens, or cpu_update_input")
+                raise DevgraphError(
+                    "replay_with_input_update needs attr_name with seq_lens, or cpu_update_input"
+                )
             if isinstance(seq_lens, torch.Tensor):
                 seq_lens = seq_lens.tolist()
             cpu_update_input = [{attr_name: list(seq_lens)}]

@@ -30,7 +30,9 @@ class _UsesDevgraphBackend:
         if not isinstance(self.backend, DevgraphGraphBackend):
             # SGLang picked its in-tree backend by device before asking the platform; it holds no
             # graphs yet, so release what it set up and capture with devgraph's instead.
-            logger.info("devgraph: replacing SGLang's %s with DevgraphGraphBackend", type(self.backend).__name__)
+            logger.info(
+                "devgraph: replacing SGLang's %s with DevgraphGraphBackend", type(self.backend).__name__
+            )
             self.backend.cleanup()
             self.backend = DevgraphGraphBackend(self)
         super().capture()
