@@ -9,6 +9,8 @@ must equal eager on *refreshed* inputs and host lengths; a replay that ignored e
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -61,15 +63,12 @@ class StubRunner:
         self.host_lens: list[int] = [1] * BUCKETS[-1]
 
     def step(self, bs: int, host_lens: list[int]) -> StepOutput:
-        out = ops.paged_decode_attention(
-            self.query[:bs] * 1.0,  # an op before attention, as a model has
-            self.key_cache,
-            self.value_cache,
-            self.block_table[:bs],
-            self.seq_lens[:bs],
-            host_lens,
-        )
-        return StepOutput(next_token_logits=out.sum(-1))
+        hidden = self.query[:bs] * 1.0  # an op before attention, as a model has
+        for _layer in range(2):  # two attention layers: two updatable tasks per graph
+            hidden = ops.paged_decode_attention(
+                hidden, self.key_cache, self.value_cache, self.block_table[:bs], self.seq_lens[:bs], host_lens
+            )
+        return StepOutput(next_token_logits=hidden.sum(-1))
 
     def load(self, bs: int, raw: int, seed: int) -> list[int]:
         """Fill the static buffers with a new batch of ``raw`` rows padded to ``bs`` (SGLang's load_batch)."""
@@ -156,6 +155,24 @@ def test_replay_with_input_update_gives_every_attention_task_the_lengths():
     torch.testing.assert_close(got.next_token_logits, runner.step(4, lens).next_token_logits)
 
 
+def test_backend_keeps_no_strong_reference_to_capture_outputs():
+    # The pool owns output memory; the backend must hold only non-owning views of it.
+    runner = StubRunner(HostLens())
+    refs = []
+
+    def step(bs):
+        out = runner.step(bs, [1] * bs)
+        refs.append(weakref.ref(out.next_token_logits))
+        return out
+
+    backend = DevgraphGraphBackend(runner)
+    with backend.capture_session(stream=None):
+        backend.capture_one(ShapeKey(2), lambda: step(2))
+    gc.collect()
+    assert refs[-1]() is None
+    assert backend.holds_graphs()
+
+
 def test_outputs_are_weak_views_overwritten_by_the_next_replay():
     runner = StubRunner(HostLens())
     backend = _capture(runner)
@@ -179,7 +196,14 @@ def test_counters_record_replays_padding_and_task_updates():
     assert (s.padded_replays, s.padded_rows, s.task_updates) == (2, 2, 3)
 
 
+def test_backends_of_one_device_share_one_pool_while_graphs_live():
+    first = _capture(StubRunner(HostLens()))
+    second = _capture(StubRunner(HostLens()))
+    assert second._pool is first._pool
+
+
 def test_cleanup_drops_graphs_and_a_new_capture_gets_a_fresh_pool():
+    gc.collect()  # backends of earlier tests must not hold the shared pool
     runner = StubRunner(HostLens())
     backend = _capture(runner)
     pool = backend._pool
