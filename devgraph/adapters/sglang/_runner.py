@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
@@ -26,6 +27,8 @@ logger = logging.getLogger(__name__)
 class _UsesDevgraphBackend:
     """Mixin for SGLang decode runners: capture with devgraph's backend whatever SGLang built."""
 
+    backend: Any  # set by SGLang's runner __init__ (resolve_decode_backend) before capture()
+
     def capture(self) -> None:
         if not isinstance(self.backend, DevgraphGraphBackend):
             # SGLang picked its in-tree backend by device before asking the platform; it holds no
@@ -35,7 +38,7 @@ class _UsesDevgraphBackend:
             )
             self.backend.cleanup()
             self.backend = DevgraphGraphBackend(self)
-        super().capture()
+        super().capture()  # type: ignore[misc]  # the SGLang runner this mixin precedes
 
 
 class DevgraphDecodeGraphRunner(_UsesDevgraphBackend, DecodeCudaGraphRunner):

@@ -20,8 +20,8 @@ class GraphStats:
     ``captured``: bucket sizes captured, in capture order (largest first). ``replays``: replays per
     bucket. ``padded_replays``: replays whose real batch was smaller than the bucket.
     ``padded_rows``: rows of padding replayed in all. ``task_updates``: replays that gave the
-    graph's updatable tasks new host arguments. ``eager_fallbacks``: replays asked for a bucket
-    that was never captured (answered by ``can_run`` = False, so SGLang ran them eagerly).
+    graph's updatable tasks new host arguments. Batches SGLang runs eagerly (above the largest
+    bucket, prefill) never reach the backend and are not counted here.
     """
 
     captured: list[int] = attrs.field(factory=list)
@@ -29,7 +29,6 @@ class GraphStats:
     padded_replays: int = 0
     padded_rows: int = 0
     task_updates: int = 0
-    eager_fallbacks: int = 0
 
     def as_dict(self) -> dict:
         """A JSON-ready copy (bucket keys as strings)."""
@@ -39,7 +38,6 @@ class GraphStats:
             "padded_replays": self.padded_replays,
             "padded_rows": self.padded_rows,
             "task_updates": self.task_updates,
-            "eager_fallbacks": self.eager_fallbacks,
         }
 
 
