@@ -270,6 +270,16 @@ def _modes() -> tuple[type, type]:
                 _raise_sync(f"Tensor.{name}", remedy)
             if name == "to" and args and _moves_to_host(args, kwargs):
                 _raise_sync("Tensor.to(cpu)", _COPY_REMEDY)
+            if _pageable_upload(name, args, kwargs, self.device_type):
+                raise CaptureError(
+                    "a pageable host tensor copied to the device inside graph capture: CUDA refuses "
+                    "it, and the graph would replay the values of capture time",
+                    op=f"Tensor.{name}",
+                    source=user_source_line(),
+                    remedy="copy into a device buffer before capture (and copy new values into it "
+                    "before each replay), or use a pinned host tensor kept alive while the graph is "
+                    "replayed",
+                )
             if name == "tensor_split" and _on_device(
                 (args[1:2], kwargs.get("indices_or_sections")), self.device_type
             ):
@@ -340,6 +350,38 @@ def _moves_to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         return False
     source = args[0]
     return isinstance(source, torch.Tensor) and source.device.type != "cpu"
+
+
+def _pageable_upload(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str) -> bool:
+    """True for a copy of a pageable host tensor to ``device_type`` (not the CPU) inside capture.
+
+    CUDA refuses a pageable host-to-device copy while capturing (with a message that names
+    nothing); a pinned source is captured by address and must outlive the graph, like any input.
+    0-d tensors are kernel scalars and stay allowed.
+    """
+    import torch
+
+    if device_type == "cpu" or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    if name == "copy_":
+        dst, src = args[0], args[1] if len(args) > 1 else kwargs.get("src")
+    elif name in ("to", "cuda"):
+        dst, src = None, args[0]
+        target = kwargs.get("device", "cuda" if name == "cuda" else None)
+        for a in args[1:]:
+            if isinstance(a, (str, torch.device)):
+                target = a
+            elif isinstance(a, torch.Tensor):
+                target = a.device
+        if target is None or torch.device(target).type != device_type:
+            return False
+    else:
+        return False
+    if dst is not None and dst.device.type != device_type:
+        return False
+    return (
+        isinstance(src, torch.Tensor) and src.device.type == "cpu" and src.dim() > 0 and not src.is_pinned()
+    )
 
 
 def _call_as_task(graph: Graph, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

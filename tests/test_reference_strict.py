@@ -7,6 +7,9 @@ nothing about the others.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -25,8 +28,9 @@ def grad_mode(request):
     return GRAD_MODES[request.param]
 
 
-def _replay_matches_eager(fn, inputs, mode, refill=None):
-    """Capture ``fn(*inputs)`` under ``mode``, refill the inputs, replay, compare with eager."""
+def _replay_matches_eager(fn, inputs, mode, refill=None, eager=None):
+    """Capture ``fn(*inputs)`` under ``mode``, refill the inputs, replay, compare with eager
+    (``eager(*inputs)``, ``fn`` itself by default)."""
     graph = devgraph.device("cpu").graph()
     with mode():
         with graph.capture():
@@ -35,10 +39,12 @@ def _replay_matches_eager(fn, inputs, mode, refill=None):
     for t in inputs:
         new = refill(t) if refill else torch.randn(t.shape, generator=g).to(t.dtype)
         t.copy_(new)
+    fresh = [t.clone() for t in inputs]  # before replay: fn may write its inputs
     graph.replay()
     with mode():
-        expected = fn(*[t.clone() for t in inputs])
+        expected = (eager or fn)(*fresh)
     torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(inputs, fresh)  # and writes them as eager does
     return graph
 
 
@@ -224,7 +230,8 @@ def test_a_replayed_result_of_another_shape_is_never_broadcast_into_the_output()
 
     pool = BlockPool(PoolBytes())
     block = pool.allocate(64)
-    entry = Entry(torch.ops.aten.sum.dim_IntList, "aten::sum", (torch.ones(2, 3), [1]), {})
+    x = torch.ones(2, 3)
+    entry = Entry(torch.ops.aten.sum.dim_IntList, "aten::sum", (x, [1]), {})
     out = torch.empty(3, device="meta")
     ref = _Ref(block, out)
     entry.outs.append((0, ref))  # the captured output had 3 elements; sum over dim 1 gives 2
@@ -328,3 +335,159 @@ def test_split_points_in_a_tensor_are_refused_at_capture(grad_mode):
         _capture_under(grad_mode, lambda: torch.tensor_split(x, points))
     assert info.value.op in ("torch.tensor_split", "aten::_local_scalar_dense")
     assert "list" in info.value.remedy or "host" in str(info.value)
+
+
+# -- Python-bodied custom ops: the reference freezes what a device graph freezes --------------------
+
+_FORWARD_CONTEXT = {"scale": 2.0, "bias": None}
+
+
+@torch.library.custom_op("devgraph_strict_test::scaled", mutates_args=())
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    """Reads live Python state, like vLLM's attention reading its forward context."""
+    return x * _FORWARD_CONTEXT["scale"] + _FORWARD_CONTEXT["bias"]
+
+
+@_scaled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("devgraph_strict_test::accumulate", mutates_args=("acc",))
+def _accumulate(acc: torch.Tensor, x: torch.Tensor) -> None:
+    acc.add_(x * _FORWARD_CONTEXT["scale"])
+
+
+@pytest.fixture
+def forward_context():
+    _FORWARD_CONTEXT.update(scale=2.0, bias=torch.ones(3))
+    yield _FORWARD_CONTEXT
+    _FORWARD_CONTEXT.update(scale=2.0, bias=None)
+
+
+def test_python_bodied_custom_op_replays_what_it_launched_at_capture(forward_context, grad_mode):
+    x = torch.randn(3)
+    graph = devgraph.device("cpu").graph()
+    with grad_mode():
+        with graph.capture():
+            out = torch.ops.devgraph_strict_test.scaled(x) + 0
+    captured_bias = forward_context["bias"]
+    forward_context.update(scale=5.0, bias=torch.full((3,), 7.0))  # live state a device never sees
+    x.copy_(torch.randn(3))
+    graph.replay()
+    torch.testing.assert_close(out, x * 2.0 + captured_bias)
+    assert "aten::mul" in graph.recorded_ops and "devgraph_strict_test::scaled" not in graph.recorded_ops
+
+
+def test_python_bodied_custom_op_equals_eager_on_new_inputs(forward_context, grad_mode):
+    _replay_matches_eager(lambda x: torch.ops.devgraph_strict_test.scaled(x), [torch.randn(3)], grad_mode)
+
+
+def test_python_bodied_mutating_custom_op_replays_its_writes(forward_context, grad_mode):
+    def fn(acc, x):
+        torch.ops.devgraph_strict_test.accumulate(acc, x)
+        return acc * 1
+
+    _replay_matches_eager(fn, [torch.zeros(3), torch.randn(3)], grad_mode)
+
+
+# -- lifetimes: inputs are held as a device holds them, by address ---------------------------------
+
+
+def _capture_doubling_of_a_dropped_input():
+    graph = devgraph.device("cpu").graph()
+    x = torch.randn(5, 2)
+    with graph.capture():
+        out = x * 2
+    return graph, out, weakref.ref(x)
+
+
+def test_a_graph_does_not_keep_its_inputs_alive():
+    _graph, _out, x_ref = _capture_doubling_of_a_dropped_input()
+    gc.collect()
+    assert x_ref() is None
+
+
+def test_replay_after_an_input_was_freed_raises_naming_it():
+    graph, _out, _ = _capture_doubling_of_a_dropped_input()
+    gc.collect()
+    with pytest.raises(
+        devgraph.DevgraphError, match=r"freed: a \[5, 2\] torch.float32 tensor read by aten::mul"
+    ):
+        graph.replay()
+
+
+def test_an_input_held_only_through_a_view_is_still_alive():
+    graph = devgraph.device("cpu").graph()
+    base = torch.randn(4, 4)
+    view = base[1:3]
+    with graph.capture():
+        out = view.t() * 2
+    del base  # the view keeps the memory alive, as it would on a device
+    view.copy_(torch.randn(2, 4))
+    graph.replay()
+    torch.testing.assert_close(out, view.t() * 2)
+
+
+def test_a_temporary_made_inside_capture_outside_the_pool_is_refused_at_capture():
+    import numpy as np
+
+    x = torch.randn(3)
+    graph = devgraph.device("cpu").graph()
+    with pytest.raises(devgraph.CaptureError, match="freed when the capture ended") as info:
+        with graph.capture():
+            _ = x + torch.from_numpy(np.ones(3, dtype=np.float32))
+    assert info.value.op == "aten::add"
+    assert not graph.is_captured()
+
+
+def test_weights_held_by_the_model_keep_a_runner_graph_valid(grad_mode):
+    model = torch.nn.Linear(4, 4)
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[2])
+    x = torch.randn(2, 4)
+    with grad_mode():
+        first = graphed(x).clone()
+        gc.collect()
+        torch.testing.assert_close(graphed(x), first)
+        torch.testing.assert_close(first, model(x))
+
+
+UPLOADS = {
+    "to": lambda t: t.to("cuda"),
+    "cuda": lambda t: t.cuda(),
+    "to_device": lambda t: t.to(device="cuda"),
+}
+
+
+@pytest.mark.parametrize("name", list(UPLOADS))
+def test_a_cuda_capture_refuses_a_pageable_host_to_device_copy(name):
+    upload = UPLOADS[name]
+    guard, dispatch = _cuda_guard()
+    with pytest.raises(devgraph.CaptureError) as info:
+        with guard, dispatch:
+            upload(torch.randn(4))
+    assert info.value.op.startswith("Tensor.") and "pinned" in info.value.remedy
+
+
+def test_a_cuda_capture_may_move_host_scalars_and_stay_on_the_host():
+    guard, dispatch = _cuda_guard()
+    t = torch.randn(4)
+    with guard, dispatch:
+        same = t.to("cpu") + t.to(torch.float64).float()
+    torch.testing.assert_close(same, t * 2)
+
+
+def test_opaque_calls_replay_on_the_captured_tensors_under_every_grad_mode(grad_mode):
+    """``Graph.call_opaque`` (inductor's dispatcher-free code) is one task over the captured tensors."""
+
+    def kernel(a, o):
+        o.copy_(a.to(torch.float64).float() * 2)  # runs unrecorded: the task replays it whole
+        return o + 1
+
+    def fn(x, o):
+        return devgraph._capture.current_graph().call_opaque(kernel, x, o, name="kernel") * 3
+
+    graph = _replay_matches_eager(
+        fn, [torch.randn(3), torch.zeros(3)], grad_mode, eager=lambda x, o: (kernel(x, o)) * 3
+    )
+    assert "kernel" in graph.recorded_ops

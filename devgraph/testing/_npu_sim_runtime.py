@@ -369,7 +369,8 @@ class _SimRecorder(Recorder):
         if func.namespace == "devgraph":
             with self:  # record what the kernel launches (its ops come back to this method)
                 return func.redispatch(_CPU_KEYS, *args, **kwargs)
-        if func.__name__ == "_npu_paged_attention.default" and len(args) > 7:
+        frozen_lens = func.__name__ == "_npu_paged_attention.default" and len(args) > 7
+        if frozen_lens:
             args = (*args[:7], args[7].clone(), *args[8:])
         if _is_view(func):
             # Metadata over memory already referenced, unless it is a conditional alias (``to``,
@@ -383,6 +384,8 @@ class _SimRecorder(Recorder):
         if self.updating and not allocating:
             self._check_inputs(func, args, kwargs, inputs)
         entry = Entry(func, name, args, kwargs, rerun=not allocating)
+        if frozen_lens:
+            entry.own(7)  # the task's own copy: nothing else holds it
         result = func(*args, **kwargs)
         self._inputs = frozenset(_storage_ptr(t) for t in inputs if tensor_bytes(t))
         self._allocating = allocating

@@ -2,8 +2,9 @@
 
 Capture runs the work eagerly under a ``TorchDispatchMode`` that appends one entry per aten op.
 An entry remembers the op, its host (non-tensor) arguments as they were, and for every tensor
-argument either the tensor itself (memory from outside the capture: weights, static inputs) or a
-reference into a pool block (memory allocated during the capture). Fresh outputs are moved into
+argument either a weak reference to its memory (from outside the capture: weights, static inputs;
+replay raises naming one that was freed) or a reference into a pool block (memory allocated during
+the capture); see ``_held``. Fresh outputs are moved into
 pool blocks so that replay re-runs every op on the very same memory: inputs are read from the
 capture-time tensors, outputs land in the capture-time outputs.
 
@@ -33,7 +34,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from devgraph._capture import raise_refusal, user_source_line
 from devgraph._errors import CaptureError, DevgraphError
-from devgraph.backends.cpu._pool import Block, BlockPool, block_of, tensor_bytes
+from devgraph.backends.cpu._held import Held, _External, _Ref, _Strong, describe, materialise
+from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
 
 __all__ = ["Entry", "Recorder", "Segment", "Tape"]
 
@@ -46,54 +48,6 @@ _UNINITIALISED = {
 }
 
 
-class _Ref:
-    """A tensor in a pool block, rebuilt from metadata at replay (holds no reference to it).
-
-    The metadata includes the lazy conjugate and negative bits: ``_conj`` views a complex tensor
-    without touching its memory, and a rebuilt tensor without the bit would read the wrong values.
-    """
-
-    __slots__ = ("block", "conj", "dtype", "neg", "offset", "size", "stride")
-
-    def __init__(self, block: Block, t: torch.Tensor) -> None:
-        self.block = block
-        self.offset = int(t.storage_offset())
-        self.size = tuple(t.shape)
-        self.stride = tuple(t.stride())
-        self.dtype = t.dtype
-        self.conj = t.is_conj()
-        self.neg = t.is_neg()
-
-    def get(self) -> torch.Tensor:
-        t = self.block.tensor(self.offset, self.size, self.stride, self.dtype)
-        if self.conj:
-            torch._C._set_conj(t, True)
-        if self.neg:
-            torch._C._set_neg(t, True)
-        return t
-
-
-class _Strong:
-    """A tensor from outside the capture (weights, static inputs), held as is."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t
-
-    def get(self) -> torch.Tensor:
-        return self.tensor
-
-
-def _describe(t: torch.Tensor) -> _Ref | _Strong:
-    block = block_of(t)
-    return _Ref(block, t) if block is not None else _Strong(t)
-
-
-def _materialise(x: Any) -> Any:
-    return x.get() if isinstance(x, (_Ref, _Strong)) else x
-
-
 class Entry:
     """One recorded call: ``func(*args, **kwargs)`` with fresh outputs copied into ``outs``."""
 
@@ -104,16 +58,16 @@ class Entry:
     ) -> None:
         self.func = func
         self.name = name
-        self.args = tree_map(lambda x: _describe(x) if isinstance(x, torch.Tensor) else x, args)
-        self.kwargs = tree_map(lambda x: _describe(x) if isinstance(x, torch.Tensor) else x, kwargs)
+        self.args = tree_map(lambda x: describe(x, name) if isinstance(x, torch.Tensor) else x, args)
+        self.kwargs = tree_map(lambda x: describe(x, name) if isinstance(x, torch.Tensor) else x, kwargs)
         self.outs: list[tuple[int, _Ref]] = []  # (leaf index in the flattened result, destination)
         self.rerun = rerun
 
     def run(self) -> None:
         if not self.rerun:
             return
-        args = tree_map(_materialise, self.args, is_leaf=lambda x: isinstance(x, (_Ref, _Strong)))
-        kwargs = tree_map(_materialise, self.kwargs, is_leaf=lambda x: isinstance(x, (_Ref, _Strong)))
+        args = tree_map(materialise, self.args, is_leaf=lambda x: isinstance(x, Held))
+        kwargs = tree_map(materialise, self.kwargs, is_leaf=lambda x: isinstance(x, Held))
         result = self.func(*args, **kwargs)
         if self.outs:
             leaves, _ = tree_flatten(result)
@@ -127,6 +81,17 @@ class Entry:
                         "please report this op to devgraph so capture refuses it"
                     )
                 ref.get().copy_(leaves[i])
+
+    def own(self, index: int) -> None:
+        """Hold positional argument ``index`` strongly: a copy made for this task alone."""
+        held = self.args[index]
+        if isinstance(held, _External):
+            self.args = (*self.args[:index], _Strong(held.get()), *self.args[index + 1 :])
+
+    def externals(self) -> list[_External]:
+        """The tensors from outside the capture this entry reads and writes."""
+        leaves = tree_flatten((self.args, self.kwargs), is_leaf=lambda x: isinstance(x, Held))[0]
+        return [x for x in leaves if isinstance(x, _External)]
 
     def __repr__(self) -> str:
         return f"<Entry {self.name}>"
@@ -155,6 +120,30 @@ def _is_view(func: Any) -> bool:
 
 
 _COMPOSITE: dict[Any, bool] = {}
+_PYTHON_BODIED: dict[Any, bool] = {}
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+# Namespaces whose Python kernels are recorded whole: torch's own, and devgraph's ops, whose CPU
+# kernels are pure functions of their arguments (host arguments included, which task update changes).
+_WHOLE_NAMESPACES = frozenset({"aten", "prims", "prim", "devgraph"})
+
+
+def _is_python_bodied(func: Any) -> bool:
+    """True for a custom op whose CPU kernel is a Python function (``torch.library``).
+
+    Such a body may read live Python state (vLLM's attention reads its forward context): re-running
+    it at replay would see today's state where a device graph replays what the body launched at
+    capture. So the recorder records what it launches instead.
+    """
+    known = _PYTHON_BODIED.get(func)
+    if known is None:
+        ns, _, rest = func.name().partition("::")
+        overload = func._overloadname
+        name = rest if overload == "default" else f"{rest}.{overload}"
+        registered = getattr(torch.library, "_impls", set())
+        known = _PYTHON_BODIED[func] = ns not in _WHOLE_NAMESPACES and any(
+            f"{ns}/{name}/{key}" in registered for key in ("CPU", "CompositeExplicitAutograd")
+        )
+    return known
 
 
 def _is_composite(func: Any) -> bool:
@@ -211,6 +200,9 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _is_python_bodied(func):
+            with self:  # what the body launches comes back here, op by op
+                return func.redispatch(_CPU_KEYS, *args, **kwargs)
         if _is_composite(func):
             # Record what it launches (as grad mode would show it), never the composite whole: under
             # inference_mode ``to``/``reshape``/``contiguous`` arrive here and may copy or alias.
@@ -319,10 +311,32 @@ class Tape:
         return self.recorder
 
     def end(self) -> None:
-        """Stop recording; the segments stay, ready to replay."""
+        """Stop recording; the segments stay, ready to replay.
+
+        Raises:
+            CaptureError: a tensor the captured work reads from outside the graph's memory was
+                already freed when the capture ended (a temporary made inside the block without
+                going through an op, ``torch.from_numpy(...)`` say): a device graph would read
+                freed memory at every replay. The segments are dropped.
+        """
         assert self.recorder is not None
         self.recorder.__exit__(None, None, None)
         self.recorder = None
+        for segment in self.segments:
+            for entry in segment.entries:
+                if not isinstance(entry, Entry):
+                    continue  # a step of the simulator's own (event wait, record)
+                gone = [x for x in entry.externals() if not x.alive()]
+                if gone:
+                    self.segments = []
+                    raise CaptureError(
+                        f"{gone[0].describe()} was made inside the capture outside the graph's memory "
+                        "and freed when the capture ended; a device graph would read freed memory",
+                        op=entry.name,
+                        source=None,
+                        remedy="create the tensor before capture and keep it alive while the graph is "
+                        "replayed (copy new values into it), or make it with torch ops inside the block",
+                    )
 
     def abandon(self) -> None:
         """Stop recording if it still is, and forget the segments."""
