@@ -1,4 +1,4 @@
-"""Sessions: tests (default), lint, typecheck, demo, tests-cuda (GPU machines only), tests-vllm.
+"""Sessions: tests (default), lint, typecheck, demo, tests-vllm, tests-sglang, tests-cuda (GPU machines only).
 
 Test environments pin torch through constraints.txt to the CPU wheel CI installs (2.13.0);
 the package itself supports torch 2.11+.
@@ -6,6 +6,7 @@ the package itself supports torch 2.11+.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -98,3 +99,44 @@ def tests_vllm(session: nox.Session) -> None:
         "tests/vllm",
         *session.posargs,
     )
+
+
+# -- SGLang adapter ---------------------------------------------------------------------------------
+
+SGLANG_VERSION = "0.5.23"
+SGLANG_CPU_REQUIREMENTS = "tests/sglang/env/requirements-cpu.txt"
+SGLANG_TORCHVISION_SHIM = "tests/sglang/env/devgraph_torchvision_cpu.py"
+
+
+def _sglang_env_stamp() -> str:
+    """What the SGLang environment was built from: rebuild it when any of it changes."""
+    parts = [SGLANG_VERSION, Path("constraints.txt").read_text()]
+    parts += [Path(p).read_text() for p in (SGLANG_CPU_REQUIREMENTS, SGLANG_TORCHVISION_SHIM)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+@nox.session(name="tests-sglang")
+def tests_sglang(session: nox.Session) -> None:
+    """The SGLang adapter on a real sgl.Engine (CPU), in its own environment with SGLang 0.5.23 pinned.
+
+    The first run installs torch 2.13.0 CPU, SGLang with --no-deps, its pure-Python requirements and
+    a torchvision shim (see tests/sglang/env/); later runs find the stamp and install only devgraph.
+    """
+    stamp_file = Path(session.virtualenv.location) / ".devgraph-sglang-env"
+    stamp = _sglang_env_stamp()
+    if not stamp_file.exists() or stamp_file.read_text() != stamp:
+        session.install(*CONSTRAINTS, "torch==2.13.0")
+        session.install(*CONSTRAINTS, "-r", SGLANG_CPU_REQUIREMENTS)
+        # The registry's torchvision is a CUDA build; its C ops never load next to CPU torch.
+        session.install("--no-deps", f"sglang=={SGLANG_VERSION}", "torchvision==0.28.0")
+        site = session.run(
+            "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
+        ).strip()
+        shim = Path(SGLANG_TORCHVISION_SHIM)
+        Path(site, shim.name).write_text(shim.read_text())
+        Path(site, f"{shim.stem}.pth").write_text(f"import {shim.stem}; {shim.stem}.install()\n")
+        session.install(*CONSTRAINTS, "-e", ".[test]")
+        stamp_file.write_text(stamp)
+    else:
+        session.install("--no-deps", "-e", ".")  # picks up entry-point changes; no network needed
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/sglang", *session.posargs)

@@ -1,0 +1,146 @@
+"""The ``devgraph`` SGLang attention backend: graph-safe paged decode for the CPU reference (and NPU).
+
+Prefill (extend) runs SGLang's ``torch_native`` path eagerly (prefill is never captured at SGLang
+0.5.23 on an out-of-tree platform). Decode goes through ``devgraph.ops.paged_decode_attention`` over
+SGLang's token-indexed KV pool (one token per block: ``page_size`` 1), with the request's row of
+``req_to_token`` as the block table, and the lengths as a *host list*, the way an NPU kernel takes
+``actual_seq_lengths_kv``. In a captured graph that list is frozen unless the task is updated; the
+backend keeps the current batch's (padded) lengths, set outside the graph in
+``init_forward_metadata_out_graph``, and ``devgraph_host_args()`` hands them to
+``DevgraphGraphBackend`` at every replay. Like an NPU backend, it also fills the block tables of a
+graph batch there, outside the graph, into one static buffer: a task update re-issues the attention
+with the new lengths before the replay, and must find that batch's table, not the memory of an
+intermediate the graph has yet to recompute. ``torch_native``'s decode reads a device value on the host
+and cannot be captured; this one can.
+
+Refused with ``DevgraphError`` (at the first decode): cross attention, sliding windows, and
+``qk_head_dim != v_head_dim``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from devgraph import ops
+from devgraph._errors import DevgraphError
+
+#: Name of the argument of ``devgraph::paged_decode_attention`` that holds the host lengths.
+HOST_LENS_ARG = "seq_lens_host"
+
+
+class DevgraphAttnBackend(TorchNativeAttnBackend):
+    """``torch_native`` for prefill; decode via ``devgraph.ops.paged_decode_attention`` with host lengths."""
+
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__(model_runner)
+        self._seq_lens_host: list[int] = []
+        self._graph_block_table: torch.Tensor | None = None  # [max_bs, max_context] static buffer
+        self._block_table: torch.Tensor | None = None  # this graph batch's rows of it
+
+    # -- metadata (outside the graph) ---------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        """Eager batches: host lengths only (the block table is gathered in the forward)."""
+        super().init_forward_metadata(forward_batch)
+        self._set_host_lens(forward_batch)
+        self._block_table = None
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """Graph batches (capture and every replay): host lengths and the static block table."""
+        TorchNativeAttnBackend.init_forward_metadata(self, forward_batch)
+        self._set_host_lens(forward_batch)
+        if self._graph_block_table is None or not forward_batch.forward_mode.is_decode():
+            self._block_table = None
+            return
+        rows = forward_batch.req_pool_indices.shape[0]
+        table = self._graph_block_table[:rows]
+        torch.index_select(self.req_to_token_pool.req_to_token, 0, forward_batch.req_pool_indices, out=table)
+        self._block_table = table
+
+    def _set_host_lens(self, forward_batch: Any) -> None:
+        if not forward_batch.forward_mode.is_decode():
+            return
+        lens = forward_batch.seq_lens_cpu
+        if lens is None:  # only SGLang's eager paths leave it unset; this is outside any graph
+            lens = forward_batch.seq_lens.cpu()
+        self._seq_lens_host = [int(n) for n in lens.tolist()]
+
+    def devgraph_host_args(self) -> dict[str, list[int]]:
+        """The host arguments of this batch's decode attention tasks (``DevgraphGraphBackend`` reads it)."""
+        return {HOST_LENS_ARG: list(self._seq_lens_host)}
+
+    # -- graph state --------------------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        req_to_token = self.req_to_token_pool.req_to_token
+        self._graph_block_table = torch.zeros(
+            (max_bs, req_to_token.shape[1]), dtype=req_to_token.dtype, device=req_to_token.device
+        )
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        # Padded rows attend over one token (their KV goes to SGLang's reserved slot 0).
+        return 1
+
+    # -- decode -------------------------------------------------------------------------------
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        self._check_layer(layer)
+        heads, dim = layer.tp_q_head_num, layer.qk_head_dim
+        q = q.reshape(-1, heads * dim)
+        out = torch.empty_like(q)
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
+            )
+        key_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        value_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        kv_heads = layer.tp_k_head_num
+        # One token per block: SGLang's pool is token-indexed and req_to_token maps a request's
+        # positions to its slots, which is exactly a block table of block size 1.
+        key_cache = key_buffer.view(key_buffer.shape[0], 1, kv_heads, dim)
+        value_cache = value_buffer.view(value_buffer.shape[0], 1, kv_heads, dim)
+        block_table = self._block_table
+        if block_table is None or block_table.shape[0] != q.shape[0]:  # an eager batch
+            block_table = self.req_to_token_pool.req_to_token.index_select(0, forward_batch.req_pool_indices)
+        ops.paged_decode_attention(
+            q.view(-1, heads, dim),
+            key_cache,
+            value_cache,
+            block_table,
+            forward_batch.seq_lens,
+            self._seq_lens_host,
+            scale=layer.scaling,
+            out=out.view(-1, heads, dim),
+        )
+        return out
+
+    @staticmethod
+    def _check_layer(layer: Any) -> None:
+        window = getattr(layer, "sliding_window_size", None)
+        problem = (
+            "cross attention"
+            if layer.is_cross_attention
+            else f"a sliding window of {window}"
+            if window is not None and window > -1
+            else f"qk_head_dim {layer.qk_head_dim} != v_head_dim {layer.v_head_dim}"
+            if layer.qk_head_dim != layer.v_head_dim
+            else None
+        )
+        if problem is not None:
+            raise DevgraphError(
+                f"devgraph attention backend: layer {layer.layer_id} uses {problem}, which its paged "
+                "decode does not implement; use another --attention-backend for this model."
+            )

@@ -1,0 +1,270 @@
+"""``DevgraphGraphBackend``: SGLang's graph-backend ABC implemented over ``devgraph.Graph``.
+
+One graph per ``ShapeKey``, captured largest first (SGLang's runner orders the keys) into one pool
+shared by every devgraph backend of the device, on devgraph's capture stream, after two warm-up
+runs. Outputs are held by weak reference: the graph's pool owns their memory, so smaller buckets
+reuse the largest one's blocks; a replay overwrites the previous outputs (SGLang slices and copies
+them before the next step).
+
+Host arguments: the captured decode attention is an updatable task (the device's
+``updatable_ops``). Every replay hands it the batch's host lengths: from the attention backend's
+``devgraph_host_args()`` (the ``devgraph`` attention backend) in ``replay``, or from the caller in
+``replay_with_input_update`` (SGLang's NPU runner path, torch_npu's ``cpu_update_input`` shape).
+Forgetting them replays the lengths frozen at capture; devgraph never does that silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import BaseCudaGraphBackend
+
+import devgraph
+from devgraph._contract import Device, Graph, MemoryPool
+from devgraph._errors import DevgraphError
+from devgraph.adapters.sglang import _stats
+
+logger = logging.getLogger(__name__)
+
+WARMUP_RUNS = 2
+"""Eager runs before each capture (SGLang's in-tree backends do two as well)."""
+
+
+class _SharedPool:
+    """One pool per devgraph device for every live devgraph backend (decode graphs share memory).
+
+    A pool whose graphs were all reset is not captured into again (CUDA's allocator asserts), so
+    a fresh one is made whenever none of the backends using it still holds graphs.
+    """
+
+    def __init__(self) -> None:
+        self._pools: dict[str, MemoryPool] = {}
+        self._users: dict[str, weakref.WeakSet] = {}
+
+    def get(self, device: Device, user: DevgraphGraphBackend) -> MemoryPool:
+        key = str(device)
+        users = self._users.setdefault(key, weakref.WeakSet())
+        if key not in self._pools or not any(u.holds_graphs() for u in users):
+            self._pools[key] = device.pool()
+        users.add(user)
+        return self._pools[key]
+
+
+SHARED_POOL = _SharedPool()
+
+
+def devgraph_device_for(torch_device: str | torch.device) -> Device:
+    """The devgraph device for SGLang's device string (``"cpu"``, ``"npu"``, ``"cuda:1"``).
+
+    Raises:
+        DevgraphError / BackendUnavailable: no devgraph backend serves that device here.
+    """
+    dev = torch.device(torch_device)
+    return devgraph.device(dev.type, dev.index or 0)
+
+
+def _weak_outputs(out: Any) -> Any:
+    """The capture output with every tensor replaced by a non-owning view (its memory is the pool's)."""
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        changes = {
+            f.name: devgraph.weak_ref_tensors(getattr(out, f.name))
+            for f in dataclasses.fields(out)
+            if f.init and _has_tensor(getattr(out, f.name))
+        }
+        return dataclasses.replace(out, **changes)
+    tensors = getattr(out, "tensors", None)
+    if isinstance(tensors, dict):  # PPProxyTensors
+        return type(out)(devgraph.weak_ref_tensors(tensors))
+    return devgraph.weak_ref_tensors(out)
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_tensor(v) for v in value.values())
+    return False
+
+
+class DevgraphGraphBackend(BaseCudaGraphBackend):
+    """Captures and replays SGLang's decode forward per shape with ``devgraph.Graph``.
+
+    Constructed by SGLang (``resolve_decode_backend`` through the platform's
+    ``get_full_graph_backend_cls``, or by ``DevgraphNPUGraphRunner``) with the runner and SGLang's
+    keyword options; ``enable_memory_saver`` is refused (devgraph pools cannot be paused).
+    """
+
+    def __init__(self, cuda_graph_runner: Any, *, enable_memory_saver: bool = False, **_options: Any) -> None:
+        if enable_memory_saver:
+            raise DevgraphError(
+                "devgraph's SGLang graph backend does not support --enable-memory-saver for graphs "
+                "(its pools cannot be released and restored); turn the memory saver off."
+            )
+        self._runner = cuda_graph_runner
+        self._device = devgraph_device_for(cuda_graph_runner.model_runner.device)
+        self._graphs: dict[Any, Graph] = {}
+        self._outputs: dict[Any, Any] = {}
+        self._pool: MemoryPool | None = None
+        self._inputs_keepalive: dict[Any, Any] = {}
+
+    # -- introspection ------------------------------------------------------------------------
+
+    @property
+    def device(self) -> Device:
+        """The devgraph device the graphs are captured on."""
+        return self._device
+
+    @property
+    def graphs(self) -> Mapping[Any, Graph]:
+        """The captured graphs by SGLang ``ShapeKey`` (read-only view)."""
+        return dict(self._graphs)
+
+    def holds_graphs(self) -> bool:
+        """True while any graph of this backend is captured."""
+        return bool(self._graphs)
+
+    # -- BaseCudaGraphBackend -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any) -> Iterator[None]:
+        # SGLang's stream is a torch stream of its own device module; devgraph captures on its
+        # device's one capture stream (captures are serialised per device), so it is not used.
+        self._pool = SHARED_POOL.get(self._device, self)
+        yield
+
+    def capture_one(
+        self,
+        shape_key: Any,
+        forward_fn: Callable[[], Any],
+        capture_inputs: Any = None,
+        post_warmup_hook: Callable[[], None] | None = None,
+    ) -> None:
+        if self._pool is None:
+            raise DevgraphError("capture_one() outside capture_session(): SGLang's runner opens the session")
+        for _ in range(WARMUP_RUNS):
+            self._device.synchronize()
+            self._barrier()
+            forward_fn()
+            if post_warmup_hook is not None:
+                post_warmup_hook()
+        if capture_inputs is not None:
+            # The graph reads these by address: keep their owners alive as long as the graph.
+            self._inputs_keepalive[shape_key] = capture_inputs
+        graph = self._device.graph()
+        start = time.perf_counter()
+        with graph.capture(pool=self._pool, auto_update_ops=self._device.updatable_ops):
+            out = forward_fn()
+        self._graphs[shape_key] = graph
+        self._outputs[shape_key] = _weak_outputs(out)
+        size = getattr(shape_key, "size", shape_key)
+        _stats.record(lambda s: s.captured.append(size))
+        logger.debug(
+            "devgraph: captured %s on %s in %.3f s (%d updatable tasks)",
+            shape_key,
+            self._device,
+            time.perf_counter() - start,
+            len(graph.tasks),
+        )
+
+    def can_run(self, forward_batch: Any, shape_key: Any) -> bool:
+        return shape_key in self._graphs
+
+    @contextlib.contextmanager
+    def replay_session(self) -> Iterator[None]:
+        yield
+
+    def replay(self, shape_key: Any, static_forward_batch: Any, **kwargs: Any) -> Any:
+        host_args = self._attention_host_args()
+        return self._replay(shape_key, host_args)
+
+    def replay_with_input_update(
+        self,
+        shape_key: Any,
+        seq_lens: Any = None,
+        attr_name: str | None = None,
+        attr_type: Any = None,
+        cpu_update_input: Sequence[Mapping[str, Any]] | None = None,
+    ) -> Any:
+        """Replay with new host arguments for the updatable tasks (SGLang's NPU backend signature).
+
+        ``cpu_update_input`` is torch_npu's shape: one mapping per updatable task in capture order,
+        or a single mapping that every task taking those names receives (SGLang's NPU runner passes
+        ``[{attr_name: seq_lens}]`` for all its attention layers). Without it,
+        ``{attr_name: seq_lens}`` is used. A tensor ``seq_lens`` is passed on as a host list.
+        """
+        if cpu_update_input is None:
+            if attr_name is None:
+                raise DevgraphError(
+                    "replay_with_input_update needs attr_name with seq_lens, or cpu_update_input"
+                )
+            if isinstance(seq_lens, torch.Tensor):
+                seq_lens = seq_lens.tolist()
+            cpu_update_input = [{attr_name: list(seq_lens)}]
+        return self._replay(shape_key, cpu_update_input)
+
+    def cleanup(self) -> None:
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._outputs.clear()
+        self._inputs_keepalive = {}
+        self._pool = None
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _replay(self, shape_key: Any, host_args: Any) -> Any:
+        graph = self._graphs[shape_key]
+        host_args = self._for_graph(graph, host_args)
+        graph.replay(host_args=host_args)
+        self._count(shape_key, updated=host_args is not None)
+        return self._outputs[shape_key]
+
+    @staticmethod
+    def _for_graph(graph: Graph, host_args: Any) -> Any:
+        """Host arguments in the form ``Graph.update`` takes for this graph (None: nothing to update)."""
+        if not host_args or not graph.tasks:
+            return None
+        if isinstance(host_args, Mapping):
+            return host_args
+        host_args = list(host_args)
+        if len(host_args) == 1 and len(graph.tasks) != 1:
+            return host_args[0]  # one mapping for every task (SGLang's NPU runner)
+        return host_args
+
+    def _attention_host_args(self) -> Mapping[str, Any] | None:
+        backend = getattr(self._runner, "attn_backend", None)
+        get = getattr(backend, "devgraph_host_args", None)
+        return get() if get is not None else None
+
+    def _count(self, shape_key: Any, *, updated: bool) -> None:
+        size = getattr(shape_key, "size", None)
+        raw = getattr(self._runner, "raw_bs", None)
+        padded = size - raw if isinstance(size, int) and isinstance(raw, int) and raw < size else 0
+
+        def update(s: _stats.GraphStats) -> None:
+            s.replays[size] += 1
+            s.task_updates += int(updated)
+            if padded:
+                s.padded_replays += 1
+                s.padded_rows += padded
+
+        _stats.record(update)
+
+    def _barrier(self) -> None:
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            group = get_parallel().tp_group
+        except Exception:  # no parallel state (a runner built outside an engine): nothing to wait for
+            return
+        if group is not None and getattr(group, "world_size", 1) > 1:
+            group.barrier()

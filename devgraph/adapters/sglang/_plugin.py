@@ -1,0 +1,61 @@
+"""SGLang entry points: the platform plugin's ``activate()`` and the general plugin ``register()``.
+
+Both are cheap and inert unless devgraph is selected: installing devgraph changes no plain SGLang
+run. ``activate`` answers only to ``SGLANG_PLATFORM=devgraph``; ``register`` adds an attention
+backend *name* (``devgraph``) that nothing uses unless asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+#: The value of ``SGLANG_PLATFORM`` that selects devgraph (the entry point's name).
+PLATFORM_NAME = "devgraph"
+
+_PLATFORMS = {
+    "cpu": "devgraph.adapters.sglang._platform:DevgraphCpuPlatform",
+    "npu": "devgraph.adapters.sglang._platform:DevgraphNpuPlatform",
+}
+
+
+def activate() -> str | None:
+    """The devgraph platform class path when ``SGLANG_PLATFORM=devgraph``, else None.
+
+    The devgraph backend is ``devgraph.device()``'s choice (``DEVGRAPH_BACKEND`` to force one).
+    Raises:
+        DevgraphError: devgraph was selected but its device has no SGLang platform here.
+    """
+    if os.environ.get("SGLANG_PLATFORM") != PLATFORM_NAME:
+        return None
+    import devgraph
+    from devgraph._errors import DevgraphError
+
+    name = devgraph.device().name
+    if name not in _PLATFORMS:
+        raise DevgraphError(
+            f"SGLANG_PLATFORM=devgraph: devgraph picked backend {name!r}, which has no SGLang platform "
+            f"in devgraph (supported: {sorted(_PLATFORMS)}); set DEVGRAPH_BACKEND to one of them, or "
+            "unset SGLANG_PLATFORM to use SGLang's own platform."
+        )
+    logger.info("devgraph SGLang platform: backend %s", name)
+    return _PLATFORMS[name]
+
+
+def register() -> None:
+    """General plugin: register the ``devgraph`` attention backend with SGLang (a new name only)."""
+    from sglang.srt.layers.attention.attention_registry import (
+        ATTENTION_BACKENDS,
+        register_attention_backend,
+    )
+
+    if ATTENTION_BACKENDS.get(PLATFORM_NAME) is not _create_attention_backend:
+        register_attention_backend(PLATFORM_NAME)(_create_attention_backend)
+
+
+def _create_attention_backend(model_runner):
+    from devgraph.adapters.sglang._attention import DevgraphAttnBackend
+
+    return DevgraphAttnBackend(model_runner)

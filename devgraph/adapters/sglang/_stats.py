@@ -1,0 +1,69 @@
+"""Counters of the devgraph SGLang backend in this process, optionally mirrored to a JSON file."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import Counter
+
+import attrs
+
+#: Path of the JSON file the counters are written to after every capture and replay (unset: none).
+STATS_ENV = "DEVGRAPH_SGLANG_STATS"
+
+
+@attrs.define
+class GraphStats:
+    """What the devgraph graph backend did in this process.
+
+    ``captured``: bucket sizes captured, in capture order (largest first). ``replays``: replays per
+    bucket. ``padded_replays``: replays whose real batch was smaller than the bucket.
+    ``padded_rows``: rows of padding replayed in all. ``task_updates``: replays that gave the
+    graph's updatable tasks new host arguments. Batches SGLang runs eagerly (above the largest
+    bucket, prefill) never reach the backend and are not counted here.
+    """
+
+    captured: list[int] = attrs.field(factory=list)
+    replays: Counter = attrs.field(factory=Counter)
+    padded_replays: int = 0
+    padded_rows: int = 0
+    task_updates: int = 0
+
+    def as_dict(self) -> dict:
+        """A JSON-ready copy (bucket keys as strings)."""
+        return {
+            "captured": list(self.captured),
+            "replays": {str(k): v for k, v in sorted(self.replays.items())},
+            "padded_replays": self.padded_replays,
+            "padded_rows": self.padded_rows,
+            "task_updates": self.task_updates,
+        }
+
+
+_STATS = GraphStats()
+_LOCK = threading.Lock()
+
+
+def stats() -> GraphStats:
+    """This process's counters (the object itself; the backend updates it)."""
+    return _STATS
+
+
+def record(update) -> None:
+    """Applies ``update(stats)`` under the lock and mirrors the result to ``$DEVGRAPH_SGLANG_STATS``."""
+    with _LOCK:
+        update(_STATS)
+        path = os.environ.get(STATS_ENV)
+        if path:
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(_STATS.as_dict(), f)
+            os.replace(tmp, path)  # a reader never sees half a file
+
+
+def reset() -> None:
+    """Forgets every counter (tests)."""
+    global _STATS
+    with _LOCK:
+        _STATS = GraphStats()

@@ -1,0 +1,179 @@
+"""Level 1: the SGLang 0.5.23 surface the adapter relies on, checked against the installed SGLang.
+
+An SGLang upgrade that moves or renames any of it fails here, by name, before an engine run does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points, version
+
+import pytest
+
+# "sglang.srt", not "sglang": this directory is itself importable as a namespace package "sglang".
+pytest.importorskip("sglang.srt")
+
+from sglang.srt.layers.attention import attention_registry
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.model_executor.runner.base_cuda_graph_runner import BaseCudaGraphRunner
+from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+from sglang.srt.model_executor.runner_backend import utils as backend_utils
+from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import (
+    BaseCudaGraphBackend,
+)
+from sglang.srt.platforms.device_mixin import PlatformEnum
+from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP
+
+from devgraph.adapters.sglang import SGLANG_VERSION
+from devgraph.adapters.sglang._backend import DevgraphGraphBackend
+from devgraph.adapters.sglang._plugin import activate, register
+
+
+def _params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def test_installed_sglang_is_the_pinned_release():
+    assert version("sglang") == SGLANG_VERSION
+
+
+def test_entry_point_groups_are_the_ones_sglang_reads():
+    assert (PLATFORM_PLUGINS_GROUP, GENERAL_PLUGINS_GROUP) == ("sglang.srt.platforms", "sglang.srt.plugins")
+
+
+def test_devgraph_registers_its_platform_and_general_plugin():
+    platforms = {ep.name: ep.value for ep in entry_points(group=PLATFORM_PLUGINS_GROUP)}
+    plugins = {ep.name: ep.value for ep in entry_points(group=GENERAL_PLUGINS_GROUP)}
+    assert platforms["devgraph"] == "devgraph.adapters.sglang._plugin:activate"
+    assert plugins["devgraph"] == "devgraph.adapters.sglang._plugin:register"
+
+
+def test_platform_capabilities_have_the_fields_devgraph_declares():
+    assert {"graph_capture", "piecewise_graph"} <= set(PlatformCapabilities.__struct_fields__)
+    assert PlatformCapabilities().graph_capture is False  # conservative default: devgraph must opt in
+
+
+def test_platform_hooks_keep_their_signatures():
+    assert _params(SRTPlatform.get_graph_runner_cls) == ["self"]
+    assert _params(SRTPlatform.get_full_graph_backend_cls) == ["self"]
+    assert _params(SRTPlatform.get_default_attention_backend) == ["self"]
+    assert _params(SRTPlatform.apply_server_args_defaults) == ["self", "server_args"]
+    assert _params(SRTPlatform.init_backend) == ["self"]
+    assert PlatformEnum.OOT in PlatformEnum
+
+
+def test_graph_backend_abc_has_exactly_the_methods_devgraph_implements():
+    assert BaseCudaGraphBackend.__abstractmethods__ == {
+        "capture_session",
+        "capture_one",
+        "can_run",
+        "replay_session",
+        "replay",
+        "cleanup",
+    }
+    assert _params(BaseCudaGraphBackend.capture_one) == [
+        "self",
+        "shape_key",
+        "forward_fn",
+        "capture_inputs",
+        "post_warmup_hook",
+    ]
+    assert _params(BaseCudaGraphBackend.replay) == ["self", "shape_key", "static_forward_batch", "kwargs"]
+    assert not DevgraphGraphBackend.__abstractmethods__
+
+
+def test_npu_backend_replay_with_input_update_matches_devgraphs():
+    from sglang.srt.hardware_backend.npu.graph_runner.npu_cudagraph_backend import NPUCudaGraphBackend
+
+    assert _params(NPUCudaGraphBackend.replay_with_input_update) == _params(
+        DevgraphGraphBackend.replay_with_input_update
+    )
+
+
+def test_decode_runner_hooks_devgraph_overrides_still_exist():
+    assert BaseCudaGraphRunner.__abstractmethods__ >= {"capture", "capture_one_shape", "capture_prepare"}
+    assert _params(DecodeCudaGraphRunner.capture) == ["self"]
+    assert _params(DecodeCudaGraphRunner._record_in_graph_metadata_prep_done) == ["self"]
+    # The runner builds its backend through resolve_decode_backend, which asks an out-of-tree platform
+    # for its full backend class except on npu/xpu (where devgraph's runner swaps the backend).
+    source = inspect.getsource(backend_utils.resolve_decode_backend)
+    assert "get_full_graph_backend_cls" in source and 'model_runner.device == "npu"' in source
+    assert "self.backend = resolve_decode_backend(self)" in inspect.getsource(DecodeCudaGraphRunner.__init__)
+
+
+def test_attention_backend_hooks_devgraph_overrides_still_exist():
+    for name in (
+        "init_forward_metadata",
+        "init_forward_metadata_out_graph",
+        "init_cuda_graph_state",
+        "get_cuda_graph_seq_len_fill_value",
+        "forward_decode",
+    ):
+        assert callable(getattr(TorchNativeAttnBackend, name)), name
+    assert _params(TorchNativeAttnBackend.init_forward_metadata_out_graph) == [
+        "self",
+        "forward_batch",
+        "in_capture",
+    ]
+    assert callable(attention_registry.register_attention_backend)
+
+
+def test_general_plugin_adds_only_the_devgraph_attention_backend():
+    before = dict(attention_registry.ATTENTION_BACKENDS)
+    register()
+    after = attention_registry.ATTENTION_BACKENDS
+    assert set(after) - set(before) <= {"devgraph"} and "devgraph" in after
+    assert {k: v for k, v in after.items() if k != "devgraph"} == {
+        k: v for k, v in before.items() if k != "devgraph"
+    }
+
+
+def test_activate_is_inert_unless_sglang_platform_selects_devgraph(monkeypatch):
+    monkeypatch.delenv("SGLANG_PLATFORM", raising=False)
+    assert activate() is None
+    monkeypatch.setenv("SGLANG_PLATFORM", "other")
+    assert activate() is None
+
+
+def test_selected_platform_is_out_of_tree_with_devgraph_runner_and_backend(monkeypatch):
+    from sglang.srt.platforms import _load_platform_class
+
+    from devgraph.adapters.sglang._runner import DevgraphDecodeGraphRunner
+
+    monkeypatch.setenv("SGLANG_PLATFORM", "devgraph")
+    monkeypatch.setenv("DEVGRAPH_BACKEND", "cpu")
+    platform = _load_platform_class(activate())()
+    assert platform.is_out_of_tree() and platform.capabilities.graph_capture
+    assert not platform.capabilities.piecewise_graph  # no prefill/piecewise hook at 0.5.23
+    assert platform.get_graph_runner_cls() is DevgraphDecodeGraphRunner
+    assert issubclass(DevgraphDecodeGraphRunner, DecodeCudaGraphRunner)
+    assert platform.get_full_graph_backend_cls() is DevgraphGraphBackend
+    assert platform.get_default_attention_backend() == "devgraph"
+
+
+def _resolved_platform(env: dict[str, str]) -> dict:
+    code = (
+        "import json; from sglang.srt.platforms import current_platform as p; "
+        "print(json.dumps({'cls': type(p).__module__ + '.' + type(p).__name__, 'oot': p.is_out_of_tree()}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_plain_sglang_resolves_its_own_platform_with_devgraph_installed():
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLATFORM"}
+    resolved = _resolved_platform(env)
+    assert not resolved["oot"] and "devgraph" not in resolved["cls"]
+
+
+def test_sglang_platform_devgraph_resolves_devgraphs_platform():
+    env = dict(os.environ, SGLANG_PLATFORM="devgraph", DEVGRAPH_BACKEND="cpu")
+    resolved = _resolved_platform(env)
+    assert resolved == {"cls": "devgraph.adapters.sglang._platform.DevgraphCpuPlatform", "oot": True}
