@@ -34,7 +34,8 @@ class SharedStaticCache:
 
         self.rows = rows
         self.max_cache_len = max_cache_len
-        self.base = Cache(layers=[StaticLayer(max_cache_len=max_cache_len) for _ in range(num_layers)])
+        # Any: transformers types a cache's layers as a union that includes layers without keys.
+        self.base: Any = Cache(layers=[StaticLayer(max_cache_len=max_cache_len) for _ in range(num_layers)])
         self._views: dict[int, Any] = {}
 
     @property

@@ -242,6 +242,7 @@ class GraphedCausalLM(GraphedModule):
         if why is not None:
             self.runner.note_fallback(*why)  # raises when strict; counts; warns once per reason
             return model.generate(*args, **kwargs)
+        assert call.input_ids is not None  # eager_reason sends calls without input_ids to eager
         rows = call.input_ids.shape[0] * max(config.num_return_sequences or 1, 1)
         with self._lock, torch.no_grad():
             self.cache.allocate(model, self._step.extra_kwargs)
@@ -287,9 +288,9 @@ def _route_config() -> Any:
 
     # A backend name no torch.compile knows: were transformers ever to compile instead of taking the
     # per-instance call, it would fail loudly rather than run something else.
-    config = CompileConfig(backend="devgraph-hf-decode-route", mode=None, fullgraph=False)
+    config = CompileConfig(backend="devgraph-hf-decode-route", mode=None, fullgraph=False)  # type: ignore[arg-type]
     # transformers' switch (a class attribute it reads per instance) for auto-compile off CUDA.
-    config._compile_all_devices = True
+    config._compile_all_devices = True  # type: ignore[assignment]
     return config
 
 

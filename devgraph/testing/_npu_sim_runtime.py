@@ -248,6 +248,8 @@ class Event:
     _ids = itertools.count()
     enable_timing: bool
     _t: int | None
+    _id: int
+    _where: dict[int, int]
 
     def __new__(cls, enable_timing=False, blocking=False, interprocess=False):
         self = super().__new__(cls)
@@ -256,7 +258,7 @@ class Event:
         self._id = next(cls._ids)
         self._recorded = 0  # records issued
         self._done = 0  # records the device has reached
-        self._where: dict[int, int] = {}  # record number -> stream id
+        self._where = {}  # record number -> stream id
         return self
 
     def record(self, stream=None):
@@ -691,7 +693,7 @@ class _Replay(Work):
                     self.current, self.entry = self.segments[self.index], 0
                 entries = self.current.entries
                 while self.entry < len(entries):
-                    item = entries[self.entry]
+                    item: Any = entries[self.entry]  # an Entry, or a _Step waiting on an external event
                     ready = getattr(item, "ready", None)
                     if ready is not None and not ready():
                         sched.drive_external(item.event)

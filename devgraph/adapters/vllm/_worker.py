@@ -31,10 +31,10 @@ class DevgraphCPUModelRunner(CPUModelRunner):
         super().load_model(load_dummy_weights)
         cc = self.compilation_config
         if cc.mode != CompilationMode.STOCK_TORCH_COMPILE and cc.cudagraph_mode.has_full_cudagraphs():
-            self.model = DevgraphGraphWrapper(self.model, self.vllm_config, runtime_mode=CUDAGraphMode.FULL)
+            self.model = DevgraphGraphWrapper(self.model, self.vllm_config, runtime_mode=CUDAGraphMode.FULL)  # type: ignore[has-type]
 
-    def get_model(self) -> torch.nn.Module:
-        model = self.model
+    def get_model(self) -> Any:
+        model: Any = self.model
         return model.unwrap() if isinstance(model, DevgraphGraphWrapper) else model
 
 
@@ -47,7 +47,7 @@ class DevgraphCPUWorker(CPUWorker):
         super().init_device()
         # capture_model() locks the workspace afterwards, so it must exist (the GPU worker makes it).
         init_workspace_manager(self.device, 1)
-        if not isinstance(self.model_runner, CPUModelRunner) or self.use_v2_model_runner:
+        if not isinstance(self.model_runner, CPUModelRunner) or self.use_v2_model_runner:  # type: ignore[has-type]
             raise RuntimeError("devgraph's vLLM adapter supports vLLM's V1 CPU model runner only")
         self.model_runner = DevgraphCPUModelRunner(self.vllm_config, torch.device("cpu"))
 

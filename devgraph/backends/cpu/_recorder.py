@@ -140,7 +140,7 @@ def _is_python_bodied(func: Any) -> bool:
         ns, _, rest = func.name().partition("::")
         overload = func._overloadname
         name = rest if overload == "default" else f"{rest}.{overload}"
-        registered = getattr(torch.library, "_impls", set())
+        registered: set[str] = getattr(torch.library, "_impls", set())
         known = _PYTHON_BODIED[func] = ns not in _WHOLE_NAMESPACES and any(
             f"{ns}/{name}/{key}" in registered for key in ("CPU", "CompositeExplicitAutograd")
         )
