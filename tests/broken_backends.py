@@ -29,6 +29,7 @@ from devgraph._errors import DevgraphError
 from devgraph._tasks import TaskGroup
 from devgraph.backends.cpu._device import CpuDevice, CpuEvent, CpuGraph, CpuStream
 from devgraph.backends.cpu._pool import Block, CpuPool
+from devgraph.backends.cpu._recorder import written_tensors
 
 __all__ = ["BROKEN", "CorrectDevice", "DeferredWrites"]
 
@@ -82,16 +83,6 @@ class _SpyGraph(CpuGraph):
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
-def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors ``func`` writes in place (``Tensor(a!)`` arguments)."""
-    return [
-        t
-        for i, a in enumerate(func._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-        for t in _tensors(args[i] if i < len(args) else kwargs.get(a.name))
-    ]
 
 
 # -- capture on the capture stream -----------------------------------------------------------------
@@ -238,7 +229,7 @@ class _SnapshotsInputsGraph(_SpyGraph):
     def _spy(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         produced: set[int] = self.__dict__.setdefault("_produced", set())
         kept: list[torch.Tensor] = self.__dict__.setdefault("_snapshots", [])
-        written = {id(t) for t in _written(func, args, kwargs)}
+        written = {id(t) for t in written_tensors(func, args, kwargs)}
 
         def snapshot(x: Any) -> Any:
             if not isinstance(x, torch.Tensor) or id(x) in written:
@@ -408,7 +399,7 @@ class _DeferWrites(TorchDispatchMode):
         if current_graph() is not None:  # a capture records the work; nothing runs late
             return func(*args, **kwargs)
         self.stream.flush()  # the stream's own earlier work comes first (program order)
-        written = _written(func, args, kwargs)
+        written = written_tensors(func, args, kwargs)
         if not written:
             return func(*args, **kwargs)
         self.stream.pending.append(lambda: func(*args, **kwargs))

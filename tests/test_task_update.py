@@ -191,3 +191,15 @@ def test_a_failed_task_group_begin_leaves_the_graph_capturable(monkeypatch):
         with graph.task_group():
             x.add_(1)
     assert len(graph.tasks) == 1
+
+
+def test_update_changes_no_output_before_the_replay():
+    """A device's task update rewrites parameters and runs nothing: the last replay's outputs stay
+    as they were until the next replay (another thread may be reading them)."""
+    graph, out, args = _capture(devgraph.device("cpu"), [5, 9])
+    graph.replay()
+    before = out.clone()
+    graph.update({"seq_lens_host": [2, 3]})
+    torch.testing.assert_close(out, before)
+    graph.replay()
+    torch.testing.assert_close(out, _expected(args, [2, 3]))

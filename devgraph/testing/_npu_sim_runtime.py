@@ -46,7 +46,15 @@ from torch.utils._pytree import tree_flatten
 
 from devgraph._weakref import weak_ref_tensor
 from devgraph.backends.cpu._pool import BlockPool, PoolBytes, block_of, tensor_bytes
-from devgraph.backends.cpu._recorder import _UNINITIALISED, Entry, Recorder, Segment, Tape, _is_view
+from devgraph.backends.cpu._recorder import (
+    _UNINITIALISED,
+    Entry,
+    Recorder,
+    Segment,
+    Tape,
+    _is_view,
+    written_tensors,
+)
 from devgraph.testing._npu_sim_ops import NAMESPACE as _SIM_NAMESPACE
 from devgraph.testing._npu_sim_ops import check_call
 from devgraph.testing._npu_sim_streams import Call, Scheduler, Work
@@ -439,16 +447,6 @@ def _describe_tensor(t: torch.Tensor) -> str:
     return f"[{', '.join(map(str, t.shape))}] {t.dtype}"
 
 
-def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensor arguments ``func`` writes (``Tensor(a!)`` arguments, or ``out``)."""
-    written: list[torch.Tensor] = []
-    for i, arg in enumerate(func._schema.arguments):
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name == "out":
-            written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
-    return written
-
-
 class _SimRecorder(Recorder):
     """The CPU recorder, recording what the NPU kernels launch (capture, or a task update).
 
@@ -514,7 +512,7 @@ class _SimRecorder(Recorder):
             return func(*args, **kwargs)
         if func._overloadname == "out" and "out" in kwargs and check_call(func, args, kwargs):
             return tuple(kwargs["out"])
-        written = _written(func, args, kwargs)
+        written = written_tensors(func, args, kwargs)
         saved = [t.clone() for t in written]
         result = func(*args, **kwargs)
         for t, before in zip(written, saved):
@@ -523,7 +521,7 @@ class _SimRecorder(Recorder):
 
     def _check_inputs(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: list) -> None:
         """Raise if a re-issued task reads or writes memory allocated during the update."""
-        written = {id(t) for t in _written(func, args, kwargs)}
+        written = {id(t) for t in written_tensors(func, args, kwargs)}
         for t in inputs:
             born = self._born.get(_storage_ptr(t)) if tensor_bytes(t) else None
             if born is not None:

@@ -178,6 +178,24 @@ def _refuse_unstrided(func: Any, tree: Any) -> None:
             )
 
 
+def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensor arguments ``func`` writes (``Tensor(a!)`` arguments, or ``out``)."""
+    written: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name == "out":
+            written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return written
+
+
+def _pairs(
+    args: Any, kwargs: Any, scratch: dict[int, torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(real tensor, its scratch copy) for every tensor argument that has one."""
+    leaves = tree_flatten((args, kwargs))[0]
+    return [(t, scratch[id(t)]) for t in leaves if isinstance(t, torch.Tensor) and id(t) in scratch]
+
+
 def _aliases(t: Any, inputs: set[int]) -> bool:
     return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in inputs
 
@@ -230,7 +248,7 @@ class Recorder(TorchDispatchMode):
         name = func._schema.name
         entry = Entry(func, name, args, kwargs, rerun=name not in _UNINITIALISED)
         inputs = _storages((args, kwargs))
-        result = func(*args, **kwargs)
+        result = self._run(func, args, kwargs)
         leaves = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
         _refuse_unstrided(func, leaves)
         if _is_view(func) and all(_aliases(t, inputs) or not tensor_bytes(t) for t in leaves):
@@ -269,6 +287,34 @@ class Recorder(TorchDispatchMode):
         outs = [(i, _Strong(t)) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         entry.outs = outs  # type: ignore[assignment]
         self.segment.entries.append(entry)
+
+    def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``func`` to record it; in a task re-issue, leave graph memory untouched.
+
+        A device's task update rewrites the task's parameters and runs nothing until the next
+        replay, so an update must not change what the graph's tensors hold, not even for a moment:
+        another thread may be reading the last replay's outputs. What the op would write in place
+        it writes into scratch copies (results that are those copies come back as the real
+        tensors); its fresh outputs are not copied into the graph's (``_place``).
+        """
+        if self.reissue is None:
+            return func(*args, **kwargs)
+        scratch = {id(t): t.clone() for t in written_tensors(func, args, kwargs)}
+        if not scratch:
+            return func(*args, **kwargs)
+        real = {c.untyped_storage().data_ptr(): t for t, c in _pairs(args, kwargs, scratch)}
+
+        def swap_in(x: Any) -> Any:
+            return scratch.get(id(x), x) if isinstance(x, torch.Tensor) else x
+
+        def swap_back(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor) or not x.untyped_storage().nbytes():
+                return x
+            t = real.get(x.untyped_storage().data_ptr())
+            return x if t is None else t.as_strided(x.shape, x.stride(), x.storage_offset())
+
+        result = func(*tree_map(swap_in, args), **tree_map(swap_in, kwargs))
+        return tree_map(swap_back, result)
 
     def _place_outputs(self, func: Any, entry: Entry, result: Any, inputs: set[int] | None = None) -> Any:
         """Move the fresh outputs into pool blocks: those the schema declares fresh, and those a view
@@ -315,7 +361,8 @@ class Recorder(TorchDispatchMode):
             ref = _Ref(block, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
             ref.offset = 0
         dst = ref.get()
-        dst.copy_(t)
+        if self.reissue is None:  # a re-issue writes nothing now: replay computes into dst
+            dst.copy_(t)
         entry.outs.append((leaf_index, ref))
         self.segment.fresh.append(ref)
         return dst
