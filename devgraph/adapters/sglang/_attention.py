@@ -32,6 +32,17 @@ from devgraph._errors import DevgraphError
 HOST_LENS_ARG = "seq_lens_host"
 
 
+@torch.compiler.disable
+def _attend(q, key_cache, value_cache, block_table, seq_lens, seq_lens_host, scale, out) -> None:
+    """The decode attention, kept out of compiled graphs (SGLang compiles the decode forward when
+    ``enable_torch_compile`` is on): inside one, its host lengths would be frozen into the compiled
+    graph's recording, and devgraph refuses that at capture. Here Dynamo breaks the graph around
+    it, so the capture records it as an updatable task between the compiled pieces."""
+    ops.paged_decode_attention(
+        q, key_cache, value_cache, block_table, seq_lens, seq_lens_host, scale=scale, out=out
+    )
+
+
 class DevgraphAttnBackend(TorchNativeAttnBackend):
     """``torch_native`` for prefill; decode via ``devgraph.ops.paged_decode_attention`` with host lengths."""
 
@@ -115,15 +126,15 @@ class DevgraphAttnBackend(TorchNativeAttnBackend):
         block_table = self._block_table
         if block_table is None or block_table.shape[0] != q.shape[0]:  # an eager batch
             block_table = self.req_to_token_pool.req_to_token.index_select(0, forward_batch.req_pool_indices)
-        ops.paged_decode_attention(
+        _attend(
             q.view(-1, heads, dim),
             key_cache,
             value_cache,
             block_table,
             forward_batch.seq_lens,
             self._seq_lens_host,
-            scale=layer.scaling,
-            out=out.view(-1, heads, dim),
+            layer.scaling,
+            out.view(-1, heads, dim),
         )
         return out
 
