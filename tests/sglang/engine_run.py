@@ -4,7 +4,7 @@
 (``SGLANG_PLATFORM=devgraph``, the ``devgraph`` attention backend, dummy weights from a fixed seed);
 ``graphs`` captures decode graphs through devgraph, ``eager`` runs every step eagerly. On device
 ``cpu`` SGLang 0.5.23 captures decode graphs only with ``enable_torch_compile``; ``torch_compile_max_bs=0``
-leaves every bucket uncompiled, so devgraph captures the plain forward. Run as a script (SGLang starts
+compiles no bucket's forward as a whole (what SGLang still compiles is recorded whole). Run as a script (SGLang starts
 its scheduler in subprocesses) by ``test_engine.py``, under a timeout.
 """
 
