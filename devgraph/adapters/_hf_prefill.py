@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from devgraph.adapters._hf_cache import SharedStaticCache
-from devgraph.adapters._hf_step import MAX_MASKS
+from devgraph.adapters._hf_step import mask_structure
 
-__all__ = ["PiecewisePrefill", "PrefillRow", "prefill_mask_structure"]
+__all__ = ["PiecewisePrefill", "PrefillRow"]
 
 
 class PrefillRow(nn.Module):
@@ -59,21 +59,6 @@ class PrefillRow(nn.Module):
             return_dict=True,
         )
         return out.logits[0]
-
-
-def prefill_mask_structure(
-    attention_mask: Any, tokens: int
-) -> tuple[tuple[str | None, ...], list[torch.Tensor]] | None:
-    """``(keys, [B, 1, T, L] tensors)`` of a prefill call's mask(s), or None when not all 4-D."""
-    if isinstance(attention_mask, torch.Tensor):
-        items: list[tuple[str | None, Any]] = [(None, attention_mask)]
-    elif isinstance(attention_mask, dict) and 0 < len(attention_mask) <= MAX_MASKS:
-        items = sorted(attention_mask.items())
-    else:
-        return None
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] == tokens for _, t in items):
-        return None
-    return tuple(k for k, _ in items), [t for _, t in items]
 
 
 class PiecewisePrefill:
@@ -131,7 +116,7 @@ class PiecewisePrefill:
         )
         if extra:
             return f"the prefill was called with {extra}, which the pieces do not take"
-        structure = prefill_mask_structure(kwargs.get("attention_mask"), ids.shape[1])
+        structure = mask_structure(kwargs.get("attention_mask"), ids.shape[1])
         if structure is None:
             return "the prefill mask is not a 4-D tensor (or a dict of them)"
         if self.row.mask_keys is not None and structure[0] != self.row.mask_keys:
@@ -143,7 +128,7 @@ class PiecewisePrefill:
 
         ids = kwargs["input_ids"]
         batch, tokens = ids.shape
-        keys, masks = prefill_mask_structure(kwargs["attention_mask"], tokens)  # type: ignore[misc]
+        keys, masks = mask_structure(kwargs["attention_mask"], tokens)  # type: ignore[misc]
         self.scratch.allocate(self.model, {})
         self.row.mask_keys = keys
         positions = kwargs.get("position_ids")

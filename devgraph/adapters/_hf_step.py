@@ -77,15 +77,18 @@ class DecodeStep(nn.Module):
         return out.logits
 
 
-def mask_structure(attention_mask: Any) -> tuple[tuple[str | None, ...], list[torch.Tensor]] | None:
-    """``(mask_keys, tensors)`` of a decode call's mask, or None when it is not all 4-D tensors."""
+def mask_structure(
+    attention_mask: Any, tokens: int = 1
+) -> tuple[tuple[str | None, ...], list[torch.Tensor]] | None:
+    """``(mask_keys, [B, 1, tokens, L] tensors)`` of a call's mask(s) (a decode step: one token), or
+    None when they are not all 4-D with ``tokens`` query rows."""
     if isinstance(attention_mask, torch.Tensor):
         items: list[tuple[str | None, Any]] = [(None, attention_mask)]
     elif isinstance(attention_mask, dict) and 0 < len(attention_mask) <= MAX_MASKS:
         items = sorted(attention_mask.items())
     else:
         return None
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] == 1 for _, t in items):
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] == tokens for _, t in items):
         return None
     return tuple(k for k, _ in items), [t for _, t in items]
 

@@ -19,17 +19,16 @@ from devgraph.backends.cpu._pool import Block, block_of, tensor_bytes
 __all__ = ["Held", "describe", "materialise"]
 
 
-class _Ref:
-    """A tensor in a pool block, rebuilt from metadata at replay (holds no reference to it).
+class _Layout:
+    """Where a tensor sits in its storage, rebuilt over that storage at replay.
 
     The metadata includes the lazy conjugate and negative bits: ``_conj`` views a complex tensor
     without touching its memory, and a rebuilt tensor without the bit would read the wrong values.
     """
 
-    __slots__ = ("block", "conj", "dtype", "neg", "offset", "size", "stride")
+    __slots__ = ("conj", "dtype", "neg", "offset", "size", "stride")
 
-    def __init__(self, block: Block, t: torch.Tensor) -> None:
-        self.block = block
+    def __init__(self, t: torch.Tensor) -> None:
         self.offset = int(t.storage_offset())
         self.size = tuple(t.shape)
         self.stride = tuple(t.stride())
@@ -37,13 +36,26 @@ class _Ref:
         self.conj = t.is_conj()
         self.neg = t.is_neg()
 
-    def get(self) -> torch.Tensor:
-        t = self.block.tensor(self.offset, self.size, self.stride, self.dtype)
+    def _over(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        t = torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
         if self.conj:
             torch._C._set_conj(t, True)
         if self.neg:
             torch._C._set_neg(t, True)
         return t
+
+
+class _Ref(_Layout):
+    """A tensor in a pool block, rebuilt from metadata at replay (holds no reference to it)."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: Block, t: torch.Tensor) -> None:
+        super().__init__(t)
+        self.block = block
+
+    def get(self) -> torch.Tensor:
+        return self._over(self.block.storage)
 
 
 class _Strong:
@@ -62,7 +74,7 @@ class _Strong:
         return True
 
 
-class _External:
+class _External(_Layout):
     """A tensor from outside the capture (weights, static inputs), held as a device graph holds it:
     by address, without keeping it alive.
 
@@ -71,16 +83,11 @@ class _External:
     ``DevgraphError`` naming the input instead (the caller must keep graph inputs alive).
     """
 
-    __slots__ = ("conj", "dtype", "neg", "offset", "op", "ref", "size", "stride")
+    __slots__ = ("op", "ref")
 
     def __init__(self, t: torch.Tensor, op: str) -> None:
+        super().__init__(t)
         self.ref = StorageWeakRef(t.untyped_storage())
-        self.offset = int(t.storage_offset())
-        self.size = tuple(t.shape)
-        self.stride = tuple(t.stride())
-        self.dtype = t.dtype
-        self.conj = t.is_conj()
-        self.neg = t.is_neg()
         self.op = op
 
     def alive(self) -> bool:
@@ -97,12 +104,7 @@ class _External:
                 "would read freed memory here; keep every tensor the captured code read from outside the "
                 "capture (inputs, weights, buffers) alive as long as the graph is replayed"
             )
-        t = torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
-        if self.conj:
-            torch._C._set_conj(t, True)
-        if self.neg:
-            torch._C._set_neg(t, True)
-        return t
+        return self._over(storage)
 
 
 Held = (_Ref, _Strong, _External)

@@ -60,12 +60,6 @@ class Block:
         """True while a tensor other than the pool's own reference uses the block."""
         return torch._C._storage_Use_Count(self.storage._cdata) > 1
 
-    def tensor(
-        self, offset: int, size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype
-    ) -> torch.Tensor:
-        """A tensor over this block (``offset`` in elements)."""
-        return torch.empty(0, dtype=dtype).set_(self.storage, offset, size, stride)
-
 
 def storage_bytes(size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes a tensor of this size/stride spans from its first element."""
