@@ -12,11 +12,12 @@ from typing import Any
 
 from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph._errors import BackendUnavailable, CaptureError, DevgraphError, PluginLoadError
+from devgraph._graphed import GraphedModule
 from devgraph._hookspecs import hookimpl
 from devgraph._plugins import BackendInfo, BackendSpec, Probe, backends, device
 from devgraph._tasks import TaskGroup
 from devgraph._weakref import weak_ref_tensor, weak_ref_tensors
-from devgraph._wrap import GraphedModule, wrap
+from devgraph._wrap import wrap
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""What every backend's capture shares: the host-sync guard, auto task groups, the current graph.
+"""What every backend's capture shares: the host-sync guard and auto task groups.
 
 A captured graph replays device work only; anything that needs the host to look at a device value
 (``.item()``, ``.tolist()``, ``.cpu()``, data-dependent shapes) cannot be recorded. CUDA fails such
@@ -10,99 +10,33 @@ remedy.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import linecache
-import os
-import sys
-import sysconfig
 from collections.abc import Iterator, Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from devgraph._compiled_regions import CompiledRegions, op_recorders
 from devgraph._errors import CaptureError
+from devgraph._source import user_source_line
+from devgraph._tasks import TaskGroup
 
-if TYPE_CHECKING:
-    from devgraph._contract import Graph
-
-__all__ = [
-    "capturing",
-    "current_graph",
-    "dispatch_refusal",
-    "raise_refusal",
-    "user_source_line",
-    "user_stacklevel",
-]
-
-_current: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("devgraph_graph", default=None)
-
-_DEVGRAPH_DIR = os.path.dirname(os.path.abspath(__file__))
-_TESTING_DIR = os.path.join(_DEVGRAPH_DIR, "testing")
+__all__ = ["GuardedGraph", "capturing", "dispatch_refusal", "raise_refusal"]
 
 
-def _skip_dirs() -> tuple[str, str]:
-    """torch's package and the standard library (but not site-packages inside it: a model's own
-    library, transformers say, is where the user's offending line usually is)."""
-    import torch
+class GuardedGraph(Protocol):
+    """What the guard uses of the graph it guards (``devgraph.Graph`` is one).
 
-    return (
-        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-        sysconfig.get_paths()["stdlib"] + os.sep,
-    )
-
-
-_SITE_DIRS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")})
-
-
-def current_graph() -> Graph | None:
-    """The devgraph Graph being captured in this context, or None."""
-    return _current.get()
-
-
-def _is_user_path(path: str, skip: tuple[str, ...]) -> bool:
-    torch_dir, stdlib = skip
-    if path.startswith("<") or path.startswith(torch_dir):
-        return False
-    if path.startswith(_DEVGRAPH_DIR) and not path.startswith(_TESTING_DIR):
-        return False
-    return not path.startswith(stdlib) or path.startswith(_SITE_DIRS)
-
-
-def _render(path: str, lineno: int) -> str:
-    code = linecache.getline(path, lineno).strip()
-    return f"{path}:{lineno}: {code}" if code else f"{path}:{lineno}"
-
-
-def user_source_line(tb: TracebackType | None = None) -> str | None:
-    """``"file.py:LINE: code"`` of the innermost user frame (outside torch, devgraph and the stdlib).
-
-    Walks the current stack, or the traceback ``tb`` of an exception when given.
+    The guard needs the device type (which tensors the capture owns), whether an explicit task
+    group is open, and a way to capture one call as an auto task; the graph drives the guard, so
+    the guard names this much of it rather than importing the contract.
     """
-    skip = _skip_dirs()
-    if tb is not None:
-        found = None
-        while tb is not None:
-            path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-            if _is_user_path(path, skip):
-                found = _render(path, tb.tb_lineno)
-            tb = tb.tb_next
-        return found
-    frame = sys._getframe(1)
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if _is_user_path(path, skip):
-            return _render(path, frame.f_lineno)
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
 
+    device: Any
+    _open_group: TaskGroup | None
 
-def user_stacklevel() -> int:
-    """``stacklevel`` for ``warnings.warn`` that points at the first frame outside devgraph."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_DEVGRAPH_DIR):
-        frame = frame.f_back  # type: ignore[assignment]
-        level += 1
-    return level
+    @property
+    def tasks(self) -> Sequence[TaskGroup]: ...
+
+    def _group(self, group: TaskGroup) -> AbstractContextManager[TaskGroup]: ...
 
 
 _SYNC_REMEDY = (
@@ -311,7 +245,7 @@ def _modes() -> tuple[type, type]:
             return result
 
     class CaptureDispatchMode(TorchDispatchMode):
-        def __init__(self, graph: Graph, auto_update_ops: Sequence[str]) -> None:
+        def __init__(self, graph: GuardedGraph, auto_update_ops: Sequence[str]) -> None:
             super().__init__()
             self.graph = graph
             self.device_type = graph.device.torch_device.type
@@ -426,9 +360,7 @@ def _pageable_upload(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], d
     )
 
 
-def _call_as_task(graph: Graph, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from devgraph._tasks import TaskGroup
-
+def _call_as_task(graph: GuardedGraph, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     with graph._group(TaskGroup.for_call(len(graph.tasks), func, args, kwargs)):
         return func(*args, **kwargs)
 
@@ -437,21 +369,17 @@ _MODE_CLASSES: tuple[type, type] | None = None
 
 
 @contextlib.contextmanager
-def capturing(graph: Graph, auto_update_ops: Sequence[str] = ()) -> Iterator[None]:
-    """Mark ``graph`` as the one being captured and guard against host syncs in the block."""
+def capturing(graph: GuardedGraph, auto_update_ops: Sequence[str] = ()) -> Iterator[None]:
+    """Guard the block against host syncs while ``graph`` captures; capture ``auto_update_ops`` as tasks."""
     global _MODE_CLASSES
     if _MODE_CLASSES is None:
         _MODE_CLASSES = _modes()
     guard_cls, dispatch_cls = _MODE_CLASSES
-    token = _current.set(graph)
-    try:
-        with contextlib.ExitStack() as stack:
-            recorders = op_recorders()  # the backend's op recorder, entered by its _begin_capture
-            stack.enter_context(guard_cls(graph.device.torch_device.type))
-            dispatch = stack.enter_context(dispatch_cls(graph, auto_update_ops))
-            if recorders:
-                # Compiled graphs bypass the dispatcher in part (inductor): record each one whole.
-                dispatch.regions = stack.enter_context(CompiledRegions(recorders))
-            yield
-    finally:
-        _current.reset(token)
+    with contextlib.ExitStack() as stack:
+        recorders = op_recorders()  # the backend's op recorder, entered by its _begin_capture
+        stack.enter_context(guard_cls(graph.device.torch_device.type))
+        dispatch = stack.enter_context(dispatch_cls(graph, auto_update_ops))
+        if recorders:
+            # Compiled graphs bypass the dispatcher in part (inductor): record each one whole.
+            dispatch.regions = stack.enter_context(CompiledRegions(recorders))
+        yield

@@ -29,6 +29,7 @@ from types import FrameType
 from typing import Any
 
 from devgraph._errors import CaptureError
+from devgraph._source import is_user_path, render, skip_dirs
 
 __all__ = ["CompiledRegions", "op_recorders"]
 
@@ -68,14 +69,12 @@ def op_recorders() -> list[Any]:
 def _describe(frame: FrameType) -> str:
     """``"torch.compile'd graph called at file.py:LINE: code"``: the innermost user frame calling
     the compiled graph that ``frame`` runs (Dynamo's rewritten frames keep the user's file and line)."""
-    from devgraph._capture import _is_user_path, _render, _skip_dirs
-
-    skip = _skip_dirs()
+    skip = skip_dirs()
     caller = frame.f_back
     while caller is not None:
         path = os.path.abspath(caller.f_code.co_filename)
-        if _is_user_path(path, skip):
-            return f"torch.compile'd graph called at {_render(path, caller.f_lineno)}"
+        if is_user_path(path, skip):
+            return f"torch.compile'd graph called at {render(path, caller.f_lineno)}"
         caller = caller.f_back
     return "torch.compile'd graph"
 

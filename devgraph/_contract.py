@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import contextvars
 import logging
 import threading
 import weakref
@@ -18,17 +19,34 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from devgraph import _capture
 from devgraph._errors import DevgraphError
 from devgraph._tasks import TaskGroup, apply_host_args
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Device", "Event", "Graph", "MemoryPool", "MemoryStats", "Stream"]
+__all__ = ["Device", "Event", "Graph", "MemoryPool", "MemoryStats", "Stream", "current_graph"]
 
 logger = logging.getLogger("devgraph")
 
 _device_state_lock = threading.Lock()
+
+_current: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("devgraph_graph", default=None)
+
+
+def current_graph() -> Graph | None:
+    """The devgraph Graph being captured in this context, or None."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def _being_captured(graph: Graph) -> Iterator[None]:
+    token = _current.set(graph)
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 @attrs.frozen
@@ -218,8 +236,6 @@ class Graph(abc.ABC):
             DevgraphError: the graph is already captured (call ``reset()``) or capturing.
             CaptureError: the block did something a graph cannot hold (a host sync...).
         """
-        from devgraph import _capture
-
         if self._state == "capturing":
             raise DevgraphError("this graph is already capturing; captures cannot nest")
         if self._state == "captured":
@@ -242,7 +258,7 @@ class Graph(abc.ABC):
                 stack.callback(self._finish_capture, lambda: body_ok)
                 # The guard's own exit may refuse the capture (a compiled graph it could not record
                 # whole): only a block whose guard also exited cleanly ends the capture.
-                with _capture.capturing(self, auto_update_ops):
+                with _being_captured(self), _capture.capturing(self, auto_update_ops):
                     yield self
                 body_ok = True
         except BaseException as exc:

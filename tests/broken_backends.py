@@ -23,8 +23,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from devgraph._capture import _call_as_task, current_graph
-from devgraph._contract import Graph, MemoryPool, Stream
+from devgraph._capture import _call_as_task
+from devgraph._contract import Graph, MemoryPool, Stream, current_graph
 from devgraph._errors import DevgraphError
 from devgraph._tasks import TaskGroup
 from devgraph.backends.cpu._device import CpuDevice, CpuEvent, CpuGraph, CpuStream

@@ -41,8 +41,8 @@ import torch
 
 from devgraph._contract import Device
 from devgraph._errors import DevgraphError
+from devgraph._graphed import GraphedModule
 from devgraph._plugins import device as _device
-from devgraph._wrap import GraphedModule
 from devgraph.adapters._hf_cache import SharedStaticCache
 from devgraph.adapters._hf_plan import eager_reason, read_generate_call
 from devgraph.adapters._hf_prefill import PiecewisePrefill

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from devgraph._contract import Device
 from devgraph._errors import CaptureError, DevgraphError
+from devgraph._plugins import device as _device
 from devgraph.compile._backends import CompiledPiece, compile_piece
 from devgraph.compile._config import CompileConfig
 from devgraph.compile._guards import check_token_guards, symbolic_sizes
@@ -150,8 +151,6 @@ class DevgraphBackend:
         self, device: Device | None = None, config: CompileConfig | None = None, host_args: Sequence[str] = ()
     ) -> None:
         if device is None:
-            from devgraph import device as _device
-
             device = _device()
         self.device = device
         self.config = config or CompileConfig()

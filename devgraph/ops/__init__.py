@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from devgraph.ops import _defs  # noqa: F401
-from devgraph.ops._registry import has_kernel, kernel_for, load, op_names, route
+from devgraph.ops._load import load
+from devgraph.ops._registry import has_kernel, kernel_for, op_names, route
 
 __all__ = [
     "add_rms_norm",

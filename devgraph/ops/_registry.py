@@ -19,7 +19,8 @@ Registration is idempotent: a definition, fake impl or trampoline already in the
 registered again (checked with ``torch._C._dispatch_has_kernel_for_dispatch_key``), so ``load()``
 twice, or two engines loading devgraph's ops, is harmless; registering a kernel again replaces the
 table entry. Backends contribute kernels through the plugin hook
-``devgraph_register_op_kernels(register)``; ``load()`` calls it.
+``devgraph_register_op_kernels(register)``, which ``devgraph.ops.load()`` (``_load``) calls; the
+registry itself knows no op: ``_defs`` defines them through ``define``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ __all__ = [
     "define",
     "has_kernel",
     "kernel_for",
-    "load",
     "op_names",
     "qualname",
     "register",
@@ -79,7 +79,6 @@ _trampolines: set[tuple[str, str]] = set()
 _route: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
     "devgraph_op_route", default=None
 )
-_loading = threading.local()
 # A torch.library.Library deregisters everything it registered when it is garbage collected, so the
 # one this module uses lives as long as the process.
 _lib: torch.library.Library | None = None
@@ -241,33 +240,6 @@ def route(**mapping: str) -> Iterator[None]:
         yield
     finally:
         _route.reset(token)
-
-
-def load() -> None:
-    """Define every devgraph op and collect backend kernels from the plugin hook.
-
-    Idempotent, and cheap to call again (after installing a plugin, for instance): definitions are
-    made once, kernels are re-collected. ``import devgraph.ops`` calls it.
-
-    Raises:
-        PluginLoadError: a plugin failed to load (the message says how to skip it).
-    """
-    if getattr(_loading, "active", False):
-        return  # a hook implementation that imports devgraph.ops while we are loading
-    from devgraph._plugins import call_each_hookimpl, plugin_manager
-    from devgraph.ops import _defs
-
-    with _lock:
-        _loading.active = True
-        try:
-            _defs.define_all()
-            call_each_hookimpl(
-                plugin_manager().hook.devgraph_register_op_kernels,
-                "registering op kernels",
-                lambda origin: {"register": register},
-            )
-        finally:
-            _loading.active = False
 
 
 _self = sys.modules[__name__]

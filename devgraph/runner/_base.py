@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from devgraph._capture import user_stacklevel
 from devgraph._contract import Device, MemoryPool, Stream
 from devgraph._errors import CaptureError, DevgraphError
+from devgraph._source import user_stacklevel
 from devgraph.runner._calls import Call, Unsupported, read_call, signature_of, template_mismatch
 from devgraph.runner._config import RunnerConfig, RunnerStats
 from devgraph.runner._util import gc_frozen, progress, size_ranges

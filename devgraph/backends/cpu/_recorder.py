@@ -32,8 +32,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from devgraph._capture import raise_refusal, user_source_line
+from devgraph._capture import raise_refusal
 from devgraph._errors import CaptureError, DevgraphError
+from devgraph._source import user_source_line
 from devgraph.backends.cpu._held import Held, _External, _Ref, _Strong, describe, materialise
 from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
 

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from devgraph._capture import user_source_line
 from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph._errors import CaptureError, DevgraphError
+from devgraph._source import user_source_line
 from devgraph._tasks import TaskGroup
 
 __all__ = [

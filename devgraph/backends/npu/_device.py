@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from devgraph._capture import user_source_line
 from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph._errors import DevgraphError
+from devgraph._source import user_source_line
 from devgraph._tasks import TaskGroup, apply_host_args
 from devgraph.backends.npu import _kernels
 

@@ -6,14 +6,7 @@ Built-in fusions (default order): ``split_qkv_rms_norm_rope``, ``add_rms_norm_qu
 own through the ``devgraph_register_passes(register, device)`` hook.
 """
 
-from devgraph.compile.passes._base import (
-    Pass,
-    PassContext,
-    PassManager,
-    builtin_passes,
-    contributed_passes,
-    resolve_passes,
-)
+from devgraph.compile.passes._base import Pass, PassContext, PassManager
 from devgraph.compile.passes._match import RmsMatch, match_rms_norm
 from devgraph.compile.passes._norm import (
     AddRmsNormDynamicQuantFusion,
@@ -21,6 +14,7 @@ from devgraph.compile.passes._norm import (
     AddRmsNormQuantFusion,
 )
 from devgraph.compile.passes._qkv import SplitQkvRmsNormRopeFusion
+from devgraph.compile.passes._registry import builtin_passes, contributed_passes, resolve_passes
 
 __all__ = [
     "AddRmsNormDynamicQuantFusion",

@@ -1,4 +1,4 @@
-"""Pass, PassContext, PassManager and the pass registry.
+"""Pass, PassContext and PassManager: what a pass is and how a list of them runs.
 
 A pass is a small object over an aten-level FX graph (before the split):
 
@@ -8,8 +8,7 @@ A pass is a small object over an aten-level FX graph (before the split):
 * ``__call__(graph) -> int``: rewrite the graph in place, return how many matches it rewrote;
 * ``uuid()``: a stable hash of what it does (class, ``version``, parameters), folded into cache keys.
 
-Backends contribute passes through the ``devgraph_register_passes(register, device)`` hook; they
-run after the built-ins unless a config lists passes by name.
+Which passes run (the built-ins, then the ones backends contribute) is ``_registry``'s business.
 """
 
 from __future__ import annotations
@@ -17,17 +16,15 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 from torch import fx
 
-from devgraph._errors import DevgraphError
-
 if TYPE_CHECKING:
     from devgraph._contract import Device
 
-__all__ = ["Pass", "PassContext", "PassManager", "builtin_passes", "contributed_passes", "resolve_passes"]
+__all__ = ["Pass", "PassContext", "PassManager"]
 
 logger = logging.getLogger("devgraph.compile")
 
@@ -98,68 +95,3 @@ class PassManager:
     def uuid(self) -> str:
         """A hash of the pass list (each pass's ``uuid()``, in order)."""
         return hashlib.sha256("|".join(p.uuid() for p in self.passes).encode()).hexdigest()[:16]
-
-
-def builtin_passes() -> list[Pass]:
-    """devgraph's own passes, in their default order (more specific fusions first)."""
-    from devgraph.compile.passes._norm import (
-        AddRmsNormDynamicQuantFusion,
-        AddRmsNormFusion,
-        AddRmsNormQuantFusion,
-    )
-    from devgraph.compile.passes._qkv import SplitQkvRmsNormRopeFusion
-
-    return [
-        SplitQkvRmsNormRopeFusion(),
-        AddRmsNormQuantFusion(),
-        AddRmsNormDynamicQuantFusion(),
-        AddRmsNormFusion(),
-    ]
-
-
-def contributed_passes(device: Device | None) -> list[Pass]:
-    """Passes plugins contribute for ``device`` through ``devgraph_register_passes``."""
-    from devgraph._plugins import call_each_hookimpl, plugin_manager
-
-    found: list[Pass] = []
-
-    def register(p: Any) -> None:
-        if not callable(p) or not hasattr(p, "uuid") or not hasattr(p, "is_applicable"):
-            raise DevgraphError(
-                f"devgraph_register_passes registered {p!r}, which is not a pass (an object with name, "
-                "is_applicable(ctx), __call__(graph) and uuid()); subclass devgraph.compile.Pass"
-            )
-        found.append(p)
-
-    call_each_hookimpl(
-        plugin_manager().hook.devgraph_register_passes,
-        "registering passes",
-        lambda origin: {"register": register, "device": device},
-    )
-    return found
-
-
-def resolve_passes(passes: Sequence[Any] | None, device: Device | None) -> list[Pass]:
-    """The pass objects a config's ``passes`` means on ``device``.
-
-    None: the built-ins then the contributed passes. Otherwise each entry is a pass object or the
-    name of a built-in or contributed pass.
-
-    Raises:
-        DevgraphError: an unknown pass name (the message lists the known ones).
-    """
-    contributed = contributed_passes(device)
-    if passes is None:
-        return builtin_passes() + contributed
-    known = {p.name: p for p in builtin_passes() + contributed}
-    resolved = []
-    for entry in passes:
-        if isinstance(entry, str):
-            if entry not in known:
-                raise DevgraphError(f"unknown pass {entry!r}; known passes: {', '.join(sorted(known))}")
-            resolved.append(known[entry])
-        elif callable(entry) and hasattr(entry, "uuid"):
-            resolved.append(entry)
-        else:
-            raise DevgraphError(f"passes must hold pass names or pass objects, got {entry!r}")
-    return resolved

@@ -1,0 +1,144 @@
+"""``GraphedModule``: what ``devgraph.wrap`` returns, a model whose calls a graph runner serves.
+
+It sits below ``_wrap`` (which picks the runner) and the adapters (the Hugging Face adapter's
+``GraphedCausalLM`` extends it), so neither needs the other for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from devgraph._contract import Device
+from devgraph._errors import DevgraphError
+
+__all__ = ["GraphedModule"]
+
+
+class GraphedModule:
+    """A model whose calls are served by captured graphs (callable like the model).
+
+    Outputs are views of graph memory, overwritten by the next call, unless the model was wrapped
+    with ``clone_outputs=True``; without it one live thread at a time may call (a second is
+    refused). Attributes the wrapper does not define are the model's own.
+
+    ``eval()``, ``train()``, ``requires_grad_()``, ``to()`` and the other ``nn.Module`` methods
+    that return the module return the wrapper, so graphs keep serving calls; a change the graphs
+    cannot follow (a weight moved or cast, a training flag flipped) drops them and the next call
+    captures again. Moving the model off the wrapper's device is refused: wrap it again there.
+    """
+
+    def __init__(self, module: Any, runner: Any) -> None:
+        self.module = module
+        self.runner = runner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.runner(*args, **kwargs)
+
+    def capture(self, *example_args: Any, **example_kwargs: Any) -> GraphedModule:
+        """Capture every bucket now from an example call (any batch size); otherwise the first call does."""
+        self.runner.capture(*example_args, **example_kwargs)
+        return self
+
+    @property
+    def stats(self) -> Any:
+        """Counters: replays, eager calls, fallbacks by reason, capture seconds, pool bytes."""
+        return self.runner.stats
+
+    @property
+    def device(self) -> Device:
+        return self.runner.device
+
+    # -- nn.Module methods that return the module: keep the wrapper -------------------------------
+
+    def train(self, mode: bool = True) -> Any:
+        """``module.train(mode)``; graphs captured in the other mode are dropped (captured again)."""
+        return self._module_method("train", mode)
+
+    def eval(self) -> Any:
+        """``module.eval()``; graphs captured in training mode are dropped (captured again)."""
+        return self._module_method("eval")
+
+    def requires_grad_(self, requires_grad: bool = True) -> Any:
+        """``module.requires_grad_(...)``; calls run without autograd, so the graphs stay."""
+        return self._module_method("requires_grad_", requires_grad)
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """``module.to(...)``; a cast drops the graphs (captured again). Raises ``DevgraphError`` for
+        another device type than the wrapper's: wrap the moved model again instead."""
+        import torch
+
+        target = torch._C._nn._parse_to(*args, **kwargs)[0]
+        return self._module_method("to", *args, to_device=target, **kwargs)
+
+    def cuda(self, *args: Any, **kwargs: Any) -> Any:
+        return self._module_method("cuda", *args, to_device="cuda", **kwargs)
+
+    def cpu(self) -> Any:
+        return self._module_method("cpu", to_device="cpu")
+
+    def half(self) -> Any:
+        return self._module_method("half")
+
+    def float(self) -> Any:
+        return self._module_method("float")
+
+    def double(self) -> Any:
+        return self._module_method("double")
+
+    def bfloat16(self) -> Any:
+        return self._module_method("bfloat16")
+
+    def type(self, dst_type: Any) -> Any:
+        return self._module_method("type", dst_type)
+
+    def apply(self, fn: Any) -> Any:
+        return self._module_method("apply", fn)
+
+    def _module_method(self, name: str, *args: Any, to_device: Any = None, **kwargs: Any) -> Any:
+        """Run ``module.<name>(...)``; drop the graphs when it changed what they captured; return
+        the wrapper where the module returned itself."""
+        if to_device is not None:
+            self._check_device(name, to_device)
+        before = _captured_state(self.module)
+        result = getattr(self.module, name)(*args, **kwargs)
+        if _captured_state(self.module) != before:
+            self._drop_graphs()  # weights moved, cast or replaced, or a training flag flipped
+        return self if result is self.module else result
+
+    def _drop_graphs(self) -> None:
+        """Forget everything captured for the module as it was; the next call captures again."""
+        self.runner.reset()
+
+    def _check_device(self, name: str, target: Any) -> None:
+        import torch
+
+        kind = torch.device(target).type
+        mine = torch.device(self.runner.device.torch_device).type
+        if kind != mine:
+            raise DevgraphError(
+                f".{name}() would move the model to {kind}, but this wrapper captures on {self.runner.device} "
+                f"({mine}); its graphs cannot follow. Wrap the moved model again: "
+                f"devgraph.wrap(model.{name}(...), device={kind!r})"
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("module", "runner"):
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+    def __repr__(self) -> str:
+        return (
+            f"<GraphedModule {type(self.module).__name__} on {self.runner.device}, sizes {self.runner.sizes}>"
+        )
+
+
+def _captured_state(module: Any) -> Any:
+    """What graphs depend on besides the inputs: every weight's address, dtype and device, and
+    every submodule's training flag (None for a plain callable)."""
+    if not hasattr(module, "named_parameters"):
+        return None
+    weights = [
+        (name, t.data_ptr(), t.dtype, t.device)
+        for name, t in [*module.named_parameters(), *module.named_buffers()]
+    ]
+    return weights, [m.training for m in module.modules()]
