@@ -1,12 +1,16 @@
-"""import devgraph touches no device, survives a disabled torch_npu, and patches nothing in torch."""
+"""import devgraph touches no device, survives a disabled torch_npu, and patches nothing in torch;
+its modules import one another in no circle and only down the layers of DESIGN.md."""
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
+from _import_graph import Import, circles, imports
 
 import devgraph
 from devgraph.testing import conformance
@@ -87,3 +91,151 @@ def test_no_torch_cuda_attribute_changes_after_using_every_backend():
     assert not added, f"attributes added to torch.cuda: {added}"  # torch's own lazy private submodules aside
     assert {n: id(getattr(torch, n)) for n in before_torch} == before_torch
     assert getattr(torch, "npu", None) is npu_before
+
+
+# -- the import graph (read statically: every import statement counts, see tests/_import_graph.py)
+
+_PACKAGE_DIR = pathlib.Path(devgraph.__file__).parent
+
+
+@pytest.fixture(scope="module")
+def import_graph() -> list[Import]:
+    return imports(_PACKAGE_DIR)
+
+
+def test_the_import_graph_sees_function_level_and_type_checking_imports(import_graph):
+    # Without these the circle test below could pass by not looking where circles hide.
+    assert any(
+        e.source == "devgraph._wrap" and e.target == "devgraph.adapters.hf" and e.lazy for e in import_graph
+    )
+    assert any(
+        e.source == "devgraph._plugins" and e.target == "devgraph._contract" and e.type_only
+        for e in import_graph
+    )
+
+
+def test_circles_are_found_through_function_level_and_type_only_imports():
+    edges = [
+        Import("a", "b", "a.py", 1, False, False),
+        Import("b", "c", "b.py", 2, True, False),
+        Import("c", "a", "c.py", 3, False, True),
+        Import("c", "d", "c.py", 4, False, False),
+        Import("d", "e", "d.py", 5, False, False),
+    ]
+    [(members, cycle)] = circles(edges)
+    assert members == ["a", "b", "c"]
+    assert [str(e) for e in cycle] == [
+        "a -> b (a.py:1)",
+        "b -> c (b.py:2, in a function)",
+        "c -> a (c.py:3, TYPE_CHECKING only)",
+    ]
+    assert circles(edges[:2] + edges[3:]) == []
+
+
+def test_devgraph_modules_import_in_no_circle(import_graph):
+    found = circles(import_graph)
+    if found:
+        pytest.fail(
+            "import circles (move the piece both modules need one layer down):\n"
+            + "\n".join(
+                f"  {', '.join(members)} need one another; one circle:\n    "
+                + "\n    ".join(str(edge) for edge in cycle)
+                for members, cycle in found
+            ),
+            pytrace=False,
+        )
+
+
+def _layer(module: str) -> str:
+    """The DESIGN.md layer of a devgraph module."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "api"  # devgraph/__init__: the public names
+    if parts[1] in ("cli", "demo", "__main__"):
+        return "entry"  # the command line: an application on top of every layer, like the tests
+    if parts[1].startswith("_"):
+        return "core"
+    return parts[1]  # backends, ops, runner, compile, adapters, testing
+
+
+#: Which layers a layer may import. Arrows point down (adapters > compile > runner > ops > core);
+#: backends implement the core contract and are found through plugins, so no layer imports one
+#: (nor another backend: each is its own package); no layer imports devgraph.testing, which sits
+#: beside the stack and may import anything. Inside the library, names come from the module that
+#: defines them, not from the package ``devgraph`` (whose wrap() reaches every layer).
+_MAY_IMPORT = {
+    "api": {"core"},
+    "core": {"core"},
+    "backends": {"core", "backends"},
+    "ops": {"core", "ops"},
+    "runner": {"core", "ops", "runner"},
+    "compile": {"core", "ops", "runner", "compile"},
+    "adapters": {"core", "ops", "runner", "compile", "adapters", "api"},
+}
+
+#: The one upward reach DESIGN.md allows: wrap() builds runners and hands Hugging Face models to
+#: their adapter, importing them when called (so ``import devgraph`` stays cheap).
+_LAZY_REACH = {
+    ("devgraph._wrap", "devgraph.runner"),
+    ("devgraph._wrap", "devgraph.compile"),
+    ("devgraph._wrap", "devgraph.adapters.hf"),
+}
+
+
+def _reaches(edge: Import) -> bool:
+    return any(
+        edge.source == source and (edge.target == target or edge.target.startswith(target + "."))
+        for source, target in _LAZY_REACH
+    )
+
+
+def _backend(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "backends" and not parts[2].startswith("_") else None
+
+
+def _layer_violations(edges: list[Import]) -> list[str]:
+    wrong = []
+    for edge in edges:
+        source, target = _layer(edge.source), _layer(edge.target)
+        if source in ("entry", "testing"):
+            continue
+        allowed = _MAY_IMPORT[source]
+        if target not in allowed and not (edge.lazy and _reaches(edge)):
+            wrong.append(f"{source} imports {target}: {edge}")
+        elif (
+            _backend(edge.source) and _backend(edge.target) and _backend(edge.source) != _backend(edge.target)
+        ):
+            wrong.append(f"one backend imports another: {edge}")
+    return wrong
+
+
+def test_imports_point_down_the_layers(import_graph):
+    wrong = _layer_violations(import_graph)
+    if wrong:
+        pytest.fail("imports against the layers of DESIGN.md:\n  " + "\n  ".join(wrong), pytrace=False)
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "lazy", "why"),
+    [
+        ("devgraph._contract", "devgraph.runner._base", True, "core imports runner"),
+        ("devgraph._wrap", "devgraph.runner", False, "core imports runner"),  # wrap()'s reach is lazy only
+        ("devgraph._wrap", "devgraph.adapters.vllm", True, "core imports adapters"),
+        ("devgraph.backends.cpu._device", "devgraph.ops._registry", True, "backends imports ops"),
+        (
+            "devgraph.backends.npu._device",
+            "devgraph.backends.cpu._pool",
+            False,
+            "one backend imports another",
+        ),
+        ("devgraph.runner._base", "devgraph.compile._config", True, "runner imports compile"),
+        ("devgraph.ops._defs", "devgraph.backends.cpu", False, "ops imports backends"),
+        ("devgraph.compile._trace", "devgraph", True, "compile imports api"),
+        ("devgraph.adapters.hf", "devgraph.testing.models", True, "adapters imports testing"),
+    ],
+)
+def test_the_layer_check_refuses_an_upward_import(source, target, lazy, why):
+    assert [w.split(":")[0] for w in _layer_violations([Import(source, target, "x.py", 1, lazy, False)])] == [
+        why
+    ]
