@@ -3,6 +3,9 @@
 ``import devgraph`` touches no device: it imports neither torch_npu nor initialises CUDA. Backends
 load when a device is first asked for. The subpackages ``devgraph.ops``, ``devgraph.runner`` and
 ``devgraph.compile`` import on first attribute access (they import torch).
+
+``devgraph.list_backends()`` lists the backends; ``devgraph.backends`` is the package of built-in
+backends (calling it, the listing's old name, is deprecated: it warns and lists).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, St
 from devgraph._errors import BackendUnavailable, CaptureError, DevgraphError, PluginLoadError
 from devgraph._graphed import GraphedModule
 from devgraph._hookspecs import hookimpl
-from devgraph._plugins import BackendInfo, BackendSpec, Probe, backends, device
+from devgraph._plugins import BackendInfo, BackendSpec, Probe, device, list_backends
 from devgraph._tasks import TaskGroup
 from devgraph._weakref import weak_ref_tensor, weak_ref_tensors
 from devgraph._wrap import wrap
@@ -29,6 +32,10 @@ _LAZY_SUBPACKAGES = ("compile", "ops", "runner")
 def __getattr__(name: str) -> Any:
     if name in _LAZY_SUBPACKAGES:
         return importlib.import_module(f"devgraph.{name}")
+    if name == "backends":
+        # Always the package (cheap: it imports no backend), never a function that a later
+        # ``import devgraph.backends.<x>`` would silently replace; calling it is deprecated.
+        return importlib.import_module("devgraph.backends")
     raise AttributeError(f"module 'devgraph' has no attribute {name!r}")
 
 
@@ -49,9 +56,9 @@ __all__ = [
     "Stream",
     "TaskGroup",
     "__version__",
-    "backends",
     "device",
     "hookimpl",
+    "list_backends",
     "weak_ref_tensor",
     "weak_ref_tensors",
     "wrap",

@@ -24,7 +24,7 @@ from devgraph._errors import BackendUnavailable, DevgraphError, PluginLoadError
 if TYPE_CHECKING:
     from devgraph._contract import Device
 
-__all__ = ["BackendInfo", "BackendSpec", "Probe", "backends", "device", "plugin_manager"]
+__all__ = ["BackendInfo", "BackendSpec", "Probe", "device", "list_backends", "plugin_manager"]
 
 logger = logging.getLogger("devgraph")
 
@@ -61,7 +61,7 @@ class BackendSpec:
 
 @attrs.frozen
 class BackendInfo:
-    """One row of ``devgraph.backends()``."""
+    """One row of ``devgraph.list_backends()``."""
 
     name: str
     available: bool
@@ -178,8 +178,8 @@ def _probe(spec: BackendSpec) -> Probe:
         return Probe(False, f"probe raised {type(exc).__name__}: {exc}")
 
 
-def backends() -> list[BackendInfo]:
-    """Every registered backend with its availability (built-ins first)."""
+def list_backends() -> list[BackendInfo]:
+    """Every registered backend with its availability (built-ins first); ``devgraph info`` prints it."""
     rows = []
     for name, (spec, origin) in _specs().items():
         p = _probe(spec)

@@ -16,7 +16,7 @@ def _info(args: argparse.Namespace) -> int:
     from devgraph import _plugins
 
     try:
-        rows = _plugins.backends()
+        rows = _plugins.list_backends()
     except Exception as exc:  # a broken plugin: report it, do not crash with a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -13,7 +13,7 @@ from devgraph.testing.conformance import CHECKS, NotApplicable
 
 
 def _available():
-    return [b.name for b in devgraph.backends() if b.available]
+    return [b.name for b in devgraph.list_backends() if b.available]
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)

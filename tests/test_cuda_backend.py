@@ -43,8 +43,8 @@ def test_device_cuda_raises_backend_unavailable_with_reason() -> None:
     assert info.value.reason == cuda_plugin.probe().reason
 
 
-def test_cuda_backend_is_listed_by_backends() -> None:
-    rows = {row.name: row for row in devgraph.backends()}
+def test_cuda_backend_is_listed_by_list_backends() -> None:
+    rows = {row.name: row for row in devgraph.list_backends()}
     assert "cuda" in rows
     assert rows["cuda"].available == torch.cuda.is_available()
 
@@ -58,7 +58,7 @@ def test_importing_and_probing_cuda_backend_does_not_initialise_cuda() -> None:
         import devgraph.backends.cuda._device
         from devgraph.backends import cuda
         cuda.probe()
-        devgraph.backends()
+        devgraph.list_backends()
         print("initialised:", torch.cuda.is_initialized())
         """
     )

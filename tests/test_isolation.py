@@ -39,7 +39,7 @@ def test_import_and_list_with_torch_npu_disabled():
         import sys
         sys.modules["torch_npu"] = None
         import devgraph
-        rows = {b.name: b for b in devgraph.backends()}
+        rows = {b.name: b for b in devgraph.list_backends()}
         print(rows["cpu"].available, rows["npu"].available)
         print(rows["npu"].reason)
         """
@@ -53,7 +53,7 @@ def test_cuda_not_initialised_by_devgraph():
     out = _run(
         """
         import devgraph, torch
-        devgraph.backends()
+        devgraph.list_backends()
         d = devgraph.device("cpu")
         g = d.graph()
         x = torch.ones(3)
@@ -74,7 +74,7 @@ def test_no_torch_cuda_attribute_changes_after_using_every_backend():
     before_cuda = _snapshot(torch.cuda)
     before_torch = {n: id(getattr(torch, n)) for n in ("cuda", "Tensor", "Stream", "Event")}
     npu_before = getattr(torch, "npu", None)
-    for info in devgraph.backends():
+    for info in devgraph.list_backends():
         if info.available:
             conformance.run(devgraph.device(info.name))
     try:

@@ -88,7 +88,7 @@ def test_npu_device_inside_the_simulator(npu):
     assert npu.torch_device == torch.device("cpu")
     assert npu.capture_stream_budget == npu_device.NPU_HARDWARE_STREAMS == 2048
     assert npu.updatable_ops == (OP,)
-    row = {b.name: b for b in devgraph.backends()}["npu"]
+    row = {b.name: b for b in devgraph.list_backends()}["npu"]
     assert row.available and "simulator" in row.reason and row.version == "2.13.0"
 
 
@@ -145,7 +145,7 @@ def test_probe_reports_a_disabled_torch_npu():
         import sys
         sys.modules["torch_npu"] = None
         import devgraph
-        rows = {b.name: b for b in devgraph.backends()}
+        rows = {b.name: b for b in devgraph.list_backends()}
         print(rows["npu"].available)
         print(rows["npu"].reason)
     """

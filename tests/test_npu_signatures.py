@@ -390,7 +390,7 @@ def test_probe_without_cann_reports_the_missing_library(request, tmp_path, insta
     code = """
         import sys
         import devgraph
-        npu = {b.name: b for b in devgraph.backends()}["npu"]
+        npu = {b.name: b for b in devgraph.list_backends()}["npu"]
         print(npu.available, npu.version, "torch_npu" in sys.modules)
         print(npu.reason)
     """

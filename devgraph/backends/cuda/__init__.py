@@ -2,7 +2,7 @@
 
 The probe is cheap and never raises: it asks torch whether it is a CUDA build and how many GPUs
 are visible, and never creates a CUDA context (``torch.cuda.device_count()`` does not), so
-``devgraph.backends()`` is safe to call before a fork.
+``devgraph.list_backends()`` is safe to call before a fork.
 """
 
 from __future__ import annotations
