@@ -62,7 +62,7 @@ def _statements(tree: ast.AST) -> Iterator[tuple[ast.Import | ast.ImportFrom, bo
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.Import, ast.ImportFrom)):
                 yield child, lazy, type_only
-            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 yield from walk(child, True, type_only)
             elif isinstance(child, ast.If) and _is_type_checking(child.test):
                 for stmt in child.body:
