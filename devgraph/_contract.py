@@ -215,11 +215,15 @@ class Graph(abc.ABC):
             auto_update_ops: qualified op names (``"devgraph::paged_decode_attention"``) whose every
                 call is captured as an updatable task (torch_npu's ``auto_dispatch_capture``).
         Raises:
-            DevgraphError: the graph is already captured (call ``reset()``) or capturing.
+            DevgraphError: the graph is already captured (call ``reset()``) or capturing, or an
+                ``auto_update_ops`` name is misspelt or names no registered op.
             CaptureError: the block did something a graph cannot hold (a host sync...).
         """
-        from devgraph import _capture
+        from devgraph import _capture, _opnames
 
+        auto_update_ops = _opnames.resolve_auto_update_ops(
+            auto_update_ops, getattr(self.device, "updatable_ops", ())
+        )
         if self._state == "capturing":
             raise DevgraphError("this graph is already capturing; captures cannot nest")
         if self._state == "captured":
