@@ -12,14 +12,18 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch._dynamo.utils import counters
 
 import devgraph
 import devgraph.ops as ops
+from devgraph import _capture
 from devgraph.backends import _reference
 from devgraph.backends.cuda import _kernels as cuda_kernels
 from devgraph.backends.cuda import _paged_attention as pa
 from devgraph.ops import _registry
 from devgraph.testing import simulated_torch_npu
+
+HostSyncGuard = _capture._modes()[0]  # the torch function mode devgraph's capture enters
 
 TOL = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-5},
@@ -191,9 +195,12 @@ def test_compiled_flex_skips_unlisted_blocks_on_cpu():
         q, k, v, table, torch.tensor(lens), 0.3, compiled=True, width=k.shape[0]
     )  # flex's CPU compiler wants one kv_indices entry per cache block
     _close(got, _old(q, k, v, table, lens, 0.3), torch.float32)
-    lens = [17, 1, 32]  # new lengths, same shapes: no recompile, new mask
-    got = pa.flex_decode(q, k, v, table, torch.tensor(lens), 0.3, compiled=True, width=k.shape[0])
+    compiles = dict(counters["stats"])
+    lens = [17, 1, 32]  # new lengths, same shapes, under capture's host-sync guard: no recompile
+    with HostSyncGuard("cuda"):
+        got = pa.flex_decode(q, k, v, table, torch.tensor(lens), 0.3, compiled=True, width=k.shape[0])
     _close(got, _old(q, k, v, table, lens, 0.3), torch.float32)
+    assert dict(counters["stats"]) == compiles
 
 
 # -- capture safety and the other backends -------------------------------------------------------

@@ -40,9 +40,10 @@ in use (a block shared by *different* sequences, prefix caching, is fine).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -142,6 +143,23 @@ def _compiled_flex() -> Callable[..., torch.Tensor]:
     return torch.compile(flex_attention, fullgraph=True, dynamic=False)
 
 
+@contextlib.contextmanager
+def _no_function_modes() -> Iterator[None]:
+    """Run the block with no torch function mode active (restored after).
+
+    Dynamo guards compiled code on the torch function mode stack. devgraph's capture enters one
+    (the host-sync guard) that warm-up calls do not, so without this the kernel compiled in warm-up
+    would be recompiled *inside* the capture, where Triton cannot benchmark or launch freely. The
+    compiled kernel makes no host syncs, so the guard has nothing to see in it.
+    """
+    from torch.overrides import _pop_mode_temporarily
+
+    with contextlib.ExitStack() as stack:
+        for _ in range(torch._C._len_torch_function_stack()):
+            stack.enter_context(_pop_mode_temporarily())
+        yield
+
+
 def flex_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -170,7 +188,7 @@ def flex_decode(
     q = query.to(key_cache.dtype).reshape(batch, hkv, group, dim)
     mask = block_mask(block_table, seq_lens, num_blocks, block_size, group, dense=not compiled, width=width)
     if compiled:
-        with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_SHAPES):
+        with _no_function_modes(), torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_SHAPES):
             result = _compiled_flex()(q, keys, values, block_mask=mask, scale=scale)
     else:
         with warnings.catch_warnings():
