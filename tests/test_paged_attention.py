@@ -265,8 +265,10 @@ def test_cpu_cuda_and_npu_kernels_agree(case, dtype):
 def test_cuda_kernel_equals_old_kernel_on_gpu(case, dtype):
     *shape, lens = case
     q, k, v, table = (t.cuda() for t in _case(*shape, dtype=dtype))
-    got = _new(q, k, v, table, lens, 0.3)
-    _close(got.cpu(), _old(q.cpu(), k.cpu(), v.cpu(), table.cpu(), lens, 0.3), dtype)
+    got = _new(q, k, v, table, lens, 0.3).cpu()
+    assert not got.isnan().any()
+    tol = {**TOL, torch.float32: {"rtol": 1e-4, "atol": 1e-4}}[dtype]  # GPU float32 dot products
+    torch.testing.assert_close(got.double(), _old(q.cpu(), k.cpu(), v.cpu(), table.cpu(), lens, 0.3), **tol)
 
 
 @pytest.mark.cuda
@@ -288,7 +290,7 @@ def test_cuda_graph_replays_new_lengths_with_the_new_kernel(block_size):
         step()
     dev.current_stream().wait_stream(stream)
     graph = dev.graph()
-    with graph.capture():
+    with graph.capture(auto_update_ops=dev.updatable_ops):  # devgraph's capture, its guards on
         step()
     for lens in ([1, 2, 3, 4], [8 * block_size, 0, 17, 33]):
         seq_lens.copy_(torch.tensor(lens))
