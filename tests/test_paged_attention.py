@@ -201,6 +201,10 @@ def test_compiled_flex_skips_unlisted_blocks_on_cpu():
         got = pa.flex_decode(q, k, v, table, torch.tensor(lens), 0.3, compiled=True, width=k.shape[0])
     _close(got, _old(q, k, v, table, lens, 0.3), torch.float32)
     assert dict(counters["stats"]) == compiles
+    q4, table4, lens = torch.cat([q, q[:1]]), torch.cat([table, table[:1]]), [17, 1, 32, 20]
+    got = pa.flex_decode(q4, k, v, table4, torch.tensor(lens), 0.3, compiled=True, width=k.shape[0])
+    _close(got, _old(q4, k, v, table4, lens, 0.3), torch.float32)
+    assert dict(counters["stats"]) == compiles  # batch 3 ran padded to 4: batch 4 reuses its kernel
 
 
 # -- capture safety and the other backends -------------------------------------------------------

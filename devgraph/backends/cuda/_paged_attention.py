@@ -23,9 +23,11 @@ Cost structure (what a benchmark of this kernel measures):
   tokens attended; its grid is fixed at compile time (``B * Hkv * split_kv`` programs) and each
   split takes an equal share of the sequence's blocks in use. Around it: ``O(B * max_blocks)``
   integer work to build the mask and the query/output copies (``O(B * Hq * D)``). One compile per
-  distinct shape (batch, heads, cache size, block table width), in the first eager call: warm up
-  before capture (devgraph's runners do). Up to ``MAX_COMPILED_SHAPES`` shapes are compiled; the
-  Dynamo recompile limit is raised to that for this call only.
+  distinct shape (batch rounded up to a power of two, heads, cache size, block table width), in
+  the first eager call: warm up before capture (devgraph's runners do); the rounding pads with
+  empty sequences, which cost no kernel work. Up to ``MAX_COMPILED_SHAPES`` shapes are compiled
+  (the Dynamo recompile limit is raised to that for this call only); past it Dynamo would run
+  flex eagerly, over the whole cache.
 * window: gathers ``max_blocks * block_size`` positions per sequence in the cache dtype (no fp32
   copy of K/V, SDPA accumulates in fp32 internally), so its cost grows with the block table's
   width, as the old kernel's did, at half the bytes for 16-bit caches.
@@ -186,6 +188,14 @@ def flex_decode(
     values = value_cache.flatten(0, 1).unsqueeze(0).transpose(1, 2)
     # Query head h = kv * G + g reads KV head kv: the G heads become G query rows of that head.
     q = query.to(key_cache.dtype).reshape(batch, hkv, group, dim)
+    # The kernel is compiled per batch size: pad the batch to a power of two with empty sequences
+    # (no blocks, no work), so a runner's many capture sizes need few compiles.
+    padded = 1 << (batch - 1).bit_length()
+    if padded != batch:
+        extra = padded - batch
+        q = torch.cat([q, q.new_zeros(extra, *q.shape[1:])])
+        block_table = torch.cat([block_table, block_table.new_zeros(extra, block_table.shape[1])])
+        seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(extra)])
     mask = block_mask(block_table, seq_lens, num_blocks, block_size, group, dense=not compiled, width=width)
     if compiled:
         with _no_function_modes(), torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_SHAPES):
@@ -194,7 +204,7 @@ def flex_decode(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             result = flex_attention(q, keys, values, block_mask=mask, scale=scale)
-    return _zero_empty(result.reshape(batch, hq, dim), seq_lens)
+    return _zero_empty(result[:batch].reshape(batch, hq, dim), seq_lens[:batch])
 
 
 def _zero_empty(result: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
