@@ -197,8 +197,9 @@ def test_compiled_flex_skips_unlisted_blocks_on_cpu():
     _close(got, _old(q, k, v, table, lens, 0.3), torch.float32)
     compiles = dict(counters["stats"])
     lens = [17, 1, 32]  # new lengths, same shapes, under capture's host-sync guard: no recompile
-    with HostSyncGuard("cuda"):
-        got = pa.flex_decode(q, k, v, table, torch.tensor(lens), 0.3, compiled=True, width=k.shape[0])
+    seq_lens = torch.tensor(lens)
+    with HostSyncGuard("cpu"):  # its checks apply to these (CPU) tensors
+        got = pa.flex_decode(q, k, v, table, seq_lens, 0.3, compiled=True, width=k.shape[0])
     _close(got, _old(q, k, v, table, lens, 0.3), torch.float32)
     assert dict(counters["stats"]) == compiles
     q4, table4, lens = torch.cat([q, q[:1]]), torch.cat([table, table[:1]]), [17, 1, 32, 20]

@@ -209,7 +209,7 @@ def flex_decode(
 
 def _zero_empty(result: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """Zeros for sequences of length <= 0, whatever a kernel leaves there (no NaN escapes)."""
-    return torch.where((seq_lens > 0).view(-1, 1, 1), result, torch.zeros((), dtype=result.dtype))
+    return result.masked_fill((seq_lens <= 0).view(-1, 1, 1), 0.0)
 
 
 def window_decode(
