@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from devgraph._errors import DevgraphError
+from devgraph._opnames import resolve_auto_update_ops
 from devgraph._tasks import TaskGroup, apply_host_args
 
 if TYPE_CHECKING:
@@ -219,17 +220,15 @@ class Graph(abc.ABC):
                 ``auto_update_ops`` name is misspelt or names no registered op.
             CaptureError: the block did something a graph cannot hold (a host sync...).
         """
-        from devgraph import _capture, _opnames
+        from devgraph import _capture
 
-        auto_update_ops = _opnames.resolve_auto_update_ops(
-            auto_update_ops, getattr(self.device, "updatable_ops", ())
-        )
         if self._state == "capturing":
             raise DevgraphError("this graph is already capturing; captures cannot nest")
         if self._state == "captured":
             raise DevgraphError("this graph was already captured; call graph.reset() before capturing again")
         if pool is not None and pool.device.name != self.device.name:
             raise DevgraphError(f"pool belongs to {pool.device}, graph to {self.device}")
+        auto_update_ops = resolve_auto_update_ops(auto_update_ops, getattr(self.device, "updatable_ops", ()))
         stream = stream or self.device.capture_stream()
         self._pool = pool or self.device.pool()
         self._tasks = []
