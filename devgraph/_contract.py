@@ -21,6 +21,7 @@ import attrs
 
 from devgraph import _capture
 from devgraph._errors import DevgraphError
+from devgraph._opnames import resolve_auto_update_ops
 from devgraph._tasks import TaskGroup, apply_host_args
 
 if TYPE_CHECKING:
@@ -233,7 +234,8 @@ class Graph(abc.ABC):
             auto_update_ops: qualified op names (``"devgraph::paged_decode_attention"``) whose every
                 call is captured as an updatable task (torch_npu's ``auto_dispatch_capture``).
         Raises:
-            DevgraphError: the graph is already captured (call ``reset()``) or capturing.
+            DevgraphError: the graph is already captured (call ``reset()``) or capturing, or an
+                ``auto_update_ops`` name is misspelt or names no registered op.
             CaptureError: the block did something a graph cannot hold (a host sync...).
         """
         if self._state == "capturing":
@@ -242,6 +244,7 @@ class Graph(abc.ABC):
             raise DevgraphError("this graph was already captured; call graph.reset() before capturing again")
         if pool is not None and pool.device.name != self.device.name:
             raise DevgraphError(f"pool belongs to {pool.device}, graph to {self.device}")
+        auto_update_ops = resolve_auto_update_ops(auto_update_ops, getattr(self.device, "updatable_ops", ()))
         stream = stream or self.device.capture_stream()
         self._pool = pool or self.device.pool()
         self._tasks = []

@@ -20,6 +20,7 @@ RUNS = {
     "replay_vs_eager": (["--iters", "20"], "replay_vs_eager_cpu.json"),
     "decode_step": (["--quick"], "decode_step_cpu_quick.json"),
     "piecewise": (["--iters", "3"], "piecewise_cpu.json"),
+    "paged_attention": (["--iters", "2"], "paged_attention_cpu.json"),
 }
 
 

@@ -203,3 +203,27 @@ def test_update_changes_no_output_before_the_replay():
     torch.testing.assert_close(out, before)
     graph.replay()
     torch.testing.assert_close(out, _expected(args, [2, 3]))
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("devgraph::nope", r"unknown auto-update op 'devgraph::nope': torch.ops.devgraph has no op 'nope'"),
+        ("paged_decode_attention", r"not a qualified op name.*'devgraph::paged_decode_attention'"),
+        ("aten::add.nope", r"unknown auto-update op 'aten::add.nope'.*has overloads"),
+    ],
+)
+def test_capture_refuses_an_unknown_auto_update_op_before_capturing(name, message):
+    graph = devgraph.device("cpu").graph()
+    with pytest.raises(DevgraphError, match=message), graph.capture(auto_update_ops=[name]):
+        pytest.fail("the capture block ran")
+    with graph.capture():  # nothing was left half-captured
+        torch.ones(2) + 1
+
+
+def test_an_overload_spelling_updates_every_call_of_the_op():
+    x = torch.ones(3)
+    graph = devgraph.device("cpu").graph()
+    with graph.capture(auto_update_ops=["aten::add.Tensor"]):
+        torch.add(x, x, alpha=2)
+    assert [task.op for task in graph.tasks] == ["aten::add"]

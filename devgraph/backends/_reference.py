@@ -9,7 +9,9 @@ tests compare them with float64 arithmetic. Two rules keep them usable inside gr
 ``paged_decode_attention_host_lens`` breaks neither rule but takes its lengths from a *host list*,
 which a captured graph freezes (the NPU semantics). ``paged_decode_attention_device_lens`` reads a
 *device tensor* of lengths and masks over the whole block table (the CUDA semantics), so it replays
-correctly with new lengths written into that tensor.
+correctly with new lengths written into that tensor; the CUDA backend computes the same over the
+blocks in use only (``devgraph.backends.cuda._paged_attention``), and tests and the benchmark
+compare the two.
 
 Precision: reductions and softmax run in float32 whatever the input dtype; results are cast back.
 """

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from devgraph._errors import DevgraphError
+from devgraph._opnames import lookup_op
 
 __all__ = [
     "SYM_OPS",
@@ -67,21 +67,7 @@ _SPELLING = (
 
 def _lookup(name: str) -> tuple[Any, str | None]:
     """``(OpOverloadPacket, overload or None)`` for ``"ns::op[.overload]"``; raises DevgraphError."""
-    if not isinstance(name, str) or "::" not in name:
-        raise DevgraphError(f"splitting op {name!r} is not a qualified op name: {_SPELLING}")
-    ns, _, rest = name.partition("::")
-    op, _, overload = rest.partition(".")
-    try:
-        packet = getattr(getattr(torch.ops, ns), op)
-    except (AttributeError, RuntimeError):
-        raise DevgraphError(
-            f"unknown splitting op {name!r}: torch.ops.{ns} has no op {op!r}; {_SPELLING}"
-        ) from None
-    if overload and overload not in packet.overloads():
-        raise DevgraphError(
-            f"unknown splitting op {name!r}: {ns}::{op} has overloads {sorted(packet.overloads())}; {_SPELLING}"
-        )
-    return packet, overload or None
+    return lookup_op(name, "splitting op", _SPELLING)
 
 
 def resolve_splitting_ops(extra: Sequence[str] = ()) -> tuple[str, ...]:

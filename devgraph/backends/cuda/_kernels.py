@@ -1,13 +1,13 @@
-"""CUDA kernels of the devgraph ops: the reference math, written to be CUDA-graph-capture safe.
+"""CUDA kernels of the devgraph ops, written to be CUDA-graph-capture safe.
 
 They are plain torch ops (no custom CUDA code): fixed output shapes, no host reads of device values.
-Correct rather than fast: attention gathers the whole block table and computes in float32. A faster
-kernel (FlashInfer, flash-attn) can replace one through the same hook: the last ``register`` of a
-key wins, so a plugin doing that marks its hookimpl ``trylast=True`` (pluggy calls it last).
-Paged decode attention reads its lengths from the *device* tensor ``seq_lens`` and masks over the
-whole block table (``max_blocks_per_seq * block_size`` positions), ignoring ``seq_lens_host``: a
-captured graph then replays with whatever lengths were last copied into ``seq_lens``, so on CUDA
-the task update of attention is a no-op.
+The norms and RoPE are the reference math. Paged decode attention is flex attention over the cache
+blocks each sequence uses (``_paged_attention``; an SDPA over the block table where flex does not
+apply), reading its lengths from the *device* tensor ``seq_lens`` and ignoring ``seq_lens_host``:
+a captured graph then replays with whatever lengths were last copied into ``seq_lens``, so on CUDA
+the task update of attention is a no-op. A faster kernel (FlashInfer, flash-attn) can replace one
+through the same hook: the last ``register`` of a key wins, so a plugin doing that marks its
+hookimpl ``trylast=True`` (pluggy calls it last).
 
 Nothing here touches ``torch.cuda`` at import or registration, so registering these kernels works
 on a CPU-only torch build too (the dispatcher accepts a ``CUDA`` kernel without a CUDA runtime).
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from devgraph.backends import _reference
+from devgraph.backends.cuda import _paged_attention
 
 __all__ = ["paged_decode_attention", "register_all"]
 
@@ -39,11 +40,10 @@ def paged_decode_attention(
 ) -> None:
     """The CUDA kernel: attends over ``seq_lens`` (device) tokens per sequence; the host list is unused.
 
-    Device-agnostic torch code, so tests run it on CPU tensors too.
+    Device-agnostic torch code, so tests run it on CPU tensors too (flex eagerly there; see
+    ``_paged_attention`` for the paths and their cost).
     """
-    _reference.paged_decode_attention_device_lens(
-        query, key_cache, value_cache, block_table, seq_lens, scale, out
-    )
+    _paged_attention.paged_decode_attention(query, key_cache, value_cache, block_table, seq_lens, scale, out)
 
 
 def register_all(register: Callable[[str, str, Callable[..., Any]], None]) -> None:

@@ -1,0 +1,65 @@
+"""Qualified op names (``"namespace::op[.overload]"``): checked against ``torch.ops``, one message.
+
+The compile layer's splitting ops and ``Graph.capture(auto_update_ops=...)`` both name ops this
+way; both refuse a name that is misspelt or names no registered op, with the same message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from devgraph._errors import DevgraphError
+
+__all__ = ["lookup_op", "resolve_auto_update_ops"]
+
+_AUTO_UPDATE_SPELLING = (
+    "spell auto_update_ops 'namespace::op', e.g. 'devgraph::paged_decode_attention'; an engine's custom "
+    "op must be registered (its module imported) before capture"
+)
+
+
+def lookup_op(name: Any, role: str, spelling: str) -> tuple[Any, str | None]:
+    """``(OpOverloadPacket, overload or None)`` for ``"ns::op[.overload]"``.
+
+    Raises:
+        DevgraphError: ``name`` is not qualified, or ``torch.ops`` has no such op or overload; the
+            message names the ``role`` (``"splitting op"``) and ends with ``spelling``.
+    """
+    import torch
+
+    if not isinstance(name, str) or "::" not in name:
+        raise DevgraphError(f"{role} {name!r} is not a qualified op name: {spelling}")
+    ns, _, rest = name.partition("::")
+    op, _, overload = rest.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, ns), op)
+    except (AttributeError, RuntimeError):
+        raise DevgraphError(f"unknown {role} {name!r}: torch.ops.{ns} has no op {op!r}; {spelling}") from None
+    if overload and overload not in packet.overloads():
+        raise DevgraphError(
+            f"unknown {role} {name!r}: {ns}::{op} has overloads {sorted(packet.overloads())}; {spelling}"
+        )
+    return packet, overload or None
+
+
+def resolve_auto_update_ops(names: Sequence[str] | str, declared: Sequence[str] = ()) -> tuple[str, ...]:
+    """``auto_update_ops`` as the ``"ns::op"`` names capture matches calls against, each checked.
+
+    A name the device declares updatable (``declared``, its ``updatable_ops``) is taken as is, so a
+    capture that never loads devgraph's ops still accepts them; any other must name a registered
+    op. An overload spelling (``"aten::add.Tensor"``) stands for every call of the op.
+
+    Raises:
+        DevgraphError: a name that is not qualified or names no registered op.
+    """
+    if isinstance(names, str):
+        names = (names,)
+    resolved = []
+    for name in names:
+        if name not in declared:
+            lookup_op(name, "auto-update op", _AUTO_UPDATE_SPELLING)
+            ns, _, rest = name.partition("::")
+            name = f"{ns}::{rest.partition('.')[0]}"  # capture matches the schema name
+        resolved.append(name)
+    return tuple(dict.fromkeys(resolved))
