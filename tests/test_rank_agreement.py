@@ -130,3 +130,40 @@ def test_without_torch_distributed_initialised_there_is_no_group():
 
     assert resolve_group("auto") is None
     assert resolve_group(None) is None
+
+
+def test_capture_context_is_entered_around_every_capture_and_warm_up():
+    import contextlib
+
+    import torch
+
+    import devgraph
+    from devgraph import _capture
+
+    events = []
+    model = torch.nn.Linear(4, 4)
+
+    def forward(x):
+        events.append("capture" if _capture.current_graph() is not None else "warm-up")
+        return model(x)
+
+    @contextlib.contextmanager
+    def engine_context():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    graphed = devgraph.wrap(
+        forward, device="cpu", batch_sizes=[1, 2], warmup_iters=1, capture_context=engine_context
+    )
+    graphed(torch.randn(2, 4))
+    assert events == ["enter", "warm-up", "capture", "warm-up", "capture", "exit"]
+    graphed(torch.randn(1, 4))
+    assert events[-1] == "exit"  # replays run outside it
+
+
+def test_capture_context_must_be_callable():
+    import devgraph
+
+    with pytest.raises(devgraph.DevgraphError, match="capture_context must be a callable"):
+        devgraph.wrap(lambda x: x, device="cpu", capture_context=42)

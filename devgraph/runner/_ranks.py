@@ -22,6 +22,7 @@ forever on gloo. (NCCL enforces its timeout through its watchdog.)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,8 +32,9 @@ from devgraph._errors import RankMismatchError
 
 if TYPE_CHECKING:
     from devgraph.runner._base import BucketedRunner
+    from devgraph.runner._config import RunnerConfig
 
-__all__ = ["RankCheck", "check_capture", "resolve_group"]
+__all__ = ["RankCheck", "capture_context", "check_capture", "resolve_group"]
 
 #: ``process_group`` default: the default group when torch.distributed is initialised with >1 rank
 AUTO = "auto"
@@ -155,3 +157,8 @@ def check_capture(runner: BucketedRunner, sizes: Sequence[int]) -> None:
     check = RankCheck(group, runner.device.torch_device.type, runner.config.check_ranks == "every_call")
     check.agree_on_sizes(sorted(sizes, reverse=True))
     runner._rank_check = check if check.every_call else None
+
+
+def capture_context(config: RunnerConfig) -> contextlib.AbstractContextManager[Any]:
+    """The caller's ``capture_context()`` (an engine's collective set-up), or nothing."""
+    return config.capture_context() if config.capture_context is not None else contextlib.nullcontext()
