@@ -14,7 +14,13 @@ import importlib
 from typing import Any
 
 from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
-from devgraph._errors import BackendUnavailable, CaptureError, DevgraphError, PluginLoadError
+from devgraph._errors import (
+    BackendUnavailable,
+    CaptureError,
+    DevgraphError,
+    PluginLoadError,
+    RankMismatchError,
+)
 from devgraph._graphed import GraphedModule
 from devgraph._hookspecs import hookimpl
 from devgraph._plugins import BackendInfo, BackendSpec, Probe, device, list_backends
@@ -53,6 +59,7 @@ __all__ = [
     "MemoryStats",
     "PluginLoadError",
     "Probe",
+    "RankMismatchError",
     "Stream",
     "TaskGroup",
     "__version__",
