@@ -1,0 +1,204 @@
+"""Tensor-parallel capture: ``devgraph.wrap`` on every rank of a gloo group on the CPU reference.
+
+The model is the reference paged decoder sharded over the ranks (``devgraph.testing.models``:
+vocab-parallel embedding and logits, column/row-parallel layers), so every forward issues
+collectives: one all-reduce after the embedding, two per layer, one all-gather of the logits.
+Each spawned test runs a sequence of decode steps with new tokens, batch sizes inside and between
+the buckets (padded), through the graphed shard, an eager twin of the shard and the single-process
+model on every rank, and compares them in this process.
+
+Tolerances: graphed vs the eager shard and rank vs rank are exact (bitwise; the recorded ops and
+collectives run the same arithmetic on the same shapes). Against the single-process model they
+are ``atol = rtol = 1e-5`` in float32: the row-parallel layers add the ranks' partial sums, which
+rounds differently from one matmul over the whole inner dimension (about 1e-6 on logits of order
+one); with one rank the shard is bitwise the single-process model
+(``test_one_rank_shard_is_bitwise_the_single_process_model``).
+
+Every spawned run is bounded: the process group times out after 30 s (a collective a peer never
+joins raises), and the run is killed after ``RUN_TIMEOUT`` seconds (``RanksTimedOut``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import devgraph
+from devgraph.testing.distributed import run_ranks
+from devgraph.testing.models import (
+    DecoderConfig,
+    KVBlockManager,
+    PagedDecoder,
+    TensorParallel,
+    make_decoder,
+    shard_decoder,
+)
+
+#: Heads, key/value heads, intermediate and vocabulary sizes divisible by 1, 2 and 4 ranks.
+CONFIG = DecoderConfig(num_heads=8, num_kv_heads=4)
+SEED = 5
+RUN_TIMEOUT = 150.0
+SINGLE_ATOL = SINGLE_RTOL = 1e-5
+
+#: (sequence ids, new tokens) per decode step: batches 3 (padded to 4), 1, 4, 2, 3; sequence 0
+#: takes part in every step, so later steps read keys and values cached by earlier ones.
+STEPS = [
+    ([0, 1, 2], [17, 250, 3]),
+    ([0], [99]),
+    ([0, 1, 2, 3], [5, 128, 64, 200]),
+    ([0, 3], [31, 7]),
+    ([0, 1, 2], [255, 0, 42]),
+]
+
+
+def _serve(rank: int, world_size: int, collectives: str, options: dict, steps: list) -> dict:
+    """On one rank: run ``steps`` through the graphed shard, its eager twin and the whole model."""
+    parallel = TensorParallel.of(collectives=collectives)
+    graphed = devgraph.wrap(make_decoder(CONFIG, SEED, parallel=parallel), device="cpu", **options)
+    models = {
+        "graphed": graphed,
+        "eager": make_decoder(CONFIG, SEED, parallel=parallel),
+        "single": make_decoder(CONFIG, SEED),
+    }
+    managers = {name: KVBlockManager(CONFIG) for name in models}
+    logits: dict[str, list[torch.Tensor]] = {name: [] for name in models}
+    for ids, tokens in steps:
+        for name, model in models.items():
+            with torch.no_grad():
+                logits[name].append(model(**managers[name].decode_batch(ids, tokens)).clone())
+    stats = graphed.stats
+    return {**logits, "replays": stats.replays, "eager_calls": stats.eager_calls, "rank": rank}
+
+
+def _check(results: list[dict], world_size: int) -> None:
+    assert [r["rank"] for r in results] == list(range(world_size))
+    for r in results:
+        assert r["replays"] == len(STEPS) and r["eager_calls"] == 0, "every step must replay graphs"
+        for step, (got, eager, single) in enumerate(zip(r["graphed"], r["eager"], r["single"])):
+            assert got.shape == (len(STEPS[step][0]), CONFIG.vocab_size)
+            assert torch.equal(got, eager), f"rank {r['rank']} step {step}: graphed != eager shard"
+            torch.testing.assert_close(got, single, atol=SINGLE_ATOL, rtol=SINGLE_RTOL)
+    for r in results[1:]:
+        for step, (a, b) in enumerate(zip(results[0]["graphed"], r["graphed"])):
+            assert torch.equal(a, b), f"step {step}: rank {r['rank']}'s logits differ from rank 0's"
+
+
+@pytest.mark.parametrize(("world_size", "collectives"), [(2, "inplace"), (2, "functional"), (4, "inplace")])
+def test_full_graphs_on_every_rank_equal_eager_and_the_single_process_model(world_size, collectives):
+    options = {"batch_sizes": [1, 2, 4]}
+    results = run_ranks(
+        _serve, world_size, args=(collectives, options, STEPS), timeout=RUN_TIMEOUT, pg_timeout=30
+    )
+    _check(results, world_size)
+
+
+@pytest.mark.parametrize(("world_size", "collectives"), [(2, "inplace"), (4, "functional")])
+def test_piecewise_pieces_holding_collectives_equal_eager_and_the_single_process_model(
+    world_size, collectives
+):
+    """Attention is the splitting op; every collective sits inside a captured piece."""
+    options = {"mode": "piecewise", "capture_sizes": [1, 2, 4]}
+    results = run_ranks(
+        _serve, world_size, args=(collectives, options, STEPS), timeout=RUN_TIMEOUT, pg_timeout=30
+    )
+    _check(results, world_size)
+
+
+def _capture_with(rank: int, world_size: int, sizes_by_rank: list[list[int]]) -> str:
+    parallel = TensorParallel.of()
+    model = make_decoder(CONFIG, SEED, parallel=parallel)
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=sizes_by_rank[rank])
+    try:
+        graphed.capture(**model.dummy_inputs(1))
+    except devgraph.RankMismatchError as exc:
+        return str(exc)
+    return "captured"
+
+
+def test_ranks_capturing_different_sizes_fail_with_rank_mismatch_on_every_rank():
+    messages = run_ranks(_capture_with, 2, args=([[1, 2, 4], [1, 2, 8]],), timeout=RUN_TIMEOUT, pg_timeout=30)
+    for rank, message in enumerate(messages):
+        assert message != "captured", f"rank {rank} captured sizes rank 1 did not"
+        assert "rank 1" in message and "8" in message, message
+
+
+# -- in one process --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("collectives", ["inplace", "functional"])
+def test_one_rank_shard_is_bitwise_the_single_process_model(collectives):
+    single = make_decoder(CONFIG, SEED)
+    shard = make_decoder(CONFIG, SEED, parallel=TensorParallel(0, 1, collectives=collectives))
+    assert isinstance(shard.embed_tokens, torch.nn.Module) and shard.parallel is not None
+    managers = [KVBlockManager(CONFIG), KVBlockManager(CONFIG)]
+    for ids, tokens in STEPS:
+        with torch.no_grad():
+            want = single(**managers[0].decode_batch(ids, tokens))
+            got = shard(**managers[1].decode_batch(ids, tokens))
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_shards_of_all_ranks_hold_every_weight_once(world_size):
+    """Concatenating the ranks' shards along the split dims rebuilds each whole weight."""
+    single = make_decoder(CONFIG, SEED)
+    shards = [shard_decoder(single, TensorParallel(r, world_size)) for r in range(world_size)]
+    c, n = CONFIG, world_size
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    for name, whole in single.state_dict().items():
+        parts = [s.state_dict()[name] for s in shards]
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            rebuilt = torch.cat(parts, dim=1)
+        elif name.endswith("qkv_proj.weight"):  # each rank: its q heads, then its k, then its v heads
+            blocks = [p.split([q // n, kv // n, kv // n]) for p in parts]
+            rebuilt = torch.cat([torch.cat([b[i] for b in blocks]) for i in range(3)])
+        elif name.endswith("gate_up_proj.weight"):
+            halves = [p.chunk(2) for p in parts]
+            rebuilt = torch.cat([torch.cat([h[i] for h in halves]) for i in range(2)])
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            rebuilt = torch.cat(parts)
+        else:  # norms: whole on every rank
+            assert all(torch.equal(p, whole) for p in parts), name
+            continue
+        assert torch.equal(rebuilt, whole), name
+    assert shards[0].layers[0].k_cache.shape[2] == c.num_kv_heads // n
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("num_kv_heads", 2), ("intermediate_size", 130), ("vocab_size", 254)]
+)
+def test_a_size_the_ranks_cannot_share_is_refused_naming_it(field, value):
+    import attrs
+
+    config = attrs.evolve(CONFIG, **{field: value})
+    with pytest.raises(ValueError, match=rf"DecoderConfig\.{field} \({value}\).*world size \(4\)"):
+        PagedDecoder(config, TensorParallel(0, 4))
+
+
+def test_tensor_parallel_of_needs_an_initialised_group():
+    with pytest.raises(ValueError, match="init_process_group"):
+        TensorParallel.of()
+
+
+# -- the example -----------------------------------------------------------------------------
+
+
+def test_the_two_rank_demo_agrees_on_every_rank():
+    env = {**os.environ, "DEVGRAPH_TEST_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "devgraph", "demo", "--tp", "2", "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT + 30,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    for rank in range(2):
+        assert any(
+            line.split()[:1] == [str(rank)] and line.endswith("ok") for line in run.stdout.splitlines()
+        )
+    assert "graphed logits match eager on every rank" in run.stdout
