@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from devgraph._collectives import is_collective, refuse_collective, refuse_object_collective
 from devgraph._compiled_regions import CompiledRegions, op_recorders
 from devgraph._errors import CaptureError
 
@@ -224,6 +225,9 @@ def raise_refusal(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
 
 
 def _raise_sync(op: str, remedy: str) -> None:
+    # An object collective (all_gather_object...) reaches here through the host syncs it makes:
+    # name the collective, not the sync.
+    refuse_object_collective(user_source_line)
     if remedy in (_SHAPE_REMEDY, _BOOL_INDEX, _SPLIT_REMEDY):
         what = (
             "data-dependent output shape inside graph capture: a graph replays the shapes it was "
@@ -276,6 +280,7 @@ def _modes() -> tuple[type, type]:
             if name == "to" and args and _moves_to_host(args, kwargs):
                 _raise_sync("Tensor.to(cpu)", _COPY_REMEDY)
             if _pageable_upload(name, args, kwargs, self.device_type):
+                refuse_object_collective(user_source_line)
                 raise CaptureError(
                     "a pageable host tensor copied to the device inside graph capture: CUDA refuses "
                     "it, and the graph would replay the values of capture time",
@@ -299,6 +304,7 @@ def _modes() -> tuple[type, type]:
                 and result.device.type == self.device_type
                 and result.dim() > 0
             ):
+                refuse_object_collective(user_source_line)
                 # A host-to-device copy of Python data: CUDA refuses it during capture, and a graph
                 # would replay the values frozen. (0-d values are kernel scalars on every device.)
                 raise CaptureError(
@@ -331,6 +337,8 @@ def _modes() -> tuple[type, type]:
             if isinstance(func, torch._ops.HigherOrderOperator):
                 return self._higher_order(func, args, kwargs)
             name = func._schema.name
+            if is_collective(name):
+                refuse_collective(func, args, kwargs, self.device_type, user_source_line)
             remedy = dispatch_refusal(func, args, kwargs)
             if remedy and _on_device((args, kwargs), self.device_type):
                 _raise_sync(name, remedy)

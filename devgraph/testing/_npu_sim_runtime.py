@@ -44,7 +44,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
+from devgraph._collectives import is_collective
 from devgraph._weakref import weak_ref_tensor
+from devgraph.backends.cpu._collectives import issued_by_torch_distributed
 from devgraph.backends.cpu._pool import BlockPool, PoolBytes, block_of, tensor_bytes
 from devgraph.backends.cpu._recorder import (
     _UNINITIALISED,
@@ -53,6 +55,7 @@ from devgraph.backends.cpu._recorder import (
     Segment,
     Tape,
     _is_view,
+    refuse_collective_in_task,
     written_tensors,
 )
 from devgraph.testing._npu_sim_ops import NAMESPACE as _SIM_NAMESPACE
@@ -473,6 +476,16 @@ class _SimRecorder(Recorder):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if threading.get_ident() != self._thread:
+            return func(*args, **kwargs)  # a collective's worker thread (see Recorder)
+        if is_collective(func._schema.name):
+            # HCCL simulated by whatever process group the caller uses (gloo on CPU): recorded and
+            # re-issued at replay as on the CPU reference; never part of a task update.
+            if self.updating:
+                refuse_collective_in_task(func._schema.name)
+            return self._collective(func, args, kwargs)
+        if self._collectives and issued_by_torch_distributed():
+            return func(*args, **kwargs)  # torch.distributed's own work around a collective
         if func.namespace == "devgraph":
             with self:  # record what the kernel launches (its ops come back to this method)
                 return func.redispatch(_CPU_KEYS, *args, **kwargs)
@@ -754,8 +767,10 @@ class NPUGraph:
     def capture_end(self):
         if self._tape.recorder is None:
             raise RuntimeError("capture_end() without capture_begin()")
-        self._tape.end()
-        _STATE.capturing.pop(self._stream_id, None)  # type: ignore[arg-type]
+        try:
+            self._tape.end()
+        finally:  # a capture that end() refuses stops capturing its stream too
+            _STATE.capturing.pop(self._stream_id, None)  # type: ignore[arg-type]
         if self._group is not None:
             self._group = None
             self._tape.abandon()

@@ -25,6 +25,7 @@ simulator's ``NPUGraph`` both hold one, so they capture and replay the same way.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -33,11 +34,18 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from devgraph._capture import raise_refusal, user_source_line
+from devgraph._collectives import is_collective, refuse_collective
 from devgraph._errors import CaptureError, DevgraphError
+from devgraph.backends.cpu._collectives import (
+    IDENTITY,
+    NOT_RECORDED,
+    completion,
+    issued_by_torch_distributed,
+)
 from devgraph.backends.cpu._held import Held, _External, _Ref, _Strong, describe, materialise
 from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
 
-__all__ = ["Entry", "Recorder", "Segment", "Tape"]
+__all__ = ["Entry", "Recorder", "Segment", "Tape", "refuse_collective_in_task"]
 
 _UNINITIALISED = {
     "aten::empty",
@@ -51,7 +59,7 @@ _UNINITIALISED = {
 class Entry:
     """One recorded call: ``func(*args, **kwargs)`` with fresh outputs copied into ``outs``."""
 
-    __slots__ = ("args", "func", "kwargs", "name", "outs", "rerun")
+    __slots__ = ("args", "finish", "func", "kwargs", "name", "outs", "rerun")
 
     def __init__(
         self, func: Callable[..., Any], name: str, args: Any, kwargs: Any, rerun: bool = True
@@ -62,6 +70,8 @@ class Entry:
         self.kwargs = tree_map(lambda x: describe(x, name) if isinstance(x, torch.Tensor) else x, kwargs)
         self.outs: list[tuple[int, _Ref]] = []  # (leaf index in the flattened result, destination)
         self.rerun = rerun
+        #: called with the result before the outputs are copied (waits for a collective to finish)
+        self.finish: Callable[[Any], None] | None = None
 
     def run(self) -> None:
         if not self.rerun:
@@ -69,6 +79,8 @@ class Entry:
         args = tree_map(materialise, self.args, is_leaf=lambda x: isinstance(x, Held))
         kwargs = tree_map(materialise, self.kwargs, is_leaf=lambda x: isinstance(x, Held))
         result = self.func(*args, **kwargs)
+        if self.finish is not None:
+            self.finish(result)
         if self.outs:
             leaves, _ = tree_flatten(result)
             for i, ref in self.outs:
@@ -200,6 +212,20 @@ def _aliases(t: Any, inputs: set[int]) -> bool:
     return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in inputs
 
 
+def refuse_collective_in_task(name: str) -> None:
+    """Refuse collective ``name`` inside an updatable task group.
+
+    A task update re-issues its group on one rank alone: the other ranks would never join it.
+    """
+    raise CaptureError(
+        "a collective inside an updatable task group: a task update re-issues the group on one rank, "
+        "and the other ranks would never join the collective",
+        op=name,
+        source=user_source_line(),
+        remedy="issue the collective outside the updatable op (before or after it)",
+    )
+
+
 class Recorder(TorchDispatchMode):
     """Records the aten ops issued while it is the active dispatch mode into ``segment``.
 
@@ -217,6 +243,11 @@ class Recorder(TorchDispatchMode):
         self.reissue = reissue
         self._reissued = 0
         self._paused = 0
+        # The thread that captures. torch hands the dispatch mode stack to threads that run work for
+        # it (gloo runs a collective's copies on its worker thread): their ops belong to the
+        # collective, which replay re-issues whole, not to the capture.
+        self._thread = threading.get_ident()
+        self._collectives = 0  # collectives recorded so far
 
     #: higher-order ops reach the recorder only from compiled graphs, while it is paused
     supports_higher_order_operators = True
@@ -229,8 +260,12 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self._paused:
-            return func(*args, **kwargs)  # a compiled graph runs: it is recorded whole
+        if self._paused or threading.get_ident() != self._thread:
+            return func(*args, **kwargs)  # a compiled graph runs (recorded whole), or a worker thread
+        if is_collective(func._schema.name):
+            return self._collective(func, args, kwargs)
+        if self._collectives and issued_by_torch_distributed():
+            return func(*args, **kwargs)  # torch.distributed's own work around a collective
         if _is_python_bodied(func):
             with self:  # what the body launches comes back here, op by op
                 return func.redispatch(_CPU_KEYS, *args, **kwargs)
@@ -255,6 +290,30 @@ class Recorder(TorchDispatchMode):
             return result  # metadata over memory that is already referenced: nothing to replay
         result = self._place_outputs(func, entry, result, inputs)
         self.segment.entries.append(entry)
+        return result
+
+    def _collective(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Record a ``torch.distributed`` op: re-issued on the same buffers at replay, then waited
+        (see ``devgraph.backends.cpu._collectives``)."""
+        name = func._schema.name
+        if name in NOT_RECORDED:
+            return func(*args, **kwargs)
+        if name in IDENTITY:
+            return args[0] if args else kwargs["input"]
+        refuse_collective(func, args, kwargs, None, user_source_line)
+        if self.reissue is not None or self.segment.group_index is not None:
+            refuse_collective_in_task(name)
+        entry = Entry(func, name, args, kwargs)
+        entry.finish = completion(name)
+        inputs = _storages((args, kwargs))
+        result = func(*args, **kwargs)
+        # Complete it now, while this mode is off: what the wait runs (gloo copies a reduce-scatter's
+        # result out of its scratch buffer in ``Work.wait``) belongs to the collective, and a
+        # functional collective's output must be final before it is copied into the pool.
+        entry.finish(result)
+        result = self._place_outputs(func, entry, result, inputs)
+        self.segment.entries.append(entry)
+        self._collectives += 1
         return result
 
     def record_call(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
