@@ -129,8 +129,8 @@ def run_tp_demo(
     Spawns the ranks (``devgraph.testing.distributed.run_ranks``), and on each one wraps its shard
     with ``devgraph.wrap(shard, device="cpu")``, runs greedy decode steps at every batch size through
     the graphed shard, an eager twin and the single-process model, and prints one row per rank.
-    Returns 0 when every rank's graphed logits equal its eager shard's and are within tolerance of
-    the single-process model's, 1 otherwise (or when a rank failed or the run took over ``timeout``
+    Returns 0 when every rank's graphed logits are within the demo's float32 tolerance of its eager
+    shard's and of the single-process model's, 1 otherwise (or when a rank failed or the run took over ``timeout``
     seconds, with the reason on stderr).
     """
     import sys
@@ -157,7 +157,7 @@ def run_tp_demo(
     print("-" * len(header))
     ok = True
     for rank, row in enumerate(rows):
-        agree = row["vs_eager"] == 0.0 and row["vs_single"] <= tolerance
+        agree = max(row["vs_eager"], row["vs_single"]) <= tolerance
         ok = ok and agree
         print(
             f"{rank:>4}  {row['replays']:>7}  {row['eager_calls']:>11}  {row['vs_eager']:>17.2e}  "
@@ -166,7 +166,7 @@ def run_tp_demo(
     print(
         "graphed logits match eager on every rank"
         if ok
-        else f"MISMATCH: graphed must equal the eager shard and be within {tolerance:g} of one process"
+        else f"MISMATCH: graphed logits differ from eager or one process by more than {tolerance:g}"
     )
     return 0 if ok else 1
 

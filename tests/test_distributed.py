@@ -7,12 +7,13 @@ Each spawned test runs a sequence of decode steps with new tokens, batch sizes i
 the buckets (padded), through the graphed shard, an eager twin of the shard and the single-process
 model on every rank, and compares them in this process.
 
-Tolerances: graphed vs the eager shard and rank vs rank are exact (bitwise; the recorded ops and
-collectives run the same arithmetic on the same shapes). Against the single-process model they
-are ``atol = rtol = 1e-5`` in float32: the row-parallel layers add the ranks' partial sums, which
-rounds differently from one matmul over the whole inner dimension (about 1e-6 on logits of order
-one); with one rank the shard is bitwise the single-process model
-(``test_one_rank_shard_is_bitwise_the_single_process_model``).
+Tolerances: graphed vs the eager shard run on the same padded batch, and rank vs rank, are exact
+(bitwise: the replayed ops and collectives do the same arithmetic on the same shapes; an unpadded
+eager batch can differ in the last bit, since a matmul over 3 rows may round unlike one over 4).
+Against the single-process model they are ``atol = rtol = 1e-5`` in float32: the row-parallel
+layers add the ranks' partial sums, which rounds differently from one matmul over the whole inner
+dimension (about 1e-6 on logits of order one); with one rank the shard is bitwise the
+single-process model (``test_one_rank_shard_is_bitwise_the_single_process_model``).
 
 Every spawned run is bounded: the process group times out after 30 s (a collective a peer never
 joins raises), and the run is killed after ``RUN_TIMEOUT`` seconds (``RanksTimedOut``).
@@ -35,6 +36,7 @@ from devgraph.testing.models import (
     PagedDecoder,
     TensorParallel,
     make_decoder,
+    pad_batch,
     shard_decoder,
 )
 
@@ -43,6 +45,8 @@ CONFIG = DecoderConfig(num_heads=8, num_kv_heads=4)
 SEED = 5
 RUN_TIMEOUT = 150.0
 SINGLE_ATOL = SINGLE_RTOL = 1e-5
+#: Batch sizes (full) and token counts (piecewise) captured.
+BUCKETS = [1, 2, 4]
 
 #: (sequence ids, new tokens) per decode step: batches 3 (padded to 4), 1, 4, 2, 3; sequence 0
 #: takes part in every step, so later steps read keys and values cached by earlier ones.
@@ -56,7 +60,8 @@ STEPS = [
 
 
 def _serve(rank: int, world_size: int, collectives: str, options: dict, steps: list) -> dict:
-    """On one rank: run ``steps`` through the graphed shard, its eager twin and the whole model."""
+    """On one rank: run ``steps`` through the graphed shard, its eager twin (on the batch padded as
+    the graph pads it) and the whole single-process model."""
     parallel = TensorParallel.of(collectives=collectives)
     graphed = devgraph.wrap(make_decoder(CONFIG, SEED, parallel=parallel), device="cpu", **options)
     models = {
@@ -68,10 +73,32 @@ def _serve(rank: int, world_size: int, collectives: str, options: dict, steps: l
     logits: dict[str, list[torch.Tensor]] = {name: [] for name in models}
     for ids, tokens in steps:
         for name, model in models.items():
+            batch = managers[name].decode_batch(ids, tokens)
+            if name == "eager":  # the rows the graph computes: padded up to the bucket
+                batch = pad_batch(batch, min(b for b in BUCKETS if b >= len(ids)), CONFIG)
             with torch.no_grad():
-                logits[name].append(model(**managers[name].decode_batch(ids, tokens)).clone())
+                logits[name].append(model(**batch)[: len(ids)].clone())
     stats = graphed.stats
-    return {**logits, "replays": stats.replays, "eager_calls": stats.eager_calls, "rank": rank}
+    pieces = _collectives_per_piece(graphed) if options.get("mode") == "piecewise" else None
+    return {
+        **logits,
+        "replays": stats.replays,
+        "eager_calls": stats.eager_calls,
+        "rank": rank,
+        "pieces": pieces,
+    }
+
+
+def _collectives_per_piece(graphed) -> list[list[str]]:
+    """The collectives (their op names, ``wait_tensor`` left out) in each captured piece."""
+    return [
+        [
+            str(node.target)
+            for node in piece.graph_module.graph.nodes
+            if "c10d" in str(node.target) and "wait_tensor" not in str(node.target)
+        ]
+        for piece in graphed.runner.traced.compiled.split.captured
+    ]
 
 
 def _check(results: list[dict], world_size: int) -> None:
@@ -89,7 +116,7 @@ def _check(results: list[dict], world_size: int) -> None:
 
 @pytest.mark.parametrize(("world_size", "collectives"), [(2, "inplace"), (2, "functional"), (4, "inplace")])
 def test_full_graphs_on_every_rank_equal_eager_and_the_single_process_model(world_size, collectives):
-    options = {"batch_sizes": [1, 2, 4]}
+    options = {"batch_sizes": BUCKETS}
     results = run_ranks(
         _serve, world_size, args=(collectives, options, STEPS), timeout=RUN_TIMEOUT, pg_timeout=30
     )
@@ -101,11 +128,19 @@ def test_piecewise_pieces_holding_collectives_equal_eager_and_the_single_process
     world_size, collectives
 ):
     """Attention is the splitting op; every collective sits inside a captured piece."""
-    options = {"mode": "piecewise", "capture_sizes": [1, 2, 4]}
+    options = {"mode": "piecewise", "capture_sizes": BUCKETS}
     results = run_ranks(
         _serve, world_size, args=(collectives, options, STEPS), timeout=RUN_TIMEOUT, pg_timeout=30
     )
     _check(results, world_size)
+    # Embedding all-reduce + layer 0 up to attention | o_proj and down all-reduces of layer 0 + layer
+    # 1 up to attention | layer 1's two all-reduces + the logits' all-gather.
+    pieces = [[op.split(".")[1] for op in piece] for piece in results[0]["pieces"]]
+    assert pieces == [
+        ["all_reduce"],
+        ["all_reduce", "all_reduce"],
+        ["all_reduce", "all_reduce", "all_gather_into_tensor"],
+    ]
 
 
 def _capture_with(rank: int, world_size: int, sizes_by_rank: list[list[int]]) -> str:
