@@ -11,7 +11,13 @@ import importlib
 from typing import Any
 
 from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
-from devgraph._errors import BackendUnavailable, CaptureError, DevgraphError, PluginLoadError
+from devgraph._errors import (
+    BackendUnavailable,
+    CaptureError,
+    DevgraphError,
+    PluginLoadError,
+    RankMismatchError,
+)
 from devgraph._hookspecs import hookimpl
 from devgraph._plugins import BackendInfo, BackendSpec, Probe, backends, device
 from devgraph._tasks import TaskGroup
@@ -45,6 +51,7 @@ __all__ = [
     "MemoryStats",
     "PluginLoadError",
     "Probe",
+    "RankMismatchError",
     "Stream",
     "TaskGroup",
     "__version__",

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["BackendUnavailable", "CaptureError", "DevgraphError", "PluginLoadError"]
+__all__ = [
+    "BackendUnavailable",
+    "CaptureError",
+    "DevgraphError",
+    "PluginLoadError",
+    "RankMismatchError",
+]
 
 
 class DevgraphError(RuntimeError):
@@ -80,3 +86,19 @@ class CaptureError(DevgraphError):
         )
         err.__cause__ = self.__cause__
         return err
+
+
+class RankMismatchError(DevgraphError):
+    """The ranks of a process group disagree on the graphs they capture or replay.
+
+    Raised on every rank (the same message on each) when the ranks' capture sizes differ, or, with
+    ``check_ranks="every_call"``, when they would replay different sizes for one call; also when a
+    rank did not join the exchange within the process group's timeout.
+
+    Attributes:
+        sizes: rank -> the sizes that rank reported (empty when the exchange itself failed).
+    """
+
+    def __init__(self, message: str, *, sizes: dict[int, list[int]] | None = None) -> None:
+        self.sizes = sizes or {}
+        super().__init__(message)

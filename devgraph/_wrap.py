@@ -171,7 +171,8 @@ def wrap(model: Any, device: str | Device | Any | None = None, **options: Any) -
             ``devgraph.Device``, or None for the best available.
         options: ``devgraph.runner.RunnerConfig`` fields (``max_batch_size``, ``batch_sizes``,
             ``pad_values``, ``host_args``, ``static_args``, ``batch_dims``, ``clone_outputs``,
-            ``strict``, ``debug``, ``warmup_iters``, ``mode``), with ``mode='piecewise'`` or
+            ``strict``, ``debug``, ``warmup_iters``, ``mode``, ``process_group``, ``check_ranks``,
+            ``capture_context``), with ``mode='piecewise'`` or
             ``'full_and_piecewise'`` also ``devgraph.compile.CompileConfig`` fields (``splitting_ops``,
             ``compile_backend``, ``passes``, ``capture_sizes``, ``capture_budget``, ``traffic``,
             ``is_decode``), plus adapter options. A model's own ``devgraph_options()`` provides defaults.

@@ -53,7 +53,7 @@ from devgraph.runner._config import positive_ints
 __all__ = ["GraphedCausalLM", "HFOptions", "wrap_hf"]
 
 #: RunnerConfig fields a caller may set; the adapter owns the others (arguments, padding, buckets).
-RUNNER_OPTIONS = ("strict", "debug", "warmup_iters")
+RUNNER_OPTIONS = ("strict", "debug", "warmup_iters", "process_group", "check_ranks")
 
 #: Attention layer types whose keys/values a full-length ``StaticLayer`` holds (transformers'
 #: mask code hides what a sliding or chunked layer must not see).
@@ -110,7 +110,8 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
             device's torch device, in eval mode.
         device: a backend name, a ``devgraph.Device``, or None for the best available.
         options: ``max_batch_size``, ``batch_sizes``, ``max_cache_len`` (see ``HFOptions``) and the
-            runner options ``strict``, ``debug``, ``warmup_iters`` (see ``RunnerConfig``).
+            runner options ``strict``, ``debug``, ``warmup_iters``, ``process_group``, ``check_ranks``
+            (see ``RunnerConfig``).
     Raises:
         DevgraphError: an unknown option (the message lists the valid ones), or a model this adapter
             cannot capture (the message says why and what to change).

@@ -296,6 +296,8 @@ class PiecewiseRunner(BucketedRunner):
         self._check_template(call, "traced")
         module = self._traced.compiled.module
         size = choose_bucket(call.batch, list(self.plan.sizes)) if self.plan.sizes else None
+        if self._rank_check is not None:
+            self._rank_check.agree_on_call(size)
         if size is None:
             # Larger than every captured size (or nothing captured): the compiled pieces, uncaptured.
             self._note_uncaptured(call.batch)

@@ -23,6 +23,7 @@ from devgraph._contract import Device, MemoryPool, Stream
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph.runner._calls import Call, Unsupported, read_call, signature_of, template_mismatch
 from devgraph.runner._config import RunnerConfig, RunnerStats
+from devgraph.runner._ranks import RankCheck, capture_context, check_capture
 from devgraph.runner._util import gc_frozen, progress, size_ranges
 
 __all__ = ["BucketedRunner", "SharedCapture", "WeightAddresses"]
@@ -113,6 +114,8 @@ class BucketedRunner:
 
     sizes: list[int]
     stats: RunnerStats
+    #: the per-call rank check (``check_ranks="every_call"``), set at capture by ``_ranks``
+    _rank_check: RankCheck | None = None
 
     def __init__(
         self,
@@ -336,8 +339,9 @@ class BucketedRunner:
             # One side stream for every size: CUDA's allocator reuses a shared pool's freed blocks
             # only on the stream that allocated them.
             pool, stream = self.device.pool(), self.device.stream()
+        check_capture(self, sizes)  # every rank captures these sizes, or every rank raises
         start = time.perf_counter()
-        with gc_frozen():
+        with gc_frozen(), capture_context(self.config):
             before = self.device.memory_stats().reserved  # after the collection: dead pools are gone
             for size in progress(sorted(sizes, reverse=True), desc):
                 self._fill_padding()

@@ -93,6 +93,17 @@ class RunnerConfig:
         debug: verify at replay that inputs and parameters live at their capture addresses.
         warmup_iters: eager runs before each capture.
         mode: "full", "piecewise" or "full_and_piecewise" (see devgraph.compile).
+        process_group: the ``torch.distributed`` group whose ranks must capture and replay the same
+            sizes (graphs with collectives inside); ``"auto"`` (default): the default group when
+            torch.distributed is initialised with more than one rank; None: no rank checks.
+        check_ranks: ``"capture"`` (default): the ranks agree on their capture sizes once, at
+            capture (``RankMismatchError`` otherwise); ``"every_call"``: also on the size each call
+            replays (one small all-gather per call).
+        capture_context: a callable returning a context manager that the runner enters around the
+            capture of every size (warm-ups included), for collectives that need set-up around
+            graph capture: an engine's process-group capture context, e.g. vLLM's
+            ``lambda: graph_capture(device)`` (its custom all-reduce registers the buffers the
+            graphs use when it exits). None: nothing.
     """
 
     batch_sizes: tuple[int, ...] | None = attrs.field(default=None, converter=_batch_sizes)
@@ -106,11 +117,25 @@ class RunnerConfig:
     debug: bool = attrs.field(factory=_debug_default)
     warmup_iters: int = 2
     mode: str = "full"
+    process_group: Any = attrs.field(default="auto", eq=False)
+    check_ranks: str = "capture"
+    capture_context: Any = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self) -> None:
         if self.mode not in ("full", "piecewise", "full_and_piecewise"):
             raise DevgraphError(
                 f"mode must be 'full', 'piecewise' or 'full_and_piecewise', got {self.mode!r}"
+            )
+        if self.check_ranks not in ("capture", "every_call"):
+            raise DevgraphError(f"check_ranks must be 'capture' or 'every_call', got {self.check_ranks!r}")
+        if self.capture_context is not None and not callable(self.capture_context):
+            raise DevgraphError(
+                "capture_context must be a callable returning a context manager (e.g. "
+                f"lambda: graph_capture(device)), got {self.capture_context!r}"
+            )
+        if isinstance(self.process_group, str) and self.process_group != "auto":
+            raise DevgraphError(
+                f"process_group must be a torch.distributed ProcessGroup, 'auto' or None, got {self.process_group!r}"
             )
         if (
             isinstance(self.warmup_iters, bool)
@@ -144,6 +169,9 @@ class RunnerConfig:
         data = attrs.asdict(self, recurse=True)
         data.pop("debug")  # checks only; captures the same graphs
         data.pop("strict")
+        data.pop("check_ranks")  # checks only
+        data.pop("process_group")  # a live object (its repr names an address); checks only
+        data.pop("capture_context")  # a callable; what it sets up is the caller's
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
     def batch_dim(self, name: str) -> int:

@@ -140,6 +140,8 @@ class GraphRunner(BucketedRunner):
     def _serve(self, call: Call) -> Any:
         self._check_template(call, "captured")
         size = choose_bucket(call.batch, self.sizes)
+        if self._rank_check is not None:
+            self._rank_check.agree_on_call(size)
         if size is None:
             raise Unsupported(
                 "batch_too_large", f"batch {call.batch} is outside the captured buckets (1..{self.sizes[-1]})"

@@ -1,0 +1,169 @@
+"""Ranks that agree: capture sizes exchanged at capture, per-call sizes with check_ranks="every_call".
+
+Every test spawns its ranks (gloo on CPU, devgraph.testing.distributed.run_ranks) with a bounded
+process-group timeout and an outer timeout, so a disagreement fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from devgraph.testing.distributed import run_ranks
+
+WORLD = 2
+
+
+def _row_parallel(rank):
+    import torch
+    import torch.distributed as dist
+
+    class RowParallel(torch.nn.Module):
+        """Each rank holds its slice of the weight; the partial products are summed across ranks."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            g = torch.Generator().manual_seed(rank)
+            self.weight = torch.nn.Parameter(torch.randn(6, 5, generator=g), requires_grad=False)
+
+        def forward(self, x):
+            y = x @ self.weight
+            dist.all_reduce(y)
+            return torch.relu(y) + 1
+
+    return RowParallel()
+
+
+def _capture_sizes_differ(rank, world_size):
+    import torch
+
+    import devgraph
+
+    model = _row_parallel(rank)
+    graphed = devgraph.wrap(model, device="cpu", max_batch_size=8 if rank == 0 else 4)
+    try:
+        graphed(torch.randn(3, 6))
+    except devgraph.RankMismatchError as e:
+        return ("raised", str(e), e.sizes)
+    return ("no error", "", {})
+
+
+def test_ranks_with_different_capture_sizes_raise_naming_the_rank_and_size():
+    results = run_ranks(_capture_sizes_differ, WORLD, timeout=180)
+    for status, message, sizes in results:
+        assert status == "raised"
+        assert "rank 1 of 2 captures batch sizes [1, 2, 4] but rank 0 captures [1, 2, 4, 8]" in message
+        assert "size 8 differs" in message and "max_batch_size" in message
+        assert sizes == {0: [8, 4, 2, 1], 1: [4, 2, 1]}
+    assert results[0][1] == results[1][1]  # every rank says the same thing
+
+
+def _agreeing_ranks_replay(rank, world_size, check_ranks):
+    import torch
+
+    import devgraph
+
+    model = _row_parallel(rank)
+    graphed = devgraph.wrap(model, device="cpu", max_batch_size=8, check_ranks=check_ranks)
+    same = []
+    for step, batch in enumerate([3, 8, 1, 5]):
+        x = torch.randn(batch, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        out = graphed(x).clone()
+        same.append(bool(torch.equal(out, model(x))))
+    return same, graphed.stats.replays, graphed.stats.eager_calls
+
+
+@pytest.mark.parametrize("check_ranks", ["capture", "every_call"])
+def test_agreeing_ranks_replay_equal_to_eager(check_ranks):
+    for same, replays, eager in run_ranks(_agreeing_ranks_replay, WORLD, args=(check_ranks,), timeout=180):
+        assert same == [True, True, True, True]
+        assert (replays, eager) == (4, 0)
+
+
+def _calls_in_different_buckets(rank, world_size):
+    import torch
+
+    import devgraph
+
+    model = _row_parallel(rank)
+    graphed = devgraph.wrap(model, device="cpu", max_batch_size=8, check_ranks="every_call")
+    graphed(torch.randn(2, 6))  # capture, and a call that agrees
+    try:
+        graphed(torch.randn(3 if rank == 0 else 7, 6))  # buckets 4 and 8
+    except devgraph.RankMismatchError as e:
+        return ("raised", str(e))
+    return ("no error", "")
+
+
+def test_every_call_check_refuses_ranks_replaying_different_sizes():
+    for status, message in run_ranks(_calls_in_different_buckets, WORLD, timeout=180):
+        assert status == "raised"
+        assert "rank 0: batch size 4, rank 1: batch size 8" in message
+
+
+def _no_group_means_no_exchange(rank, world_size):
+    import torch
+
+    import devgraph
+
+    # No collectives in this model, so ranks may capture what they like when told not to check.
+    graphed = devgraph.wrap(torch.nn.Linear(4, 4), device="cpu", max_batch_size=2 + rank, process_group=None)
+    graphed(torch.randn(1, 4))
+    return graphed.stats.captured_sizes
+
+
+def test_process_group_none_turns_the_checks_off():
+    assert run_ranks(_no_group_means_no_exchange, WORLD, timeout=180) == [(1, 2), (1, 2, 3)]
+
+
+def test_bad_check_ranks_value_is_refused():
+    import devgraph
+    from devgraph.runner import RunnerConfig
+
+    with pytest.raises(devgraph.DevgraphError, match="check_ranks must be 'capture' or 'every_call'"):
+        RunnerConfig(check_ranks="always")
+    with pytest.raises(devgraph.DevgraphError, match="process_group must be"):
+        RunnerConfig(process_group="world")
+
+
+def test_without_torch_distributed_initialised_there_is_no_group():
+    from devgraph.runner._ranks import resolve_group
+
+    assert resolve_group("auto") is None
+    assert resolve_group(None) is None
+
+
+def test_capture_context_is_entered_around_every_capture_and_warm_up():
+    import contextlib
+
+    import torch
+
+    import devgraph
+    from devgraph import _capture
+
+    events = []
+    model = torch.nn.Linear(4, 4)
+
+    def forward(x):
+        events.append("capture" if _capture.current_graph() is not None else "warm-up")
+        return model(x)
+
+    @contextlib.contextmanager
+    def engine_context():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    graphed = devgraph.wrap(
+        forward, device="cpu", batch_sizes=[1, 2], warmup_iters=1, capture_context=engine_context
+    )
+    graphed(torch.randn(2, 4))
+    assert events == ["enter", "warm-up", "capture", "warm-up", "capture", "exit"]
+    graphed(torch.randn(1, 4))
+    assert events[-1] == "exit"  # replays run outside it
+
+
+def test_capture_context_must_be_callable():
+    import devgraph
+
+    with pytest.raises(devgraph.DevgraphError, match="capture_context must be a callable"):
+        devgraph.wrap(lambda x: x, device="cpu", capture_context=42)
