@@ -143,22 +143,38 @@ def test_piecewise_pieces_holding_collectives_equal_eager_and_the_single_process
     ]
 
 
-def _capture_with(rank: int, world_size: int, sizes_by_rank: list[list[int]]) -> str:
-    parallel = TensorParallel.of()
-    model = make_decoder(CONFIG, SEED, parallel=parallel)
-    graphed = devgraph.wrap(model, device="cpu", batch_sizes=sizes_by_rank[rank])
+def _capture_with(rank: int, world_size: int, options_by_rank: list[dict]) -> tuple[str, str]:
+    model = make_decoder(CONFIG, SEED, parallel=TensorParallel.of())
+    graphed = devgraph.wrap(model, device="cpu", **options_by_rank[rank])
     try:
-        graphed.capture(**model.dummy_inputs(1))
+        graphed(**KVBlockManager(CONFIG).decode_batch([0, 1, 2], [1, 2, 3]))
     except devgraph.RankMismatchError as exc:
-        return str(exc)
-    return "captured"
+        return "RankMismatchError", str(exc)
+    return "captured", ""
 
 
-def test_ranks_capturing_different_sizes_fail_with_rank_mismatch_on_every_rank():
-    messages = run_ranks(_capture_with, 2, args=([[1, 2, 4], [1, 2, 8]],), timeout=RUN_TIMEOUT, pg_timeout=30)
-    for rank, message in enumerate(messages):
-        assert message != "captured", f"rank {rank} captured sizes rank 1 did not"
-        assert "rank 1" in message and "8" in message, message
+@pytest.mark.parametrize(
+    ("options_by_rank", "expected"),
+    [
+        (
+            [{"batch_sizes": [1, 2, 4]}, {"batch_sizes": [1, 2, 8]}],
+            "rank 1 of 2 captures batch sizes [1, 2, 8] but rank 0 captures [1, 2, 4]: size 4 differs",
+        ),
+        (
+            [
+                {"mode": "piecewise", "capture_sizes": [1, 2, 4]},
+                {"mode": "piecewise", "capture_sizes": [1, 4]},
+            ],
+            "rank 1 of 2 captures batch sizes [1, 4] but rank 0 captures [1, 2, 4]: size 2 differs",
+        ),
+    ],
+    ids=["full", "piecewise"],
+)
+def test_ranks_capturing_different_sizes_fail_with_rank_mismatch_on_every_rank(options_by_rank, expected):
+    results = run_ranks(_capture_with, 2, args=(options_by_rank,), timeout=RUN_TIMEOUT, pg_timeout=30)
+    for rank, (outcome, message) in enumerate(results):
+        assert outcome == "RankMismatchError", f"rank {rank} {outcome}"
+        assert expected in message, message
 
 
 # -- in one process --------------------------------------------------------------------------
