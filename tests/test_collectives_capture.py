@@ -234,3 +234,57 @@ def test_a_collective_on_host_tensors_inside_a_device_capture_is_refused():
         refuse_collective(func, ([torch.ones(2)], None, None, None, False), {}, "cuda", lambda: "model.py:3")
     assert "c10d::allreduce_" in str(info.value) and "nccl" in str(info.value)
     refuse_collective(func, ([torch.ones(2)], None, None, None, False), {}, "cpu", lambda: None)
+
+
+def _compiled_and_task_group(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    import devgraph
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    dev = devgraph.device("cpu")
+
+    @torch.compile(backend="inductor")
+    def compiled(x):
+        y = x * 2
+        dist.all_reduce(y)  # traced into a functional collective inside the compiled graph
+        return y + 1
+
+    static = torch.randn(4, 4)
+    compiled(static)  # compile before capture
+    graph = dev.graph()
+    with graph.capture():
+        out = compiled(static)
+    same = []
+    for step in range(2):
+        new = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        static.copy_(new)
+        graph.replay()
+        same.append(bool(torch.equal(out, compiled(new))))
+    graph = dev.graph()
+    try:
+        with graph.capture(), graph.task_group():
+            y = static + 1
+            dist.all_reduce(y)
+        refused = ""
+    except devgraph.CaptureError as e:
+        refused = str(e)
+    return same, refused
+
+
+@pytest.fixture(scope="module")
+def compiled_and_task_group():
+    return run_ranks(_compiled_and_task_group, WORLD, timeout=300)
+
+
+def test_an_inductor_compiled_region_holding_a_collective_replays_equal_to_eager(compiled_and_task_group):
+    for same, _ in compiled_and_task_group:
+        assert same == [True, True]
+
+
+def test_a_collective_inside_an_updatable_task_group_is_refused(compiled_and_task_group):
+    # a task update would re-issue the group's collective on one rank alone
+    for _, refused in compiled_and_task_group:
+        assert "collective inside an updatable task group" in refused
+        assert "c10d::allreduce_" in refused and "test_collectives_capture.py" in refused

@@ -167,3 +167,36 @@ def test_capture_context_must_be_callable():
 
     with pytest.raises(devgraph.DevgraphError, match="capture_context must be a callable"):
         devgraph.wrap(lambda x: x, device="cpu", capture_context=42)
+
+
+def _piecewise_plans_differ(rank, world_size):
+    import torch
+
+    import devgraph
+
+    model = _row_parallel(rank)
+    # The capture-budget planner is a pure function of its options: ranks given different traffic
+    # plan different sizes, and the capture-time exchange catches it before anything is captured.
+    traffic = {1: 10.0, 2: 1.0, 8: 1.0} if rank == 0 else {4: 10.0, 2: 1.0, 8: 1.0}
+    graphed = devgraph.wrap(
+        model,
+        device="cpu",
+        mode="piecewise",
+        compile_backend="eager",
+        capture_sizes=[1, 2, 4, 8],
+        capture_budget=2,
+        traffic=traffic,
+    )
+    try:
+        graphed(torch.randn(3, 6))
+    except devgraph.RankMismatchError as e:
+        return ("raised", str(e), e.sizes)
+    return ("no error", graphed.stats.captured_sizes, {})
+
+
+def test_piecewise_ranks_planning_different_sizes_raise():
+    results = run_ranks(_piecewise_plans_differ, WORLD, timeout=240)
+    for status, message, sizes in results:
+        assert status == "raised", message
+        assert "rank 1 of 2 captures batch sizes" in message and "traffic" in message
+        assert sizes[0] != sizes[1]

@@ -95,10 +95,12 @@ class RunnerConfig:
         mode: "full", "piecewise" or "full_and_piecewise" (see devgraph.compile).
         process_group: the ``torch.distributed`` group whose ranks must capture and replay the same
             sizes (graphs with collectives inside); ``"auto"`` (default): the default group when
-            torch.distributed is initialised with more than one rank; None: no rank checks.
+            torch.distributed is initialised with more than one rank; None: no rank checks (pass it
+            when ranks wrap independent models, data-parallel replicas or a model only one rank
+            runs: every rank of the group must capture at the same time).
         check_ranks: ``"capture"`` (default): the ranks agree on their capture sizes once, at
             capture (``RankMismatchError`` otherwise); ``"every_call"``: also on the size each call
-            replays (one small all-gather per call).
+            replays (one small all-gather, and a host sync on a device, per call).
         capture_context: a callable returning a context manager that the runner enters around the
             capture of every size (warm-ups included), for collectives that need set-up around
             graph capture: an engine's process-group capture context, e.g. vLLM's

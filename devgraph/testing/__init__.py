@@ -6,6 +6,8 @@
   ``devgraph.testing.pytest_plugin``.
 * ``conformance``: the backend conformance suite.
 * ``models``: tiny decoder models for end-to-end tests.
+* ``distributed``: ``run_ranks(fn, world_size)`` runs ``fn`` on spawned ranks of one process group
+  (gloo on CPU by default), every wait bounded by a timeout.
 
 Submodules load on first use, so importing this package imports neither torch nor the ops.
 """

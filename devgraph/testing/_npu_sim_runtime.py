@@ -460,6 +460,9 @@ class _SimRecorder(Recorder):
     * An ``.out`` op returning its ``out`` tensors writes them; nothing new is placed in the pool.
     * ``_npu_paged_attention`` reads ``context_lens`` (a CPU tensor) when it is launched, so the
       captured task holds the values of that moment: record a copy, not the live tensor.
+    * A ``torch.distributed`` collective (HCCL on hardware) is simulated by whatever process group
+      the caller made (gloo on CPU): recorded and re-issued at replay as on the CPU reference
+      (``devgraph.backends.cpu._collectives``); refused inside a task update.
     * ``updating=True`` (between ``graph_task_update_begin/end``): nothing is placed in the pool
       (on hardware the update allocates from the ordinary allocator), and a task that reads or
       writes memory allocated during the update raises ``RuntimeError`` -- that memory is freed

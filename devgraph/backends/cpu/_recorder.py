@@ -18,6 +18,9 @@ other output is fresh memory and goes to the pool.
 
 ``empty``-style factories are not re-run (their contents are undefined anyway).
 
+``torch.distributed`` collectives are recorded as one entry each and re-issued on the capture-time
+buffers at replay, then waited (``_collectives``). Only the capturing thread's ops are recorded.
+
 A ``Tape`` is one graph's list of segments and the recorder filling them: capture, task groups,
 the swap of a re-issued group, replay. The reference backend's ``CpuGraph`` and the torch_npu
 simulator's ``NPUGraph`` both hold one, so they capture and replay the same way.
