@@ -39,10 +39,24 @@ def _demo(args: argparse.Namespace) -> int:
     from devgraph.demo import run_demo
 
     try:
+        if args.tp is not None:
+            return _tp_demo(args)
         return run_demo(device=args.device, steps=args.steps, batch_sizes=args.batch_sizes)
     except DevgraphError as exc:  # unknown/unavailable backend...: the message says what to do
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def _tp_demo(args: argparse.Namespace) -> int:
+    from devgraph import DevgraphError
+    from devgraph.demo import run_tp_demo
+
+    if args.device not in (None, "cpu"):
+        raise DevgraphError(
+            f"demo --tp runs its ranks on the CPU reference backend (gloo), got --device {args.device}; "
+            "drop --device or pass --device cpu"
+        )
+    return run_tp_demo(args.tp, steps=args.steps, batch_sizes=args.batch_sizes, timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--device", default=None, help="backend name (default: best available)")
     demo.add_argument("--steps", type=int, default=16, help="decode steps to time")
     demo.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8], help="batches to run")
+    demo.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensor parallel: spawn N CPU ranks (gloo), graph each rank's shard, compare with eager",
+    )
+    demo.add_argument(
+        "--timeout", type=float, default=300.0, help="with --tp: seconds before the ranks are killed"
+    )
     demo.set_defaults(func=_demo)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")

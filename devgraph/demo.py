@@ -18,8 +18,9 @@ import torch
 
 import devgraph
 from devgraph._contract import Device
+from devgraph._errors import DevgraphError
 
-__all__ = ["run_demo"]
+__all__ = ["run_demo", "run_tp_demo"]
 
 
 def _timed(device: Device, fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -115,6 +116,94 @@ def _config_for(dev: Device) -> Any:
     from devgraph.testing.models import DecoderConfig
 
     return DecoderConfig(dtype=torch.bfloat16) if dev.name == "npu" else DecoderConfig()
+
+
+# -- tensor parallel: devgraph demo --tp N ------------------------------------------------------
+
+
+def run_tp_demo(
+    world_size: int, steps: int = 8, batch_sizes: Sequence[int] = (1, 3, 4), timeout: float = 300.0
+) -> int:
+    """Graph a tensor-parallel shard of the tiny decoder on each of ``world_size`` CPU ranks (gloo).
+
+    Spawns the ranks (``devgraph.testing.distributed.run_ranks``), and on each one wraps its shard
+    with ``devgraph.wrap(shard, device="cpu")``, runs greedy decode steps at every batch size through
+    the graphed shard, an eager twin and the single-process model, and prints one row per rank.
+    Returns 0 when every rank's graphed logits are within the demo's float32 tolerance of its eager
+    shard's and of the single-process model's, 1 otherwise (or when a rank failed or the run took over ``timeout``
+    seconds, with the reason on stderr).
+    """
+    import sys
+
+    from devgraph.testing.distributed import RanksFailed, RanksTimedOut, run_ranks
+
+    if world_size < 1:
+        raise DevgraphError(f"--tp needs at least 1 rank, got {world_size}")
+    print(
+        f"devgraph demo: tensor-parallel tiny decoder on {world_size} CPU ranks (gloo), "
+        f"batch sizes {list(batch_sizes)}, {steps} steps each"
+    )
+    try:
+        rows = run_ranks(_tp_rank, world_size, args=(steps, tuple(batch_sizes)), timeout=timeout)
+    except (RanksFailed, RanksTimedOut) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    tolerance = _TOLERANCE[torch.float32]
+    header = (
+        f"{'rank':>4}  {'replays':>7}  {'eager calls':>11}  {'|graphed - eager|':>17}  "
+        f"{'|graphed - 1 process|':>21}  result"
+    )
+    print(header)
+    print("-" * len(header))
+    ok = True
+    for rank, row in enumerate(rows):
+        agree = max(row["vs_eager"], row["vs_single"]) <= tolerance
+        ok = ok and agree
+        print(
+            f"{rank:>4}  {row['replays']:>7}  {row['eager_calls']:>11}  {row['vs_eager']:>17.2e}  "
+            f"{row['vs_single']:>21.2e}  {'ok' if agree else 'MISMATCH'}"
+        )
+    print(
+        "graphed logits match eager on every rank"
+        if ok
+        else f"MISMATCH: graphed logits differ from eager or one process by more than {tolerance:g}"
+    )
+    return 0 if ok else 1
+
+
+def _tp_rank(rank: int, world_size: int, steps: int, batch_sizes: tuple[int, ...]) -> dict[str, Any]:
+    """One rank of ``run_tp_demo``: the largest |difference| of graphed logits from eager and one process."""
+    from devgraph.testing.models import DecoderConfig, KVBlockManager, TensorParallel, make_decoder
+
+    config = DecoderConfig(num_heads=8, num_kv_heads=4)  # shareable by 1, 2, 4 and 8 ranks
+    parallel = TensorParallel.of()
+    models = {
+        "devgraph": devgraph.wrap(
+            make_decoder(config, parallel=parallel), device="cpu", max_batch_size=max(batch_sizes)
+        ),
+        "eager": make_decoder(config, parallel=parallel),
+        "single": make_decoder(config),
+    }
+    vs_eager = vs_single = 0.0
+    for batch in batch_sizes:
+        managers = {name: KVBlockManager(config) for name in models}
+        tokens = [(7 * i + 3) % config.vocab_size for i in range(batch)]
+        for _ in range(steps):
+            with torch.no_grad():
+                logits = {
+                    name: model(**managers[name].decode_batch(list(range(batch)), tokens)).clone()
+                    for name, model in models.items()
+                }
+            vs_eager = max(vs_eager, (logits["devgraph"] - logits["eager"]).abs().max().item())
+            vs_single = max(vs_single, (logits["devgraph"] - logits["single"]).abs().max().item())
+            tokens = logits["single"].argmax(-1).tolist()
+    stats = models["devgraph"].stats
+    return {
+        "replays": stats.replays,
+        "eager_calls": stats.eager_calls,
+        "vs_eager": vs_eager,
+        "vs_single": vs_single,
+    }
 
 
 if __name__ == "__main__":

@@ -29,18 +29,28 @@ from torch.nn import functional as F
 
 from devgraph._errors import DevgraphError
 from devgraph.ops import add_rms_norm, paged_decode_attention, rms_norm
+from devgraph.testing._parallel import (
+    COLLECTIVE_STYLES,
+    ParallelLMHead,
+    TensorParallel,
+    VocabParallelEmbedding,
+    shard_state_dict,
+)
 
 __all__ = [
+    "COLLECTIVE_STYLES",
     "SCRATCH_BLOCK",
     "DecoderConfig",
     "DecoderLayer",
     "KVBlockManager",
     "OutOfBlocksError",
     "PagedDecoder",
+    "TensorParallel",
     "dense_reference_logits",
     "greedy_decode",
     "make_decoder",
     "pad_batch",
+    "shard_decoder",
 ]
 
 logger = logging.getLogger(__name__)
@@ -155,23 +165,35 @@ def _rope_tables(config: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm transformer block whose attention reads and writes the paged KV cache."""
+    """One pre-norm transformer block whose attention reads and writes the paged KV cache.
+
+    With a ``parallel`` shard of more than one rank it holds that rank's heads and intermediate
+    slice (column-parallel QKV and gate/up, row-parallel o_proj and down, whose partial sums are
+    all-reduced) and caches only its key/value heads; with None (or one rank) it is the whole layer.
+    """
 
     # Registered buffers (declared for type checkers; nn.Module.__getattr__ is untyped).
     k_cache: torch.Tensor
     v_cache: torch.Tensor
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, parallel: TensorParallel | None = None) -> None:
         super().__init__()
         c = config
         self.config = c
+        self.parallel = parallel or TensorParallel(rank=0, world_size=1)
+        p = self.parallel
+        self.num_heads = p.split(c.num_heads, "DecoderConfig.num_heads")
+        self.num_kv_heads = p.split(c.num_kv_heads, "DecoderConfig.num_kv_heads")
+        self.intermediate_size = p.split(c.intermediate_size, "DecoderConfig.intermediate_size")
         self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.qkv_proj = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-        shape = (c.num_blocks, c.block_size, c.num_kv_heads, c.head_dim)
+        self.qkv_proj = nn.Linear(
+            c.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * c.head_dim, bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, c.hidden_size, bias=False)
+        shape = (c.num_blocks, c.block_size, self.num_kv_heads, c.head_dim)
         # Not persistent: the cache is state of a run, not of the model's weights.
         self.register_buffer("k_cache", torch.zeros(shape, dtype=c.dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=c.dtype), persistent=False)
@@ -195,26 +217,27 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = add_rms_norm(hidden, residual, self.input_norm, c.rms_eps)
 
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = _apply_rope(q.reshape(-1, c.num_heads, c.head_dim), cos, sin)
-        k = _apply_rope(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        q = _apply_rope(q.reshape(-1, heads, c.head_dim), cos, sin)
+        k = _apply_rope(k.reshape(-1, kv_heads, c.head_dim), cos, sin)
+        v = v.reshape(-1, kv_heads, c.head_dim)
 
         # Write the new token's key/value at its slot (a flat index over all blocks); padded rows
         # point at the scratch block, so duplicates there are harmless.
-        flat = (-1, c.num_kv_heads, c.head_dim)
+        flat = (-1, kv_heads, c.head_dim)
         self.k_cache.view(flat).index_copy_(0, slots, k.to(self.k_cache.dtype))
         self.v_cache.view(flat).index_copy_(0, slots, v.to(self.v_cache.dtype))
 
         attn = paged_decode_attention(
             q, self.k_cache, self.v_cache, block_table, seq_lens, seq_lens_host, self.scale
         )
-        hidden = self.o_proj(attn.reshape(-1, q_size))
+        hidden = self.parallel.all_reduce(self.o_proj(attn.reshape(-1, q_size)))
 
         x, residual = add_rms_norm(hidden, residual, self.post_attn_norm, c.rms_eps)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up), residual
+        return self.parallel.all_reduce(self.down_proj(F.silu(gate) * up)), residual
 
 
 class PagedDecoder(nn.Module):
@@ -225,19 +248,32 @@ class PagedDecoder(nn.Module):
     row at ``slot_mapping`` (``block * block_size + offset``) and attends over the row's first
     ``seq_lens`` tokens through ``block_table``. Build one with ``make_decoder``; build its inputs
     with ``KVBlockManager.decode_batch``.
+
+    **Tensor parallel.** With ``parallel`` (a ``TensorParallel`` of ``world_size > 1``) the model is
+    that rank's shard: vocab-parallel embedding and logits, column/row-parallel layers (see
+    ``DecoderLayer``), collectives on ``parallel.group``. Every rank of the group calls ``forward``
+    with the same batch and gets the whole logits. Build one from a single-process model's weights
+    with ``shard_decoder`` (or ``make_decoder(..., parallel=...)``).
     """
 
     # Registered buffers (declared for type checkers; nn.Module.__getattr__ is untyped).
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    embed_tokens: nn.Embedding | VocabParallelEmbedding
+    lm_head: nn.Linear | ParallelLMHead
 
-    def __init__(self, config: DecoderConfig | None = None) -> None:
+    def __init__(self, config: DecoderConfig | None = None, parallel: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config = config or DecoderConfig()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.parallel = parallel
+        if parallel is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, parallel)
+        self.layers = nn.ModuleList(DecoderLayer(config, parallel) for _ in range(config.num_layers))
         self.final_norm = nn.Parameter(torch.ones(config.hidden_size))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         cos, sin = _rope_tables(config)
         self.register_buffer("rope_cos", cos.float(), persistent=False)
         self.register_buffer("rope_sin", sin.float(), persistent=False)
@@ -353,7 +389,10 @@ def init_weights(model: _M, seed: int) -> _M:
 
 @torch.no_grad()
 def make_decoder(
-    config: DecoderConfig | None = None, seed: int = 0, device: torch.device | str = "cpu"
+    config: DecoderConfig | None = None,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    parallel: TensorParallel | None = None,
 ) -> PagedDecoder:
     """A ``PagedDecoder`` with deterministic random weights (same ``seed`` -> same weights anywhere).
 
@@ -362,8 +401,14 @@ def make_decoder(
     order one (attention is far from uniform, logits are neither flat nor saturated); norm weights
     are ``1 + noise`` so a norm that drops its weight is caught. The model is returned in eval mode
     with ``requires_grad`` off (an inference reference: no autograd state in captured graphs).
+
+    With ``parallel`` it is the tensor-parallel shard of ``parallel.rank`` of the model this call
+    makes without it (``shard_decoder`` of it), so every rank given the same seed holds one shard of
+    the same model.
     """
     config = config or DecoderConfig()
+    if parallel is not None:
+        return shard_decoder(make_decoder(config, seed, "cpu"), parallel).to(device)
     model = init_weights(PagedDecoder(config), seed)
     model.to(device=device, dtype=config.dtype)
     # RoPE tables stay exact in float32 even for a low-precision model; forward casts the rows it uses.
@@ -371,6 +416,29 @@ def make_decoder(
     model.rope_cos = cos.to(device=device, dtype=torch.float32)
     model.rope_sin = sin.to(device=device, dtype=torch.float32)
     return model.requires_grad_(False).eval()
+
+
+@torch.no_grad()
+def shard_decoder(model: PagedDecoder, parallel: TensorParallel) -> PagedDecoder:
+    """The tensor-parallel shard ``parallel.rank`` of the single-process ``model`` (a new model).
+
+    Its weights are slices of ``model``'s (see ``devgraph.testing._parallel.shard_state_dict``), on
+    the same device and dtype, with a fresh KV cache of the rank's key/value heads. Every rank of
+    ``parallel.group`` must build its shard of the same model; the shards' collectives then make
+    each rank's logits those of ``model`` (up to the order of the all-reduced partial sums).
+
+    Raises:
+        ValueError: naming the size (heads, key/value heads, intermediate or vocabulary size) the
+            ranks cannot share evenly.
+    """
+    if model.parallel is not None:
+        raise ValueError("shard_decoder needs a single-process PagedDecoder, got a tensor-parallel shard")
+    weight = model.embed_tokens.weight
+    shard = PagedDecoder(model.config, parallel)
+    shard.load_state_dict(shard_state_dict(model.state_dict(), model.config, parallel))
+    shard.to(device=weight.device, dtype=weight.dtype)
+    shard.rope_cos, shard.rope_sin = model.rope_cos.clone(), model.rope_sin.clone()
+    return shard.requires_grad_(False).eval()
 
 
 class OutOfBlocksError(DevgraphError):
@@ -500,6 +568,8 @@ def dense_reference_logits(
     cache, no devgraph ops. Runs in ``dtype`` (float64 by default; None = the model's dtype) on
     the model's device and returns that dtype.
     """
+    if model.parallel is not None:
+        raise ValueError("dense_reference_logits needs the single-process model, not a tensor-parallel shard")
     c = model.config
     weight = model.embed_tokens.weight
     dtype = dtype or weight.dtype
