@@ -165,7 +165,7 @@ def _capture_with(rank: int, world_size: int, options_by_rank: list[dict]) -> tu
                 {"mode": "piecewise", "capture_sizes": [1, 2, 4]},
                 {"mode": "piecewise", "capture_sizes": [1, 4]},
             ],
-            "rank 1 of 2 captures batch sizes [1, 4] but rank 0 captures [1, 2, 4]: size 2 differs",
+            "rank 1 of 2 captures capture sizes (tokens) [1, 4] but rank 0 captures [1, 2, 4]: size 2 differs",
         ),
     ],
     ids=["full", "piecewise"],

@@ -41,5 +41,7 @@ def test_a_rank_that_raises_is_reported_with_its_rank_and_message():
 
 
 def test_a_rank_that_hangs_is_killed_at_the_timeout():
-    with pytest.raises(RanksTimedOut, match=r"ranks \[1\] of 2 still running"):
-        run_ranks(_rank1_sleeps, 2, timeout=15)
+    # Rank 0 returns at once; under load it may still be starting when the timeout strikes, so the
+    # test asks only that the sleeping rank is named and killed.
+    with pytest.raises(RanksTimedOut, match=r"ranks \[(0, )?1\] of 2 still running"):
+        run_ranks(_rank1_sleeps, 2, timeout=30)

@@ -198,5 +198,5 @@ def test_piecewise_ranks_planning_different_sizes_raise():
     results = run_ranks(_piecewise_plans_differ, WORLD, timeout=240)
     for status, message, sizes in results:
         assert status == "raised", message
-        assert "rank 1 of 2 captures batch sizes" in message and "traffic" in message
+        assert "rank 1 of 2 captures capture sizes (tokens)" in message and "traffic" in message
         assert sizes[0] != sizes[1]

@@ -73,6 +73,8 @@ class PiecewiseRunner(BucketedRunner):
     """
 
     _serve_what = "piecewise"
+    size_noun = "capture sizes (tokens)"
+    size_options = "capture_sizes/capture_budget/traffic"
 
     def __init__(
         self,

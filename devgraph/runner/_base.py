@@ -116,6 +116,9 @@ class BucketedRunner:
     stats: RunnerStats
     #: the per-call rank check (``check_ranks="every_call"``), set at capture by ``_ranks``
     _rank_check: RankCheck | None = None
+    #: what the captured sizes are and which options set them (named when ranks disagree)
+    size_noun = "batch sizes"
+    size_options = "batch_sizes/max_batch_size"
 
     def __init__(
         self,
@@ -340,7 +343,9 @@ class BucketedRunner:
             # only on the stream that allocated them.
             pool, stream = self.device.pool(), self.device.stream()
         # every rank captures these sizes, or every rank raises
-        self._rank_check = check_capture(self.config, self.device.torch_device.type, sizes)
+        self._rank_check = check_capture(
+            self.config, self.device.torch_device.type, sizes, self.size_noun, self.size_options
+        )
         start = time.perf_counter()
         with gc_frozen(), capture_context(self.config):
             before = self.device.memory_stats().reserved  # after the collection: dead pools are gone

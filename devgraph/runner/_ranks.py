@@ -95,8 +95,13 @@ class RankCheck:
                 "captured on another schedule, or ran this call eagerly"
             ) from err
 
-    def agree_on_sizes(self, sizes: Sequence[int]) -> None:
-        """Raise ``RankMismatchError`` unless every rank captures ``sizes`` (in this order)."""
+    def agree_on_sizes(
+        self, sizes: Sequence[int], noun: str = "batch sizes", options: str = "batch_sizes/max_batch_size"
+    ) -> None:
+        """Raise ``RankMismatchError`` unless every rank captures ``sizes`` (in this order).
+
+        ``noun`` names the sizes in the message, ``options`` the runner options that set them.
+        """
         table = self.gather(sizes, "capture sizes")
         differing = [r for r, theirs in enumerate(table) if theirs != table[0]]
         if not differing:
@@ -106,9 +111,8 @@ class RankCheck:
         if first is None:  # the same sizes, a different count or order
             first = next(a if a is not None else b for a, b in _zip_longest(table[r], table[0]) if a != b)
         raise RankMismatchError(
-            f"rank {r} of {self.world} captures batch sizes {sorted(table[r])} but rank 0 captures "
-            f"{sorted(table[0])}: size {first} differs; give every rank the same batch_sizes/"
-            "max_batch_size (and the same capture_sizes/capture_budget/traffic in piecewise mode)",
+            f"rank {r} of {self.world} captures {noun} {sorted(table[r])} but rank 0 captures "
+            f"{sorted(table[0])}: size {first} differs; give every rank the same {options}",
             sizes={rank: list(s) for rank, s in enumerate(table)},
         )
 
@@ -144,16 +148,19 @@ def _current(device_type: str) -> torch.device:
     return torch.device(device_type, index) if index is not None else torch.device(device_type)
 
 
-def check_capture(config: RunnerConfig, device_type: str, sizes: Sequence[int]) -> RankCheck | None:
+def check_capture(
+    config: RunnerConfig, device_type: str, sizes: Sequence[int], noun: str, options: str
+) -> RankCheck | None:
     """Before a runner captures ``sizes`` (largest first): agree on them with the other ranks.
 
+    ``noun`` and ``options`` name the sizes and the options that set them in the error.
     Returns the per-call check for ``_serve`` (``check_ranks="every_call"``), or None.
     """
     group = resolve_group(config.process_group)
     if group is None:
         return None
     check = RankCheck(group, device_type, config.check_ranks == "every_call")
-    check.agree_on_sizes(sorted(sizes, reverse=True))
+    check.agree_on_sizes(sorted(sizes, reverse=True), noun, options)
     return check if check.every_call else None
 
 
