@@ -22,15 +22,12 @@ traces in-place collectives into, and what torch's own tensor parallelism uses).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 import torch
 from torch import nn
 from torch.nn import functional as F
-
-if TYPE_CHECKING:
-    from devgraph.testing.models import DecoderConfig
 
 __all__ = [
     "COLLECTIVE_STYLES",
@@ -39,6 +36,20 @@ __all__ = [
     "VocabParallelEmbedding",
     "shard_state_dict",
 ]
+
+
+class LayerSizes(Protocol):
+    """The sizes ``shard_state_dict`` splits by (``devgraph.testing.models.DecoderConfig`` has them)."""
+
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+
 
 #: How the model issues its collectives (see the module docstring).
 COLLECTIVE_STYLES = ("inplace", "functional")
@@ -171,7 +182,7 @@ def _rows(weight: torch.Tensor, parts: list[int], parallel: TensorParallel) -> t
 
 
 def shard_state_dict(
-    state: Mapping[str, torch.Tensor], config: DecoderConfig, parallel: TensorParallel
+    state: Mapping[str, torch.Tensor], config: LayerSizes, parallel: TensorParallel
 ) -> dict[str, torch.Tensor]:
     """The tensor-parallel shard ``parallel.rank`` of a single-process ``PagedDecoder``'s weights.
 
