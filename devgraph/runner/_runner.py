@@ -145,14 +145,19 @@ class GraphRunner(BucketedRunner):
                 "batch_too_large", f"batch {call.batch} is outside the captured buckets (1..{self.sizes[-1]})"
             )
         self._load(call, size)
-        host_args = self.padded_host_args(call.host, size)
+        host_args = self.padded_host_args(call.host, size) if self.config.host_args else None
         if self.config.debug:
             self._weights.check(self.fn)
-        self._graphs[size].replay(host_args or None)
+        self._graphs[size].replay(host_args)
         self.stats.replays += 1
         return self._slice(self._outputs[size], size, call.batch)
 
     def _slice(self, outputs: Any, size: int, batch: int) -> Any:
+        if isinstance(outputs, torch.Tensor):  # the common case, without flattening a tree
+            dim = self._out_dims[0]
+            if dim is not None and batch != size:
+                outputs = outputs[:batch] if dim == 0 else outputs.narrow(dim, 0, batch)
+            return outputs.clone() if self.config.clone_outputs else outputs
         leaves, spec = tree_flatten(outputs)
         cut = []
         for leaf, dim in zip(leaves, self._out_dims):
