@@ -106,14 +106,23 @@ def decode_batch(config: DecoderConfig, device: torch.device, rows: int) -> dict
     return manager.decode_batch(ids, [7] * rows)
 
 
-def full_case(dev: devgraph.Device, layers: int, rows: int, sizes: list[int], args: Any) -> dict[str, Any]:
+def full_cases(
+    dev: devgraph.Device, layers: int, batches: list[int], sizes: list[int], args: Any
+) -> list[dict[str, Any]]:
+    """One captured model, timed at each batch size of ``batches``."""
     config = DecoderConfig(num_layers=layers)
     model = make_decoder(config, device=dev.torch_device)
-    batch = decode_batch(config, dev.torch_device, rows)
     graphed = devgraph.wrap(model, device=dev, batch_sizes=sizes)
-    graphed.capture(**batch)
-    runner = graphed.runner
-    stub_replay(iter(runner._graphs.values()))
+    graphed.capture(**decode_batch(config, dev.torch_device, 1))
+    stub_replay(iter(graphed.runner._graphs.values()))
+    return [_full_case(graphed, config, layers, rows, sizes, args) for rows in batches]
+
+
+def _full_case(
+    graphed: Any, config: DecoderConfig, layers: int, rows: int, sizes: list[int], args: Any
+) -> dict[str, Any]:
+    dev = graphed.device
+    batch = decode_batch(config, dev.torch_device, rows)
     bucket = min(s for s in sizes if s >= rows)
 
     # The hand-written loop: its own static buffers, one copy per tensor input, replay, slice.
@@ -146,34 +155,29 @@ def full_case(dev: devgraph.Device, layers: int, rows: int, sizes: list[int], ar
     }
 
 
-class _Recorded:
-    """A splitting op's runner that remembers what it returned."""
-
-    def __init__(self, runner: Any) -> None:
-        self.runner, self.output = runner, None
-
-    def __call__(self, *args: Any) -> Any:
-        self.output = self.runner(*args)
-        return self.output
-
-
 class _Replayed:
-    """A splitting op stubbed to return what it returned in a real call (no work, same tensors)."""
+    """A splitting op stubbed to return, per size, what it returned in a real call at that size."""
 
-    def __init__(self, output: Any) -> None:
-        self.output = output
+    def __init__(self, runner: Any, state: Any) -> None:
+        self.runner, self.state, self.outputs = runner, state, {}
+        self.recording = True
 
     def __call__(self, *args: Any) -> Any:
-        return self.output
+        if self.recording:
+            self.outputs[self.state.size] = self.runner(*args)
+        return self.outputs[self.state.size]
 
 
-def stub_splitting_ops(split: Any, names: list[str], call: Callable[[], Any]) -> None:
-    """Replace each eager splitting op of ``split`` by a stub returning its output from one real
-    ``call``: attention is device work, the same in devgraph and the loop it is compared with."""
-    recorders = {name: _Recorded(split.__dict__[name]) for name in names}
-    split.__dict__.update(recorders)
-    call()
-    split.__dict__.update({name: _Replayed(r.output) for name, r in recorders.items()})
+def stub_splitting_ops(split: Any, names: list[str], state: Any, calls: list[Callable[[], Any]]) -> None:
+    """Replace each eager splitting op of ``split`` by a stub returning its output from a real run
+    of ``calls`` (one per size): attention is device work, the same in devgraph and the loop it is
+    compared with."""
+    stubs = [_Replayed(split.__dict__[name], state) for name in names]
+    split.__dict__.update(zip(names, stubs))
+    for call in calls:
+        call()
+    for stub in stubs:
+        stub.recording = False
 
 
 class _VllmPiece:
@@ -189,23 +193,34 @@ class _VllmPiece:
         return output
 
 
-def piecewise_case(
-    dev: devgraph.Device, layers: int, rows: int, sizes: list[int], args: Any
-) -> dict[str, Any]:
+def piecewise_cases(
+    dev: devgraph.Device, layers: int, batches: list[int], sizes: list[int], args: Any
+) -> list[dict[str, Any]]:
+    """One traced and captured model, timed at each token count of ``batches``."""
     config = DecoderConfig(num_layers=layers)
     model = make_decoder(config, device=dev.torch_device)
-    batch = decode_batch(config, dev.torch_device, rows)
     graphed = devgraph.wrap(model, device=dev, mode="piecewise", capture_sizes=sizes)
-    graphed.capture(**batch)
-    runner = graphed.runner
-    module = runner.module
+    graphed.capture(**decode_batch(config, dev.torch_device, 1))
+    module = graphed.runner.module
     stub_replay(e.graph for r in module.runners for e in r.entries.values())
-    size = min(s for s in sizes if s >= rows)
-    split = module.split.module
+    step = {rows: decode_batch(config, dev.torch_device, rows) for rows in batches}
     with torch.no_grad():
         stub_splitting_ops(
-            split, [p.name for p in module.split.pieces if p.is_splitting_op], lambda: graphed(**batch)
+            module.split.module,
+            [p.name for p in module.split.pieces if p.is_splitting_op],
+            module.state,
+            [lambda b=b: graphed(**b) for b in step.values()],
         )
+    return [_piecewise_case(graphed, layers, rows, step[rows], sizes, args) for rows in batches]
+
+
+def _piecewise_case(
+    graphed: Any, layers: int, rows: int, batch: dict[str, Any], sizes: list[int], args: Any
+) -> dict[str, Any]:
+    runner = graphed.runner
+    module = runner.module
+    size = min(s for s in sizes if s >= rows)
+    split = module.split.module
 
     # The vLLM-style loop over the same split module: captured pieces swapped for _VllmPiece, the
     # same (stubbed) splitting ops and view-only pieces in between.
@@ -272,14 +287,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dev = devgraph.device(args.device)
     sizes = [1, 2, 4, 8]
     cases = []
+    small, large = (2, 4) if args.quick else (2, 32)
     if "full" in args.modes:
-        for layers in (2, 32):
-            for rows in (1, 3):
-                cases.append(full_case(dev, layers, rows, sizes, args))
-                logger.info("full L=%d batch %d done", layers, rows)
+        for layers in (small, large):
+            cases += full_cases(dev, layers, [1, 3], sizes, args)
+            logger.info("full L=%d done", layers)
     if "piecewise" in args.modes:
-        for rows in (1, 3):
-            cases.append(piecewise_case(dev, 32, rows, sizes, args))
+        cases += piecewise_cases(dev, large, [1, 3], sizes, args)
     return {
         **report_header(dev, "host_overhead", note=NOTE),
         "note": NOTE,
@@ -335,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if args.quick:
-        args.iters, args.repeats = 50, 2
+        args.iters, args.repeats = 50, 2  # and 4 layers, not 32: a smoke run
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     report = run(args)

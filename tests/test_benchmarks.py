@@ -20,6 +20,7 @@ RUNS = {
     "replay_vs_eager": (["--iters", "20"], "replay_vs_eager_cpu.json"),
     "decode_step": (["--quick"], "decode_step_cpu_quick.json"),
     "piecewise": (["--iters", "3"], "piecewise_cpu.json"),
+    "host_overhead": (["--quick"], "host_overhead_quick.json"),
 }
 
 

@@ -162,7 +162,7 @@ class BucketedRunner:
         raise NotImplementedError
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Serve one call (see the class docstring of ``GraphRunner``).
+        """Serve one call (its path, step by step: the docstring of ``devgraph.runner._runner``).
 
         Raises:
             DevgraphError: a call from a second live thread while outputs are views of graph memory
