@@ -58,7 +58,10 @@ def test_padding_rows_still_padded_are_not_filled_again():
     buffers = graphed.runner._buffers
     before = {name: buf._version for name, buf in buffers.items()}
     graphed(x, slot)  # the same 3 rows of bucket 4: row 3 still holds padding
-    assert {name: buf._version - before[name] for name, buf in buffers.items()} == {"x": 1, "slot": 1}  # copies only
+    assert {name: buf._version - before[name] for name, buf in buffers.items()} == {
+        "x": 1,
+        "slot": 1,
+    }  # copies only
     graphed(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1, 2, 3, 4]))
     before = {name: buf._version for name, buf in buffers.items()}
     graphed(x, slot)  # row 3 held data: copy and fill

@@ -153,6 +153,8 @@ class CallReader:
         plan = self._shapes.get((len(args), tuple(kwargs)))
         if plan is None:
             return self._classify(*self.bind(args, kwargs))
+        if plan is _KEYWORDS_AS_GIVEN:  # f(**batch): the flat arguments are the keywords
+            return self._classify(kwargs, None)
         flat = {
             name: args[where] if where >= 0 else kwargs[key] if where == _KEYWORD else key
             for name, where, key in plan
@@ -179,6 +181,8 @@ class CallReader:
             same = [n for n, _, _ in plan] == list(flat) and all(
                 a is b for a, b in zip(replayed, flat.values())
             )
+            if same and not args and [n for n, _, _ in plan] == list(kwargs):
+                plan = _KEYWORDS_AS_GIVEN
             self._shapes[shape] = plan if same else None
         return flat, dict(bound.arguments)
 
@@ -207,12 +211,13 @@ class CallReader:
 
     def _classify(self, arguments: dict[str, Any], by_param: dict[str, Any] | None) -> Call:
         host_names, static_names, dims = self._host_names, self._static_names, self.batch_dims
+        tensor = torch.Tensor
         batched: dict[str, torch.Tensor] = {}
         static: dict[str, torch.Tensor] = {}
         host: dict[str, list[Any]] = {}
         consts: dict[str, Any] = {}
         for name, value in arguments.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, tensor):
                 (static if name in static_names else batched)[name] = value
             elif name in host_names:
                 if not isinstance(value, (list, tuple)):
@@ -254,6 +259,9 @@ class CallReader:
                 )
         return Call(batch, batched, static, host, consts, tuple(arguments), by_param or {})
 
+
+#: the binding plan of a call of keywords only, in the signature's order, none defaulted.
+_KEYWORDS_AS_GIVEN: tuple[tuple[str, int, Any], ...] = (("", 0, None),)
 
 #: ``where`` in a binding plan: the value comes from a keyword (>= 0: that positional index;
 #: ``_DEFAULT``: ``key`` is the default value itself).
