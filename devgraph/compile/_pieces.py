@@ -149,12 +149,26 @@ class PieceRunner:
         self.copies = 0  # inputs copied into capture-time tensors at replay (eager-produced inputs)
 
     def __call__(self, *args: Any) -> Any:
-        phase = self.state.phase
-        if phase == "replay":  # the hot path first
-            return self._replay(args)
-        if phase == "eager":
-            return self.compiled.fn(*args)
-        return self._capture(args)
+        state = self.state
+        if state.phase != "replay":
+            return self.compiled.fn(*args) if state.phase == "eager" else self._capture(args)
+        # Replay, the hot path (once per piece per step): copy inputs that moved into the
+        # capture-time tensors (staging), check host values, replay, return the graph's outputs.
+        entry = self.entries.get(state.size)  # type: ignore[arg-type]
+        if entry is None:
+            return self._uncaptured(args)
+        for i, kept, address in entry.tensors if state.debug else entry.moving:
+            if args[i].data_ptr() != address:
+                self._copy_in(i, args[i], kept)
+        for i, value in entry.scalars:
+            if args[i] != value:
+                raise DevgraphError(
+                    f"input {i} of {self.piece.name} is {args[i]!r}, captured as {value!r} for size {state.size}; "
+                    "a captured piece cannot take other host values"
+                )
+        host = {n: state.host[n] for n in entry.host_names} if entry.host_names and state.host else None
+        entry.graph.replay(host)
+        return entry.output
 
     def _staged(self, index: int, arg: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like ``arg`` over this argument's staging buffer (grown if too small)."""
@@ -226,36 +240,23 @@ class PieceRunner:
         state.piece_outputs.update((id(t), t) for t in _tensors(out))
         return out
 
-    def _replay(self, args: Sequence[Any]) -> Any:
-        """Replay this piece's graph of the current size: copy inputs that moved into the
-        capture-time tensors (staging), check host values, replay, return the graph's outputs."""
-        state = self.state
-        entry = self.entries.get(state.size)  # type: ignore[arg-type]
-        if entry is None:
-            if not self.piece.does_work:
-                return self.compiled.fn(*args)
+    def _uncaptured(self, args: Sequence[Any]) -> Any:
+        """Replay phase, no graph of this size: a piece of views runs as it is; else an error."""
+        if not self.piece.does_work:
+            return self.compiled.fn(*args)
+        raise DevgraphError(
+            f"{self.piece.name} has no graph for size {self.state.size}; captured: {sorted(self.entries)}"
+        )
+
+    def _copy_in(self, i: int, arg: torch.Tensor, kept: torch.Tensor) -> None:
+        """Input ``i`` is not at its capture-time address: copy it into the capture-time tensor."""
+        if arg.shape != kept.shape or arg.dtype != kept.dtype:
             raise DevgraphError(
-                f"{self.piece.name} has no graph for size {state.size}; captured: {sorted(self.entries)}"
+                f"input {i} of {self.piece.name} is {arg.dtype} {tuple(arg.shape)}, captured as "
+                f"{kept.dtype} {tuple(kept.shape)} for size {self.state.size}"
             )
-        for i, kept, address in entry.tensors if state.debug else entry.moving:
-            arg = args[i]
-            if arg.data_ptr() != address:
-                if arg.shape != kept.shape or arg.dtype != kept.dtype:
-                    raise DevgraphError(
-                        f"input {i} of {self.piece.name} is {arg.dtype} {tuple(arg.shape)}, captured as "
-                        f"{kept.dtype} {tuple(kept.shape)} for size {state.size}"
-                    )
-                kept.copy_(arg)
-                self.copies += 1
-        for i, value in entry.scalars:
-            if args[i] != value:
-                raise DevgraphError(
-                    f"input {i} of {self.piece.name} is {args[i]!r}, captured as {value!r} for size {state.size}; "
-                    "a captured piece cannot take other host values"
-                )
-        host = {n: state.host[n] for n in entry.host_names} if entry.host_names and state.host else None
-        entry.graph.replay(host)
-        return entry.output
+        kept.copy_(arg)
+        self.copies += 1
 
     def reset(self) -> None:
         for entry in self.entries.values():
