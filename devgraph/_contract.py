@@ -214,6 +214,8 @@ class Graph(abc.ABC):
         self._tasks: list[TaskGroup] = []
         self._lock = threading.RLock()
         self._open_group: TaskGroup | None = None
+        # See ``_note_host_args``: (the task list it describes, names the tasks take, pending values).
+        self._host_only: tuple[list[TaskGroup], frozenset[str] | None, dict[str, Any]] | None = None
 
     # -- capture -----------------------------------------------------------------------------
 
@@ -303,9 +305,44 @@ class Graph(abc.ABC):
                     if self._state == "new"
                     else "replay() inside the graph's own capture block"
                 )
-            if host_args is not None:
+            if host_args is not None and not self._note_host_args(host_args):
                 self.update(host_args)
             self._replay()
+
+    def _note_host_args(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> bool:
+        """Take ``host_args`` without touching each task, when no task needs a re-issue; True if taken.
+
+        On a backend whose updatable ops read their changing values from device tensors (CUDA:
+        ``_needs_reissue`` is False for them), an update only records the host values on the tasks;
+        per-task work at every replay would be pure host overhead. Such a graph keeps the values in
+        one pending mapping instead, recorded on the tasks when ``tasks`` or ``update`` next looks
+        at them. A name no task takes, or a graph with a task that needs a re-issue (the CPU
+        reference, NPU), goes through ``update``, which validates and re-issues as before.
+        """
+        if not isinstance(host_args, Mapping):
+            return False
+        plan = self._host_only
+        if plan is None or plan[0] is not self._tasks:  # first replay since capture
+            auto = [t for t in self._tasks if t.is_auto]
+            names = (
+                None
+                if any(self._needs_reissue(t) for t in auto)
+                else frozenset(n for t in auto for n in t.argument_names)
+            )
+            plan = self._host_only = (self._tasks, names, {})
+        if plan[1] is None or not host_args.keys() <= plan[1]:
+            return False
+        plan[2].update(host_args)
+        return True
+
+    def _record_pending_host_args(self) -> None:
+        """Record the values ``_note_host_args`` kept on the tasks that take them."""
+        plan = self._host_only
+        if plan is not None and plan[0] is self._tasks and plan[2]:
+            pending = dict(plan[2])
+            plan[2].clear()
+            for group, kwargs in apply_host_args(self._tasks, pending):
+                group.remember(kwargs)
 
     def reset(self) -> None:
         """Drop the captured work (and its hold on pool memory) so the graph can be captured again."""
@@ -323,7 +360,9 @@ class Graph(abc.ABC):
     @property
     def tasks(self) -> tuple[TaskGroup, ...]:
         """The updatable tasks captured so far, in capture order."""
-        return tuple(self._tasks)
+        with self._lock:
+            self._record_pending_host_args()
+            return tuple(self._tasks)
 
     @contextlib.contextmanager
     def task_group(self, op: str = "<explicit>") -> Iterator[TaskGroup]:
@@ -380,6 +419,7 @@ class Graph(abc.ABC):
         with self._lock:
             if self._state != "captured":
                 raise DevgraphError("update() needs a captured graph")
+            self._record_pending_host_args()
             for group, kwargs in apply_host_args(self._tasks, host_args):
                 if not self._needs_reissue(group):
                     group.remember(kwargs)

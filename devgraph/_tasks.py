@@ -72,6 +72,11 @@ class TaskGroup:
     def takes(self, name: str) -> bool:
         return name in self._names
 
+    @property
+    def argument_names(self) -> tuple[str, ...]:
+        """The op's argument names (auto tasks; empty for explicit groups)."""
+        return self._names
+
     def call_with(self, new_host_args: Mapping[str, Any]) -> Callable[[], Any]:
         """A thunk that re-issues the captured call with ``new_host_args`` replacing host values."""
         args = list(self._args)

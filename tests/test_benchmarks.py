@@ -21,6 +21,7 @@ RUNS = {
     "decode_step": (["--quick"], "decode_step_cpu_quick.json"),
     "piecewise": (["--iters", "3"], "piecewise_cpu.json"),
     "paged_attention": (["--iters", "2"], "paged_attention_cpu.json"),
+    "host_overhead": (["--quick"], "host_overhead_quick.json"),
 }
 
 

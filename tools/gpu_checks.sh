@@ -15,4 +15,5 @@ python3 benchmarks/decode_step.py --device cuda --models llama --out "$out" || s
 python3 benchmarks/decode_step.py --device cuda --models paged --merge --out "$out" || status=1
 python3 benchmarks/piecewise.py --device cuda --out "$out" || status=1
 python3 benchmarks/paged_attention.py --device cuda --out "$out" || status=1
+python3 benchmarks/host_overhead.py --device cuda --out "$out" || status=1
 exit $status

@@ -8,13 +8,19 @@ and a plain eager call for each splitting op, then runs the split module in one 
   run eagerly between the captures (on the capture stream, outside any graph);
 * ``replay``: each piece replays its graph; the splitting ops run eagerly in between.
 
-Replay needs a piece's inputs at their capture-time addresses. Three kinds of input:
+Replay needs a piece's inputs at their capture-time addresses. Three kinds of input, and what
+each replay does about them:
 
 * the module's own inputs (the runner's static buffers, static arguments, weights): the same
-  memory every call, held as they are;
-* outputs produced inside an earlier piece's capture: graph memory the pool owns, stable by
-  construction, held by weak reference (as vLLM's piecewise backend does) so the pool can reuse
-  them for the next size;
+  memory every call, held as they are. Their addresses are checked only in debug mode
+  (``debug=True`` / ``DEVGRAPH_DEBUG=1``), as vLLM does: the buffers are the runner's own, a
+  static argument's address is part of the call's template (checked every call), and weights
+  are checked by the runner in debug mode, as in full mode;
+* pool memory: outputs produced inside an earlier piece's capture, held by weak reference (as
+  vLLM's piecewise backend does) so the pool can reuse them for the next size, and an eager
+  splitting op's output that writes into such memory (devgraph's attention ops do). Checked at
+  every replay, a cheap guard (one or two per piece): an eager op may hand back other memory
+  than at capture, and the piece would then read stale memory without a word;
 * anything else, i.e. what an eager splitting op made (a fresh tensor every call) or a view of it:
   the piece is captured reading a *staging* tensor instead, one buffer per (piece, argument) sized
   by the largest size and shared by every size, and each replay copies the call's value into it.
@@ -52,6 +58,7 @@ class _State:
 
     phase: str = "eager"
     size: int | None = None
+    debug: bool = False  # replay checks every input's address, not only those that may move
     pool: MemoryPool | None = None
     stream: Stream | None = None
     host: Mapping[str, Any] | None = None
@@ -59,6 +66,9 @@ class _State:
     # captures allocated (owned by the pool).
     stable_storages: set[int] = attrs.field(factory=set)
     pool_storages: set[int] = attrs.field(factory=set)
+    # The tensors the pieces' captures returned, by id (held, so no id is reused in the pass): a
+    # piece input that is one of them replays as that piece's output, at the same address.
+    piece_outputs: dict[int, torch.Tensor] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -68,6 +78,9 @@ class _Entry:
     graph: Graph
     tensors: list[tuple[int, torch.Tensor, int]]  # (argument index, capture-time tensor, its address)
     scalars: list[tuple[int, Any]]
+    # The subset of ``tensors`` checked at every replay (pool memory and staging); the rest only
+    # in debug mode (see the module docstring).
+    moving: list[tuple[int, torch.Tensor, int]]
     output: Any
     host_names: tuple[str, ...]
 
@@ -137,11 +150,25 @@ class PieceRunner:
 
     def __call__(self, *args: Any) -> Any:
         state = self.state
-        if state.phase == "eager":
-            return self.compiled.fn(*args)
-        if state.phase == "capture":
-            return self._capture(args)
-        return self._replay(args)
+        if state.phase != "replay":
+            return self.compiled.fn(*args) if state.phase == "eager" else self._capture(args)
+        # Replay, the hot path (once per piece per step): copy inputs that moved into the
+        # capture-time tensors (staging), check host values, replay, return the graph's outputs.
+        entry = self.entries.get(state.size)  # type: ignore[arg-type]
+        if entry is None:
+            return self._uncaptured(args)
+        for i, kept, address in entry.tensors if state.debug else entry.moving:
+            if args[i].data_ptr() != address:
+                self._copy_in(i, args[i], kept)
+        for i, value in entry.scalars:
+            if args[i] != value:
+                raise DevgraphError(
+                    f"input {i} of {self.piece.name} is {args[i]!r}, captured as {value!r} for size {state.size}; "
+                    "a captured piece cannot take other host values"
+                )
+        host = {n: state.host[n] for n in entry.host_names} if entry.host_names and state.host else None
+        entry.graph.replay(host)
+        return entry.output
 
     def _staged(self, index: int, arg: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like ``arg`` over this argument's staging buffer (grown if too small)."""
@@ -173,13 +200,15 @@ class PieceRunner:
         if not self.piece.does_work:
             return self.compiled.fn(*args)  # views only: run as they are (their outputs alias their inputs)
         inputs = list(args)
-        tensors, scalars = [], []
+        tensors, scalars, moving = [], [], []
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
                 storage = _storage(a)
+                stable = storage in state.stable_storages and storage not in state.pool_storages
+                direct = state.piece_outputs.get(id(a)) is a  # another piece's output, passed as it is
                 if storage in state.pool_storages:
                     keep = self.device.weak_ref(a)  # graph memory of an earlier piece: the pool owns it
-                elif storage in state.stable_storages:
+                elif stable:
                     keep = a  # the runner's buffers, static arguments, weights
                 else:
                     # Made outside the graphs (an eager splitting op): fresh memory every call that
@@ -188,6 +217,8 @@ class PieceRunner:
                     keep.copy_(a)
                     inputs[i] = keep
                 tensors.append((i, keep, keep.data_ptr()))
+                if not (stable or direct):
+                    moving.append(tensors[-1])
             elif not isinstance(a, (list, tuple)):
                 scalars.append((i, a))
         graph = self.device.graph()
@@ -201,41 +232,31 @@ class PieceRunner:
         host = tuple(
             name for name in (state.host or {}) if any(t.is_auto and t.takes(name) for t in graph.tasks)
         )
-        self.entries[state.size] = _Entry(graph, tensors, scalars, _weak(self.device, out), host)
+        self.entries[state.size] = _Entry(graph, tensors, scalars, moving, _weak(self.device, out), host)
         # What the capture allocated belongs to the pool; an output that aliases an input does not
         # (unless that input is pool memory already).
         outside = {_storage(t) for t in _tensors(inputs)} - state.pool_storages
         state.pool_storages.update(_storage(t) for t in _tensors(out) if _storage(t) not in outside)
+        state.piece_outputs.update((id(t), t) for t in _tensors(out))
         return out
 
-    def _replay(self, args: Sequence[Any]) -> Any:
-        state = self.state
+    def _uncaptured(self, args: Sequence[Any]) -> Any:
+        """Replay phase, no graph of this size: a piece of views runs as it is; else an error."""
         if not self.piece.does_work:
             return self.compiled.fn(*args)
-        entry = self.entries.get(state.size)  # type: ignore[arg-type]
-        if entry is None:
+        raise DevgraphError(
+            f"{self.piece.name} has no graph for size {self.state.size}; captured: {sorted(self.entries)}"
+        )
+
+    def _copy_in(self, i: int, arg: torch.Tensor, kept: torch.Tensor) -> None:
+        """Input ``i`` is not at its capture-time address: copy it into the capture-time tensor."""
+        if arg.shape != kept.shape or arg.dtype != kept.dtype:
             raise DevgraphError(
-                f"{self.piece.name} has no graph for size {state.size}; captured: {sorted(self.entries)}"
+                f"input {i} of {self.piece.name} is {arg.dtype} {tuple(arg.shape)}, captured as "
+                f"{kept.dtype} {tuple(kept.shape)} for size {self.state.size}"
             )
-        for i, kept, address in entry.tensors:
-            arg = args[i]
-            if arg.data_ptr() != address:
-                if arg.shape != kept.shape or arg.dtype != kept.dtype:
-                    raise DevgraphError(
-                        f"input {i} of {self.piece.name} is {arg.dtype} {tuple(arg.shape)}, captured as "
-                        f"{kept.dtype} {tuple(kept.shape)} for size {state.size}"
-                    )
-                kept.copy_(arg)
-                self.copies += 1
-        for i, value in entry.scalars:
-            if args[i] != value:
-                raise DevgraphError(
-                    f"input {i} of {self.piece.name} is {args[i]!r}, captured as {value!r} for size {state.size}; "
-                    "a captured piece cannot take other host values"
-                )
-        host = {n: state.host[n] for n in entry.host_names} if entry.host_names and state.host else None
-        entry.graph.replay(host)
-        return entry.output
+        kept.copy_(arg)
+        self.copies += 1
 
     def reset(self) -> None:
         for entry in self.entries.values():
@@ -334,7 +355,7 @@ class PiecewiseModule:
                 return self.split.module(*inputs)
         finally:
             state.phase, state.size, state.host = "eager", None, None
-            state.pool_storages, state.stable_storages = set(), set()
+            state.pool_storages, state.stable_storages, state.piece_outputs = set(), set(), {}
 
     def __call__(self, *inputs: Any, host: Mapping[str, Any] | None = None) -> Any:
         return self._run(inputs, "eager", None, host)
@@ -356,9 +377,16 @@ class PiecewiseModule:
         finally:
             self.state.pool, self.state.stream = None, None
 
-    def replay(self, inputs: Sequence[Any], size: int, host: Mapping[str, Any] | None) -> Any:
-        """Replay the graphs of ``size``, running the splitting ops eagerly in between."""
-        return self._run(inputs, "replay", size, host)
+    def replay(
+        self, inputs: Sequence[Any], size: int, host: Mapping[str, Any] | None, *, debug: bool = False
+    ) -> Any:
+        """Replay the graphs of ``size``, running the splitting ops eagerly in between; ``debug``:
+        check the address of every piece input, the module's own inputs included."""
+        self.state.debug = debug
+        try:
+            return self._run(inputs, "replay", size, host)
+        finally:
+            self.state.debug = False
 
     def reset(self) -> None:
         """Drop every captured graph."""

@@ -33,7 +33,7 @@ from devgraph.compile._planner import CapturePlan, plan_capture_sizes
 from devgraph.compile._trace import DevgraphBackend, Traced, trace_call
 from devgraph.runner import GraphRunner, RunnerConfig, RunnerStats, choose_bucket, normalise_batch_sizes
 from devgraph.runner._base import BucketedRunner, SharedCapture
-from devgraph.runner._calls import Call, Unsupported, read_call
+from devgraph.runner._calls import Call, Unsupported
 from devgraph.runner._config import positive_int, positive_ints
 from devgraph.runner._util import size_ranges
 
@@ -115,6 +115,7 @@ class PiecewiseRunner(BucketedRunner):
         self.stats: PiecewiseStats = PiecewiseStats(full=self.full.stats if self.full else None)
         self.plan: CapturePlan | None = None
         self._traced: Traced | None = None
+        self._replay_inputs: dict[int, list[Any]] = {}
 
     # -- public --------------------------------------------------------------------------------
 
@@ -170,11 +171,30 @@ class PiecewiseRunner(BucketedRunner):
     # -- routing -------------------------------------------------------------------------------
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.full is not None and self._is_decode(args, kwargs) and self._full_serves(args, kwargs):
-            return self.full(*args, **kwargs)
-        return super()._call(args, kwargs)
+        """Read the call once; in ``full_and_piecewise`` mode route it to the full graphs or the pieces."""
+        try:
+            call = self._reader.read(args, kwargs)
+        except Unsupported as why:
+            if self.full is not None and self._is_decode_unread(args, kwargs):
+                self.full._claim()
+                return self.full._call(args, kwargs)  # the full runner reports why it cannot serve it
+            return self._fallback(why, args, kwargs)
+        if self.full is not None and self._full_serves(call):
+            self.full._claim()
+            return self.full._call_read(call, args, kwargs)
+        return self._call_read(call, args, kwargs)
 
-    def _is_decode(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    def _full_serves(self, call: Call) -> bool:
+        """Whether a call is a uniform decode batch that fits a full-graph bucket (larger decode
+        batches, prefill and mixed batches go through the pieces)."""
+        assert self.full is not None and self.is_decode is not None
+        if choose_bucket(call.batch, self.full.sizes) is None:
+            return False
+        return bool(self.is_decode(**self._reader.arguments(call)))
+
+    def _is_decode_unread(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """``is_decode`` for a call the reader refused (it binds, but holds something no graph can
+        take): such a decode call goes to the full runner, which reports why, as before."""
         assert self.is_decode is not None
         try:
             bound = self._signature.bind(*args, **kwargs)
@@ -183,15 +203,6 @@ class PiecewiseRunner(BucketedRunner):
         bound.apply_defaults()
         return bool(self.is_decode(**bound.arguments))
 
-    def _full_serves(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether a decode call fits a full-graph bucket (larger ones go through the pieces)."""
-        assert self.full is not None
-        try:
-            call = read_call(self._signature, self.full.config, args, kwargs)
-        except Unsupported:
-            return True  # the full runner reports why it cannot serve it, as for any decode call
-        return choose_bucket(call.batch, self.full.sizes) is not None
-
     # -- build ---------------------------------------------------------------------------------
 
     def _drop(self) -> None:
@@ -199,6 +210,7 @@ class PiecewiseRunner(BucketedRunner):
             self._traced.compiled.module.reset()
         self._traced = None
         self.plan = None
+        self._replay_inputs.clear()
         super()._drop()
         self.stats.pieces = self.stats.splitting_ops = 0
         self.stats.passes = {}
@@ -297,7 +309,7 @@ class PiecewiseRunner(BucketedRunner):
         assert self._traced is not None and self.plan is not None
         self._check_template(call, "traced")
         module = self._traced.compiled.module
-        size = choose_bucket(call.batch, list(self.plan.sizes)) if self.plan.sizes else None
+        size = choose_bucket(call.batch, self.plan.sizes) if self.plan.sizes else None
         if self._rank_check is not None:
             self._rank_check.agree_on_call(size)
         if size is None:
@@ -306,9 +318,15 @@ class PiecewiseRunner(BucketedRunner):
             out = module(*self._inputs(call, None), host=self.padded_host_args(call.host, call.batch))
             return self._assemble(out, call.batch, call.batch)
         self._load(call, size)
-        if self.config.debug:
+        debug = self.config.debug
+        if debug:
             self._weights.check(self.fn)
-        out = module.replay(self._inputs(call, size), size, self.padded_host_args(call.host, size))
+        inputs = self._replay_inputs.get(size)
+        if inputs is None:
+            inputs = self._inputs(call, size)
+            if not call.static:  # then the same tensors every call: the buffers' first rows, weights
+                self._replay_inputs[size] = inputs
+        out = module.replay(inputs, size, self.padded_host_args(call.host, size), debug=debug)
         self.stats.replays += 1
         return self._assemble(out, size, call.batch)
 
@@ -329,6 +347,12 @@ class PiecewiseRunner(BucketedRunner):
         assert self._traced is not None
         traced = self._traced
         outputs = list(flat) if isinstance(flat, (list, tuple)) else [flat]
+        if len(traced.outputs) == 1 and traced.outputs[0][0] == "out" and traced.spec.is_leaf():
+            t = outputs[traced.outputs[0][1]]  # one tensor: no tree to rebuild
+            if size != batch:
+                for d in traced.batch_dims[traced.outputs[0][1]]:
+                    t = t[:batch] if d == 0 else t.narrow(d, 0, batch)
+            return t.clone() if self.config.clone_outputs else t
         leaves = []
         for kind, value in traced.outputs:
             if kind == "const":

@@ -21,7 +21,14 @@ import torch
 from devgraph._contract import Device, MemoryPool, Stream
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph._source import user_stacklevel
-from devgraph.runner._calls import Call, Unsupported, read_call, signature_of, template_mismatch
+from devgraph.runner._calls import (
+    Call,
+    CallReader,
+    TemplateCheck,
+    Unsupported,
+    signature_of,
+    template_mismatch,
+)
 from devgraph.runner._config import RunnerConfig, RunnerStats
 from devgraph.runner._ranks import RankCheck, capture_context, check_capture
 from devgraph.runner._util import gc_frozen, progress, size_ranges
@@ -136,8 +143,17 @@ class BucketedRunner:
         if shared is not None:
             shared.users.append(self)
         self._signature = signature_of(fn)
+        self._reader = CallReader(self._signature, config)
         self._buffers: dict[str, torch.Tensor] = {}
+        # Per buffer, how many leading rows may hold a call's data (the rest hold padding): a call
+        # pads only rows an earlier call used (``_load``).
+        self._used_rows: dict[str, int] = {}
+        # Buffers the model writes itself (seen at capture): their padding is refilled every call.
+        self._written_by_model: set[str] = set()
+        self._views: dict[tuple[str, int, int], torch.Tensor] = {}  # rows of a buffer, see ``_rows``
+        self._first_rows: dict[int, dict[str, torch.Tensor]] = {}  # batch -> {name: its first rows}
         self._template: dict[str, Any] | None = None
+        self._template_check: TemplateCheck | None = None
         self._weights = WeightAddresses()
         self._warned: set[str] = set()
         self._lock = threading.RLock()
@@ -152,21 +168,24 @@ class BucketedRunner:
         raise NotImplementedError
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Serve one call (see the class docstring of ``GraphRunner``).
+        """Serve one call (its path, step by step: the docstring of ``devgraph.runner._runner``).
 
         Raises:
             DevgraphError: a call from a second live thread while outputs are views of graph memory
                 (``clone_outputs=False``): the next replay would overwrite the first thread's result.
         """
-        with self._lock, torch.no_grad():
+        with self._lock:
             self._claim()
-            return self._call(args, kwargs)
+            if not torch.is_grad_enabled():  # entering no_grad costs as much as reading the call
+                return self._call(args, kwargs)
+            with torch.no_grad():
+                return self._call(args, kwargs)
 
     def capture(self: _R, *example_args: Any, **example_kwargs: Any) -> _R:
         """Capture every size now, using an example call (any size) for shapes and types."""
         with self._lock, torch.no_grad():
             try:
-                call = read_call(self._signature, self.config, example_args, example_kwargs)
+                call = self._reader.read(example_args, example_kwargs)
             except Unsupported as why:
                 raise DevgraphError(f"cannot capture from this example call: {why.detail}") from None
             self.reset()
@@ -208,11 +227,11 @@ class BucketedRunner:
         """The updatable tasks' host arguments for a call's host lists padded to bucket ``size``
         (``{op argument: values}``, as ``Graph.replay(host_args=...)`` takes them); a host list
         the call lacks is all padding."""
-        cfg = self.config
         out = {}
-        for call_name, op_name in cfg.host_args:
+        pad = self._reader.pad_values
+        for call_name, op_name in self.config.host_args:
             values = list(host.get(call_name, ()))
-            out[op_name] = values + [cfg.pad_value(call_name)] * (size - len(values))
+            out[op_name] = values + [pad.get(call_name, 0)] * (size - len(values))
         return out
 
     # -- threads -------------------------------------------------------------------------------
@@ -246,7 +265,14 @@ class BucketedRunner:
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
-            call = read_call(self._signature, self.config, args, kwargs)
+            call = self._reader.read(args, kwargs)
+        except Unsupported as why:
+            return self._fallback(why, args, kwargs)
+        return self._call_read(call, args, kwargs)
+
+    def _call_read(self, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Serve a call already read (``full_and_piecewise`` reads once and routes the result)."""
+        try:
             if call.batch == 0:
                 raise Unsupported("empty_batch", "the call has 0 rows; there is nothing to replay")
             if not self.captured:
@@ -266,7 +292,12 @@ class BucketedRunner:
     def _drop(self) -> None:
         """Forget the capture (subclasses reset their graphs, then call this); counters stay."""
         self._buffers.clear()
+        self._used_rows.clear()
+        self._written_by_model.clear()
+        self._views.clear()
+        self._first_rows.clear()
         self._template = None
+        self._template_check = None
         self._weights.clear()
         self.stats.captured_sizes = ()
         self.stats.pool_bytes = 0
@@ -289,34 +320,70 @@ class BucketedRunner:
     def _alloc_buffers(self, example: Call, size: int) -> None:
         """Static buffers of ``size`` rows for the example's batched arguments, filled with padding."""
         cfg = self.config
-        for name, x in example.batched.items():
-            shape = list(x.shape)
-            shape[cfg.batch_dim(name)] = size
-            self._buffers[name] = torch.full(shape, cfg.pad_value(name), dtype=x.dtype, device=x.device)
+        # Ordinary tensors even under inference_mode: their version counters tell whether the model
+        # writes its inputs (``_capture_each``), which decides how padding is kept.
+        with torch.inference_mode(False):
+            for name, x in example.batched.items():
+                shape = list(x.shape)
+                shape[cfg.batch_dim(name)] = size
+                self._buffers[name] = torch.full(shape, cfg.pad_value(name), dtype=x.dtype, device=x.device)
         self._template = example.template(cfg)
+        self._template_check = None
 
     def _fill_padding(self) -> None:
         for name, buf in self._buffers.items():
             buf.fill_(self.config.pad_value(name))
+            self._used_rows[name] = 0
 
     def _narrowed(self, size: int) -> dict[str, torch.Tensor]:
-        return {n: b.narrow(self.config.batch_dim(n), 0, size) for n, b in self._buffers.items()}
+        return {n: self._rows(n, 0, size) for n in self._buffers}
+
+    def _rows(self, name: str, start: int, length: int) -> torch.Tensor:
+        """Rows ``start..start+length`` of buffer ``name`` along its batch dim (views made once)."""
+        key = (name, start, length)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self._buffers[name].narrow(self.config.batch_dim(name), start, length)
+        return view
 
     def _load(self, call: Call, size: int) -> None:
-        """Copy the call's batched tensors into the buffers; pad rows ``call.batch..size``."""
-        cfg = self.config
+        """Copy the call's batched tensors into the buffers, and make rows ``call.batch..size`` padding.
+
+        Padding rows are filled only where an earlier call left data: capture fills every buffer
+        with padding, and ``_used_rows`` tracks per buffer how many leading rows a call has written
+        since. A buffer the model writes itself (seen at capture) is padded every call.
+        """
+        batch, used = call.batch, self._used_rows
+        firsts = self._first_rows.get(batch)
+        if firsts is None:
+            firsts = self._first_rows[batch] = {n: self._rows(n, 0, batch) for n in self._buffers}
         for name, x in call.batched.items():
-            buf = self._buffers[name]
-            d = cfg.batch_dim(name)
-            buf.narrow(d, 0, call.batch).copy_(x)
-            if size > call.batch:
-                buf.narrow(d, call.batch, size - call.batch).fill_(cfg.pad_value(name))
+            firsts[name].copy_(x)
+            dirty = size if name in self._written_by_model else used[name]
+            if dirty > batch:
+                self._rows(name, batch, min(dirty, size) - batch).fill_(self._reader.pad_values.get(name, 0))
+            # Rows above this bucket that an earlier call used are still dirty.
+            used[name] = dirty if dirty > size else batch
 
     def _check_template(self, call: Call, what: str) -> None:
         assert self._template is not None
+        if self._template_check is None:
+            self._template_check = TemplateCheck(self._template, self._reader.batch_dims)
+        if self._template_check.matches(call):
+            return
         reason = template_mismatch(self._template, call.template(self.config))
         if reason:
             raise Unsupported("signature_mismatch", f"call differs from the {what} one: {reason}")
+
+    def _buffer_versions(self) -> dict[str, int | None]:
+        """Each buffer's version counter (bumped by every in-place write; None: not tracked)."""
+        versions: dict[str, int | None] = {}
+        for name, buf in self._buffers.items():
+            try:
+                versions[name] = buf._version
+            except RuntimeError:  # an inference tensor (made by the caller's code): assume written
+                versions[name] = None
+        return versions
 
     def _remember_weights(self, example: Call) -> None:
         tensors = {f"input {n!r}": b for n, b in self._buffers.items()}
@@ -351,6 +418,7 @@ class BucketedRunner:
             before = self.device.memory_stats().reserved  # after the collection: dead pools are gone
             for size in progress(sorted(sizes, reverse=True), desc):
                 self._fill_padding()
+                before_run = self._buffer_versions()
                 warm_up, capture = prepare(size)
                 stream.wait_stream(self.device.current_stream())  # the fill above ran on the current stream
                 with stream:
@@ -363,6 +431,11 @@ class BucketedRunner:
                     better = f"{err.remedy}; {remedy}" if err.remedy else remedy
                     raise err.with_batch_size(size, better) from err
                 self.device.synchronize()
+                # A model that writes its own inputs would leave data in padding rows at replay.
+                after_run = self._buffer_versions()
+                self._written_by_model.update(
+                    n for n, v in before_run.items() if v is None or after_run.get(n) != v
+                )
         self.stats.capture_seconds = time.perf_counter() - start
         self.stats.pool_bytes = self.device.memory_stats().reserved - before
         self.stats.captured_sizes = tuple(sorted(sizes))

@@ -14,7 +14,7 @@ import torch
 from devgraph._tasks import holds_tensor
 from devgraph.runner._config import RunnerConfig
 
-__all__ = ["Call", "Unsupported", "read_call", "template_mismatch"]
+__all__ = ["Call", "CallReader", "Unsupported", "TemplateCheck", "read_call", "template_mismatch"]
 
 
 class Unsupported(Exception):
@@ -40,13 +40,17 @@ class Call:
     host: dict[str, list[Any]]
     consts: dict[str, Any]
     order: tuple[str, ...]
+    #: the call's arguments by parameter name, defaults applied (``BoundArguments.arguments``).
+    arguments: dict[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
 
     def template(self, config: RunnerConfig) -> dict[str, Any]:
         """What must stay the same between the captured call and a replayed one."""
         t: dict[str, Any] = {}
+        dims = dict(config.batch_dims)
         for name, x in self.batched.items():
-            d = config.batch_dim(name)
-            t[name] = ("batched", tuple(x.shape[:d]) + tuple(x.shape[d + 1 :]), x.dtype, x.device)
+            d = dims.get(name, 0)
+            shape = x.shape
+            t[name] = ("batched", tuple(shape[:d]) + tuple(shape[d + 1 :]), x.dtype, x.device)
         for name, x in self.static.items():
             t[name] = ("static", x.data_ptr(), tuple(x.shape), x.dtype)
         for name in self.host:
@@ -113,56 +117,234 @@ def read_call(
     signature: inspect.Signature, config: RunnerConfig, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Call:
     """Classify a call's arguments; raise ``Unsupported`` when it cannot be served from a graph."""
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError as exc:
-        raise Unsupported("unsupported_call", f"arguments do not match the signature: {exc}") from None
-    bound.apply_defaults()  # f(x) and f(x, scale=1.0) are the same call
-    host_names = dict(config.host_args)
-    static_names = set(config.static_args)
-    batched: dict[str, torch.Tensor] = {}
-    static: dict[str, torch.Tensor] = {}
-    host: dict[str, list[Any]] = {}
-    consts: dict[str, Any] = {}
-    arguments = _flat_arguments(bound)
-    for name, value in arguments.items():
-        if isinstance(value, torch.Tensor):
-            (static if name in static_names else batched)[name] = value
-        elif name in host_names:
-            if not isinstance(value, (list, tuple)):
+    return CallReader(signature, config).read(args, kwargs)
+
+
+class CallReader:
+    """Reads the calls of one function under one ``RunnerConfig`` into ``Call`` objects.
+
+    ``inspect.Signature.bind`` costs more than the rest of a call's reading, and where each
+    argument lands depends only on the call's *shape* (how many positional arguments, which
+    keywords), not on the values. So the first call of each shape is bound in full, and the way
+    it bound (argument ``i`` -> parameter ``x``, keyword ``k`` -> ``**kwargs``, defaults) is kept
+    and replayed for later calls of that shape; a shape that fails to bind is never kept. The
+    result is the same ``Call`` either way (a test compares both paths on kwargs, defaults,
+    ``*args``, ``**kwargs`` and non-tensor arguments).
+    """
+
+    #: call shapes remembered at most (a caller that varies its keywords endlessly binds in full).
+    MAX_SHAPES = 64
+
+    def __init__(self, signature: inspect.Signature, config: RunnerConfig) -> None:
+        self.signature = signature
+        self.config = config
+        self._host_names = {name for name, _ in config.host_args}
+        self._static_names = set(config.static_args)
+        self.batch_dims = dict(config.batch_dims)
+        self.pad_values = dict(config.pad_values)
+        self._shapes: dict[tuple[int, tuple[str, ...]], tuple[tuple[str, int, Any], ...] | None] = {}
+
+    def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+        """The call ``fn(*args, **kwargs)``, classified.
+
+        Raises:
+            Unsupported: the arguments do not bind, or the call cannot be served from a graph.
+        """
+        plan = self._shapes.get((len(args), tuple(kwargs)))
+        if plan is None:
+            return self._classify(*self.bind(args, kwargs))
+        if plan is _KEYWORDS_AS_GIVEN:  # f(**batch): the flat arguments are the keywords
+            return self._classify(kwargs, None)
+        flat = {
+            name: args[where] if where >= 0 else kwargs[key] if where == _KEYWORD else key
+            for name, where, key in plan
+        }
+        return self._classify(flat, None)
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The call's arguments flattened (``args[i]``, ``**kwargs`` keys), and by parameter.
+
+        Raises:
+            Unsupported: the arguments do not match the signature.
+        """
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise Unsupported("unsupported_call", f"arguments do not match the signature: {exc}") from None
+        bound.apply_defaults()  # f(x) and f(x, scale=1.0) are the same call
+        flat = _flat_arguments(bound)
+        shape = (len(args), tuple(kwargs))
+        if shape not in self._shapes and len(self._shapes) < self.MAX_SHAPES:
+            plan = _binding_plan(self.signature, args, kwargs)
+            # Kept only when replaying it gives exactly what bind gave (same names, same objects).
+            replayed = [args[w] if w >= 0 else kwargs[k] if w == _KEYWORD else k for _, w, k in plan]
+            same = [n for n, _, _ in plan] == list(flat) and all(
+                a is b for a, b in zip(replayed, flat.values())
+            )
+            if same and not args and [n for n, _, _ in plan] == list(kwargs):
+                plan = _KEYWORDS_AS_GIVEN
+            self._shapes[shape] = plan if same else None
+        return flat, dict(bound.arguments)
+
+    def arguments(self, call: Call) -> dict[str, Any]:
+        """The call's arguments by parameter name (for ``is_decode``), rebuilt from its flat names."""
+        if call.arguments:
+            return call.arguments
+        params = self.signature.parameters
+        values = {**call.batched, **call.static, **call.host, **call.consts}
+        out: dict[str, Any] = {}
+        for name in call.order:
+            owner, key = _split_name(name, params)
+            kind = params[owner].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                out[owner] = (*out.get(owner, ()), values[name])
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                out.setdefault(owner, {})[key] = values[name]
+            else:
+                out[owner] = values[name]
+        for p in params.values():  # empty *args / **kwargs, as apply_defaults gives them
+            if p.kind is inspect.Parameter.VAR_POSITIONAL:
+                out.setdefault(p.name, ())
+            elif p.kind is inspect.Parameter.VAR_KEYWORD:
+                out.setdefault(p.name, {})
+        return {p: out[p] for p in params if p in out}
+
+    def _classify(self, arguments: dict[str, Any], by_param: dict[str, Any] | None) -> Call:
+        host_names, static_names, dims = self._host_names, self._static_names, self.batch_dims
+        tensor = torch.Tensor
+        batched: dict[str, torch.Tensor] = {}
+        static: dict[str, torch.Tensor] = {}
+        host: dict[str, list[Any]] = {}
+        consts: dict[str, Any] = {}
+        for name, value in arguments.items():
+            if isinstance(value, tensor):
+                (static if name in static_names else batched)[name] = value
+            elif name in host_names:
+                if not isinstance(value, (list, tuple)):
+                    raise Unsupported(
+                        "unsupported_call",
+                        f"host argument {name!r} must be a list, got {type(value).__name__}",
+                    )
+                host[name] = value if type(value) is list else list(value)  # padding copies it again
+            elif holds_tensor(value):
                 raise Unsupported(
-                    "unsupported_call", f"host argument {name!r} must be a list, got {type(value).__name__}"
+                    "unsupported_call",
+                    f"argument {name!r} holds tensors inside a {type(value).__name__}; pass tensors as separate "
+                    "arguments (or mark the call eager)",
                 )
-            host[name] = list(value)
-        elif holds_tensor(value):
-            raise Unsupported(
-                "unsupported_call",
-                f"argument {name!r} holds tensors inside a {type(value).__name__}; pass tensors as separate "
-                "arguments (or mark the call eager)",
-            )
-        else:
-            consts[name] = value
-    sizes = {}
-    for name, x in batched.items():
-        d = config.batch_dim(name)
-        if x.dim() <= d:
-            raise Unsupported("unsupported_call", f"argument {name!r} has {x.dim()} dims, batch dim is {d}")
-        sizes[name] = x.shape[d]
-    if not sizes:
-        raise Unsupported("unsupported_call", "no batched tensor argument (nothing to bucket by)")
-    batch = next(iter(sizes.values()))
-    if any(s != batch for s in sizes.values()):
-        raise Unsupported("unsupported_call", f"batched arguments disagree on the batch size: {sizes}")
-    for name, values in host.items():
-        if len(values) != batch:
-            raise Unsupported(
-                "unsupported_call", f"host argument {name!r} has {len(values)} values for batch {batch}"
-            )
-    return Call(batch, batched, static, host, consts, tuple(arguments))
+            else:
+                consts[name] = value
+        batch = -1
+        for name, x in batched.items():
+            d = dims.get(name, 0)
+            try:
+                rows = x.shape[d]
+            except IndexError:
+                raise Unsupported(
+                    "unsupported_call", f"argument {name!r} has {x.dim()} dims, batch dim is {d}"
+                ) from None
+            if batch < 0:
+                batch = rows
+            elif rows != batch:
+                sizes = {n: t.shape[dims.get(n, 0)] for n, t in batched.items()}
+                raise Unsupported(
+                    "unsupported_call", f"batched arguments disagree on the batch size: {sizes}"
+                )
+        if batch < 0:
+            raise Unsupported("unsupported_call", "no batched tensor argument (nothing to bucket by)")
+        for name, values in host.items():
+            if len(values) != batch:
+                raise Unsupported(
+                    "unsupported_call", f"host argument {name!r} has {len(values)} values for batch {batch}"
+                )
+        return Call(batch, batched, static, host, consts, tuple(arguments), by_param or {})
+
+
+#: the binding plan of a call of keywords only, in the signature's order, none defaulted.
+_KEYWORDS_AS_GIVEN: tuple[tuple[str, int, Any], ...] = (("", 0, None),)
+
+#: ``where`` in a binding plan: the value comes from a keyword (>= 0: that positional index;
+#: ``_DEFAULT``: ``key`` is the default value itself).
+_KEYWORD = -1
+_DEFAULT = -2
+
+
+def _binding_plan(
+    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[str, int, Any], ...]:
+    """For a call that binds, where each flat argument comes from: ``(flat name, where, key)``."""
+    plan: list[tuple[str, int, Any]] = []
+    params = list(signature.parameters.values())
+    named = {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+    positional = 0
+    for p in params:
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            if positional < len(args):
+                plan.append((p.name, positional, None))
+                positional += 1
+            elif p.kind is not inspect.Parameter.POSITIONAL_ONLY and p.name in kwargs:
+                plan.append((p.name, _KEYWORD, p.name))
+            else:
+                plan.append((p.name, _DEFAULT, p.default))
+        elif p.kind is inspect.Parameter.VAR_POSITIONAL:
+            plan.extend((f"{p.name}[{i}]", positional + i, None) for i in range(len(args) - positional))
+        elif p.kind is inspect.Parameter.KEYWORD_ONLY:
+            plan.append((p.name, _KEYWORD, p.name) if p.name in kwargs else (p.name, _DEFAULT, p.default))
+        else:  # VAR_KEYWORD
+            plan.extend((k, _KEYWORD, k) for k in kwargs if k not in named)
+    return tuple(plan)
+
+
+class TemplateCheck:
+    """``call.template(config) == captured``, answered without building the call's template.
+
+    Per batch size it keeps each batched argument's full expected shape, so a tensor costs one
+    shape comparison (which also checks the batch dim), a dtype and a device comparison.
+    """
+
+    def __init__(self, captured: dict[str, Any], dims: Mapping[str, int]) -> None:
+        self.captured = captured
+        self.dims = dims
+        self._expected: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype, torch.device]]] = {}
+
+    def _for_batch(self, batch: int) -> dict[str, tuple[tuple[int, ...], torch.dtype, torch.device]]:
+        expected = self._expected.get(batch)
+        if expected is None:
+            expected = {}
+            for name, want in self.captured.items():
+                if want[0] == "batched":
+                    shape = list(want[1])
+                    shape.insert(self.dims.get(name, 0), batch)
+                    expected[name] = (tuple(shape), want[2], want[3])
+            if len(self._expected) < 4096:
+                self._expected[batch] = expected
+        return expected
+
+    def matches(self, call: Call) -> bool:
+        captured = self.captured
+        if len(captured) != len(call.order):
+            return False
+        expected = self._for_batch(call.batch)
+        for name, x in call.batched.items():
+            want = expected.get(name)
+            if want is None or x.shape != want[0] or x.dtype != want[1] or x.device != want[2]:
+                return False
+        for name, x in call.static.items():
+            if captured.get(name) != ("static", x.data_ptr(), tuple(x.shape), x.dtype):
+                return False
+        for name in call.host:
+            if captured.get(name) != ("host",):
+                return False
+        for name, v in call.consts.items():
+            if captured.get(name) != ("const", _const_key(v)):
+                return False
+        return True
 
 
 def template_mismatch(captured: dict[str, Any], call: dict[str, Any]) -> str | None:
     """A sentence naming the first difference between two call templates, or None."""
+    if captured == call:
+        return None
     if set(captured) != set(call):
         return f"arguments {sorted(call)} differ from the captured {sorted(captured)}"
     for name, want in captured.items():

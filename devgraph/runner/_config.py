@@ -90,7 +90,8 @@ class RunnerConfig:
             tasks at every replay; a name, a sequence of names, or {call argument: op argument}.
         clone_outputs: return copies instead of views of the graph's output memory.
         strict: raise instead of falling back to eager.
-        debug: verify at replay that inputs and parameters live at their capture addresses.
+        debug: verify at replay that inputs and parameters live at their capture addresses (and,
+            in piecewise mode, every piece's inputs, not only those that may move).
         warmup_iters: eager runs before each capture.
         mode: "full", "piecewise" or "full_and_piecewise" (see devgraph.compile).
         process_group: the ``torch.distributed`` group whose ranks must capture and replay the same

@@ -3,10 +3,35 @@
 Capture follows SGLang's runner: static input buffers sized for the largest bucket, buckets
 captured largest first into one shared pool, warm-up runs before each capture, garbage collection
 frozen while capturing, a progress bar on a terminal and one summary log line (all of it in
-``BucketedRunner``). A call is copied into the buffers, padded up to the nearest bucket, the
-host-side metadata (``host_args``) reaches the graph's updatable tasks through
-``Graph.replay(host_args)``, and outputs come back sliced to the real batch. Anything the graphs
-cannot serve runs eagerly, counted and warned about once.
+``BucketedRunner``). Anything the graphs cannot serve runs eagerly, counted and warned about once.
+
+One call, top to bottom (``graphed(**batch)``; every step is a few lines of the named method):
+
+1. ``GraphedModule.__call__`` -> ``BucketedRunner.__call__``: take the lock, claim the calling
+   thread (outputs are views of graph memory), turn autograd off.
+2. ``BucketedRunner._call`` -> ``CallReader.read`` (``_calls.py``): bind the arguments to the
+   forward's signature -- in full for the first call of each shape (positional count and
+   keyword names), then by the binding remembered for that shape -- and classify them into a
+   ``Call``: batched tensors, static tensors, host lists, constants, and the batch size.
+   ``full_and_piecewise`` reads the call once here and routes that ``Call``.
+3. ``_call_read``: an empty batch falls back; the first call captures every bucket.
+4. ``GraphRunner._serve``:
+   a. ``_check_template``: the call is like the captured one (shapes but the batch dim, dtypes,
+      devices, static tensors' addresses, constants) -- or it falls back, eagerly;
+   b. ``choose_bucket``: the smallest captured bucket holding the batch;
+      with ``check_ranks="every_call"``, ``RankCheck.agree_on_call`` (``_ranks.py``): one all-gather,
+      so every rank of the process group replays the same size or every rank raises;
+   c. ``_load``: copy each batched tensor into the first rows of its static buffer; fill padding
+      only in rows an earlier call left data in (every call for a buffer the model writes itself);
+   d. ``padded_host_args``: the host lists padded to the bucket, as the updatable tasks take them;
+   e. ``Graph.replay(host_args)``: on a backend whose tasks need a re-issue (the CPU reference,
+      NPU) each task is re-issued with the new host values; on CUDA, where the kernels read
+      device tensors, the values are only noted, with no per-task work;
+   f. ``_slice``: the outputs cut to the real batch along the dim that grows with the bucket.
+5. Any ``Unsupported`` on the way: ``_fallback`` runs the model eagerly and counts why.
+
+The piecewise runner (``devgraph.compile._runner``) shares steps 1-3 and 4a-4d, then replays its
+pieces (``PiecewiseModule.replay``) instead of one graph.
 """
 
 from __future__ import annotations
@@ -147,14 +172,19 @@ class GraphRunner(BucketedRunner):
                 "batch_too_large", f"batch {call.batch} is outside the captured buckets (1..{self.sizes[-1]})"
             )
         self._load(call, size)
-        host_args = self.padded_host_args(call.host, size)
+        host_args = self.padded_host_args(call.host, size) if self.config.host_args else None
         if self.config.debug:
             self._weights.check(self.fn)
-        self._graphs[size].replay(host_args or None)
+        self._graphs[size].replay(host_args)
         self.stats.replays += 1
         return self._slice(self._outputs[size], size, call.batch)
 
     def _slice(self, outputs: Any, size: int, batch: int) -> Any:
+        if isinstance(outputs, torch.Tensor):  # the common case, without flattening a tree
+            dim = self._out_dims[0]
+            if dim is not None and batch != size:
+                outputs = outputs[:batch] if dim == 0 else outputs.narrow(dim, 0, batch)
+            return outputs.clone() if self.config.clone_outputs else outputs
         leaves, spec = tree_flatten(outputs)
         cut = []
         for leaf, dim in zip(leaves, self._out_dims):
