@@ -67,7 +67,7 @@ def run_ranks(
             out = os.path.join(tmp, f"rank{rank}.pkl")
             p = ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, tuple(args), store, out, backend, pg_timeout, env or {}),
+                args=(fn, rank, world_size, tuple(args), store, out, backend, pg_timeout, timeout, env or {}),
                 name=f"devgraph-rank{rank}",
             )
             p.start()
@@ -117,6 +117,7 @@ def _rank_main(
     out: str,
     backend: str,
     pg_timeout: float,
+    start_timeout: float,
     env: dict[str, str],
 ) -> None:
     os.environ.update(env)
@@ -129,6 +130,8 @@ def _rank_main(
         # One intra-op thread per rank: several ranks share few cores in tests.
         torch.set_num_threads(int(os.environ.get("DEVGRAPH_TEST_THREADS", "1")))
         store = dist.FileStore(store_path, world_size)
+        _wait_for_every_rank(store, rank, world_size, start_timeout)
+        store.set_timeout(timedelta(seconds=pg_timeout))
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
         )
@@ -145,3 +148,20 @@ def _rank_main(
     with open(out + ".tmp", "wb") as f:
         f.write(data)
     os.replace(out + ".tmp", out)
+
+
+def _wait_for_every_rank(store: Any, rank: int, world_size: int, timeout: float) -> None:
+    """Return once every rank has started (imported torch), or raise after ``timeout`` seconds.
+
+    On a loaded machine starting a rank alone (spawn, ``import torch``) can take longer than the
+    group's timeout, which should bound collectives, not start-up: the group is made only once
+    every rank is here.
+    """
+    store.set_timeout(timedelta(seconds=timeout))
+    started = store.add("devgraph/started", 1)
+    deadline = time.monotonic() + timeout
+    while started < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: {started} of {world_size} ranks started within {timeout:g}s")
+        time.sleep(0.02)
+        started = store.add("devgraph/started", 0)
