@@ -86,8 +86,11 @@ class RankCheck:
         return [row[:n] for row, n in zip(rows, lengths.tolist())]
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> None:
+        dist = torch.distributed
+        # torch 2.13 names it all_gather_single (all_gather_into_tensor warns); older torch lacks it.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         try:
-            torch.distributed.all_gather_into_tensor(out, inp, group=self.group)
+            gather(out, inp, group=self.group)
         except RuntimeError as err:
             raise RankMismatchError(
                 f"rank {self.rank} of {self.world}: the exchange of {what} failed ({err}); another rank "
