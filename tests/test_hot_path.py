@@ -93,6 +93,34 @@ def test_padding_of_an_input_the_model_writes_is_refilled_every_call():
     assert "x" in graphed.runner._written_by_model
 
 
+_BUMP = torch.library.Library("devgraph_test_hot_path", "DEF")
+_BUMP.define("bump_(Tensor(a!) x) -> ()")
+# The kernel writes memory behind autograd's back (``.data``), as a C++/CUDA extension kernel
+# does: the schema says the op writes ``x``, but ``x``'s version counter does not move.
+
+
+def _bump(x: torch.Tensor) -> None:
+    x.data.add_(1)
+
+
+_BUMP.impl("bump_", _bump, "CPU")
+
+
+class BumpsInputDirectly(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.ops.devgraph_test_hot_path.bump_(x)
+        return x.sum(0, keepdim=True).expand_as(x) * 1
+
+
+def test_padding_of_an_input_written_without_a_version_bump_is_refilled_every_call():
+    graphed = devgraph.wrap(BumpsInputDirectly(), device="cpu", batch_sizes=[4])
+    x = torch.tensor([1.0, 2.0, 3.0])
+    # (1+1) + (2+1) + (3+1) + the padded row (0+1): 10 on every call, not 10, 11, 12 as the padded
+    # row kept the previous replay's write.
+    assert [graphed(x)[0].item() for _ in range(3)] == [10.0, 10.0, 10.0]
+    assert "x" in graphed.runner._written_by_model
+
+
 # -- reading a call: the remembered binding gives what a full bind gives ----------------------------
 
 

@@ -419,6 +419,9 @@ class BucketedRunner:
             for size in progress(sorted(sizes, reverse=True), desc):
                 self._fill_padding()
                 before_run = self._buffer_versions()
+                # Values too: a kernel that writes memory directly (an extension op, ``x.data``)
+                # leaves the version counter alone but changes what the buffer holds.
+                before_values = {n: b.clone() for n, b in self._buffers.items()}
                 warm_up, capture = prepare(size)
                 stream.wait_stream(self.device.current_stream())  # the fill above ran on the current stream
                 with stream:
@@ -435,6 +438,9 @@ class BucketedRunner:
                 after_run = self._buffer_versions()
                 self._written_by_model.update(
                     n for n, v in before_run.items() if v is None or after_run.get(n) != v
+                )
+                self._written_by_model.update(
+                    n for n, b in self._buffers.items() if not torch.equal(b, before_values[n])
                 )
         self.stats.capture_seconds = time.perf_counter() - start
         self.stats.pool_bytes = self.device.memory_stats().reserved - before
