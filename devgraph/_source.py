@@ -31,6 +31,9 @@ def skip_dirs() -> tuple[str, str]:
     )
 
 
+#: files of decorators that wrap torch's own functions (torch's ``@deprecated`` is typing_extensions')
+_WRAPPERS = (os.sep + "typing_extensions.py",)
+
 _SITE_DIRS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")})
 
 
@@ -40,6 +43,8 @@ def is_user_path(path: str, skip: tuple[str, ...]) -> bool:
     if path.startswith("<") or path.startswith(torch_dir):
         return False
     if path.startswith(_DEVGRAPH_DIR) and not path.startswith(_TESTING_DIR):
+        return False
+    if path.endswith(_WRAPPERS):  # a decorator's wrapper around torch's function (``@deprecated``)
         return False
     return not path.startswith(stdlib) or path.startswith(_SITE_DIRS)
 

@@ -28,12 +28,55 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["IDENTITY", "NOT_RECORDED", "completion", "issued_by_torch_distributed"]
+__all__ = [
+    "IDENTITY",
+    "NOT_RECORDED",
+    "completion",
+    "issued_by_torch_distributed",
+    "refuse_async_with_work_in_wait",
+]
 
 #: ops that run but are not recorded
 NOT_RECORDED = frozenset({"_c10d_functional::wait_tensor"})
 #: ops that return their input unchanged under the recorder
 IDENTITY = frozenset({"_c10d_functional::_wrap_tensor_autograd"})
+
+
+#: ``c10d::`` ops whose ``Work.wait()`` issues no op of its own on the caller's thread (gloo), so an
+#: ``async_op=True`` call with the user's own later ``wait()`` records correctly
+_ASYNC_RECORDABLE = frozenset({"c10d::allreduce_", "c10d::allgather_"})
+
+
+def refuse_async_with_work_in_wait(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse an ``async_op=True`` collective whose ``Work.wait()`` runs ops of its own.
+
+    gloo's reduce-scatter (and others) copy the result out of a scratch buffer inside ``wait()``.
+    Called by ``torch.distributed`` itself (``async_op=False``) that copy is recognised and left to
+    the re-issued collective; called by the user's own ``work.wait()`` it would be recorded as the
+    user's op and replay the capture-time scratch memory over the fresh result.
+    """
+    from devgraph._errors import CaptureError
+    from devgraph._source import user_source_line
+
+    name = func._schema.name
+    if not name.startswith("c10d::") or name in _ASYNC_RECORDABLE:
+        return
+    params = func._schema.arguments
+    index = next((i for i, a in enumerate(params) if a.name == "async_op"), None)
+    if index is None:
+        return
+    value = args[index] if index < len(args) else kwargs.get("async_op", params[index].default_value)
+    if value:
+        raise CaptureError(
+            f"{name} with async_op=True inside a recorded capture (the CPU reference, the torch_npu "
+            "simulator): its Work.wait() runs "
+            "work of its own (gloo copies the result out of scratch memory) that a replay would "
+            "repeat from the capture-time scratch buffer",
+            op=name,
+            source=user_source_line(),
+            remedy="call it synchronously (async_op=False, the default) inside the captured region; "
+            "all_reduce and the list all_gather may be async",
+        )
 
 
 def _wait_works(result: Any) -> None:

@@ -45,6 +45,7 @@ from devgraph.backends.cpu._collectives import (
     NOT_RECORDED,
     completion,
     issued_by_torch_distributed,
+    refuse_async_with_work_in_wait,
 )
 from devgraph.backends.cpu._held import Held, _External, _Ref, _Strong, describe, materialise
 from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
@@ -305,6 +306,7 @@ class Recorder(TorchDispatchMode):
         if name in IDENTITY:
             return args[0] if args else kwargs["input"]
         refuse_collective(func, args, kwargs, None, user_source_line)
+        refuse_async_with_work_in_wait(func, args, kwargs)
         if self.reissue is not None or self.segment.group_index is not None:
             refuse_collective_in_task(name)
         entry = Entry(func, name, args, kwargs)
