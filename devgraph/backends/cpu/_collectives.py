@@ -28,10 +28,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["IDENTITY", "NOT_RECORDED", "completion", "issued_by_torch_distributed"]
+__all__ = ["IDENTITY", "NOT_RECORDED", "POINT_TO_POINT", "completion", "issued_by_torch_distributed"]
 
 #: ops that run but are not recorded
 NOT_RECORDED = frozenset({"_c10d_functional::wait_tensor"})
+#: point-to-point ops: waited by the caller at capture; at replay a run of them is issued, then waited
+POINT_TO_POINT = frozenset({"c10d::send", "c10d::recv_"})
 #: ops that return their input unchanged under the recorder
 IDENTITY = frozenset({"_c10d_functional::_wrap_tensor_autograd"})
 
