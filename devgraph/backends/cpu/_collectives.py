@@ -8,6 +8,13 @@ collective's output gets ``wait_tensor``. That is the strongest order a device c
 program that waited before reading the result (the only one that is correct eagerly) reads the same
 values at replay; every rank replays its collectives in the order it captured them.
 
+Point-to-point ops (``send``, ``recv_`` with an explicit peer: ``dist.send``/``recv``, ``isend``/
+``irecv``, ``batch_isend_irecv``) are the exception. At capture the caller waits their ``Work``
+itself, and the recorder does not (a gloo send or recv waited twice never returns). At replay a run
+of consecutive ones is issued before any is waited, then all are waited before the next entry: in a
+ring exchange every rank sends before it receives, and a gloo send completes only once the peer's
+recv is posted, so waiting each send alone would deadlock.
+
 Ops that ``torch.distributed``'s own Python code issues around a collective are not recorded either:
 they are views, or what a ``Work.wait()`` runs (gloo copies a reduce-scatter's result out of its
 scratch buffer there), which the re-issued collective and its wait redo at replay.
