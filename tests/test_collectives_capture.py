@@ -1,6 +1,6 @@
 """Collectives inside a capture: replay re-issues them on the capture-time buffers (2 spawned gloo ranks).
 
-Each rank captures one graph per collective kind on a static input, then copies two new inputs in,
+Each rank captures one graph per collective kind (point-to-point send/recv included) on a static input, then copies two new inputs in,
 replays, and compares with the eager call on those inputs. Refused collectives raise ``CaptureError``
 naming the op. The ranks run once per backend (a module-scoped fixture); each kind is its own test.
 """
@@ -81,6 +81,35 @@ def _kinds():
         dist.all_reduce(y)
         return torch.relu(y)
 
+    peer = 1 - dist.get_rank()
+
+    def send_recv(x):
+        # blocking point-to-point with explicit peers, in an order that pairs up: 0 sends first
+        y, out = x * 2, torch.empty_like(x)
+        if dist.get_rank() == 0:
+            dist.send(y, dst=peer)
+            dist.recv(out, src=peer)
+        else:
+            dist.recv(out, src=peer)
+            dist.send(y, dst=peer)
+        return out + x
+
+    def isend_irecv(x):
+        # a ring exchange: each rank sends before it receives, so neither send may be waited alone
+        y, out = x + 1, torch.empty_like(x)
+        works = [dist.isend(y, dst=peer), dist.irecv(out, src=peer)]
+        z = x * x  # independent work while the exchange is in flight
+        for work in works:
+            work.wait()
+        return out * z
+
+    def batch_isend_irecv(x):
+        y, out = x.sin(), torch.empty_like(x)
+        ops = [dist.P2POp(dist.isend, y, peer), dist.P2POp(dist.irecv, out, peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return out - x
+
     return {
         f.__name__: f
         for f in [
@@ -96,11 +125,15 @@ def _kinds():
             functional_all_gather,
             functional_reduce_scatter,
             row_parallel_linear,
+            send_recv,
+            isend_irecv,
+            batch_isend_irecv,
         ]
     }
 
 
 def _refused():
+    import torch
     import torch.distributed as dist
 
     def all_gather_object(x):
@@ -118,8 +151,6 @@ def _refused():
         dist.barrier()
         return y
 
-    import torch
-
     scattered = torch.empty(16 // WORLD)  # made before capture, as an engine's buffer is
 
     def reduce_scatter_async(x):
@@ -129,7 +160,14 @@ def _refused():
         work.wait()
         return scattered + 1
 
-    return {f.__name__: f for f in [all_gather_object, broadcast_object_list, barrier, reduce_scatter_async]}
+    def recv_any_source(x):
+        # every rank receives (refused before it is issued), so no send is left waiting for a peer
+        out = torch.empty_like(x)
+        dist.recv(out)
+        return out + x
+
+    kinds = [all_gather_object, broadcast_object_list, barrier, reduce_scatter_async, recv_any_source]
+    return {f.__name__: f for f in kinds}
 
 
 def _device(backend):
@@ -205,6 +243,9 @@ KINDS = [
     "functional_all_gather",
     "functional_reduce_scatter",
     "row_parallel_linear",
+    "send_recv",
+    "isend_irecv",
+    "batch_isend_irecv",
 ]
 
 
@@ -222,6 +263,7 @@ def test_replay_of_a_captured_collective_equals_eager_on_new_inputs(per_rank, ki
         ("broadcast_object_list", "torch.distributed.broadcast_object_list"),
         ("barrier", "c10d::barrier"),
         ("reduce_scatter_async", "c10d::_reduce_scatter_base_ with async_op=True"),
+        ("recv_any_source", "c10d::recv_any_source_"),
     ],
 )
 def test_host_side_collectives_are_refused_naming_the_op_and_line(per_rank, kind, named):

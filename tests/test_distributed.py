@@ -253,3 +253,89 @@ def test_the_two_rank_demo_agrees_on_every_rank():
             line.split()[:1] == [str(rank)] and line.endswith("ok") for line in run.stdout.splitlines()
         )
     assert "graphed logits match eager on every rank" in run.stdout
+
+
+# -- full_and_piecewise: decode from full graphs, prefill and mixed batches from pieces ------------
+
+#: Token counts the pieces capture in ``full_and_piecewise`` mode (the full graphs take ``BUCKETS``).
+PIECE_SIZES = [4, 8]
+
+#: (sequence id, tokens) per row of each call: a prefill of two prompts (5 rows, pieces, padded to
+#: 8), decode steps (full graphs, 2 and 3 padded to 4), a mixed batch (one decode row and a 2-token
+#: prompt: pieces, padded to 4), and a last decode over every sequence.
+MIXED_STEPS = [
+    [(0, 17), (0, 250), (0, 3), (1, 99), (1, 5)],
+    [(0, 128), (1, 64)],
+    [(0, 200), (1, 31), (2, 7)],
+    [(0, 255), (3, 0), (3, 42)],
+    [(0, 11), (1, 12), (2, 13), (3, 14)],
+]
+#: Which runner serves each of ``MIXED_STEPS``: True for the full graphs.
+MIXED_DECODE = [False, True, True, False, True]
+
+
+def _is_decode(block_table, **_):
+    """A uniform decode batch: one row per sequence (a prompt's rows share their first block)."""
+    return block_table.shape[0] == block_table[:, 0].unique().numel()
+
+
+def _rows_batch(manager: KVBlockManager, rows: list[tuple[int, int]]) -> dict:
+    """One call holding ``rows`` (a prompt's tokens are consecutive rows of one sequence)."""
+    parts = [manager.decode_batch([sid], [tok]) for sid, tok in rows]
+    batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0] if k != "seq_lens_host"}
+    batch["seq_lens_host"] = [n for p in parts for n in p["seq_lens_host"]]
+    return batch
+
+
+def _serve_both(rank: int, world_size: int, collectives: str) -> dict:
+    """On one rank: ``MIXED_STEPS`` through a ``full_and_piecewise`` shard, its eager twin (on the
+    batch padded as the serving runner pads it) and the single-process model."""
+    parallel = TensorParallel.of(collectives=collectives)
+    graphed = devgraph.wrap(
+        make_decoder(CONFIG, SEED, parallel=parallel),
+        device="cpu",
+        mode="full_and_piecewise",
+        batch_sizes=BUCKETS,
+        capture_sizes=PIECE_SIZES,
+        is_decode=_is_decode,
+    )
+    models = {
+        "graphed": graphed,
+        "eager": make_decoder(CONFIG, SEED, parallel=parallel),
+        "single": make_decoder(CONFIG, SEED),
+    }
+    managers = {name: KVBlockManager(CONFIG) for name in models}
+    logits: dict[str, list[torch.Tensor]] = {name: [] for name in models}
+    for rows, decode in zip(MIXED_STEPS, MIXED_DECODE):
+        for name, model in models.items():
+            batch = _rows_batch(managers[name], rows)
+            if name == "eager":
+                sizes = BUCKETS if decode else PIECE_SIZES
+                batch = pad_batch(batch, min(s for s in sizes if s >= len(rows)), CONFIG)
+            with torch.no_grad():
+                logits[name].append(model(**batch)[: len(rows)].clone())
+    stats = graphed.stats
+    return {
+        **logits,
+        "rank": rank,
+        "piece_replays": stats.replays,
+        "full_replays": stats.full.replays,
+        "eager_calls": stats.eager_calls + stats.full.eager_calls,
+        "pieces": _collectives_per_piece(graphed),
+    }
+
+
+@pytest.mark.parametrize("collectives", ["inplace", "functional"])
+def test_full_and_piecewise_decodes_from_full_graphs_and_prefills_from_pieces_on_every_rank(collectives):
+    results = run_ranks(_serve_both, 2, args=(collectives,), timeout=RUN_TIMEOUT, pg_timeout=30)
+    assert [r["rank"] for r in results] == [0, 1]
+    for r in results:
+        assert r["full_replays"] == sum(MIXED_DECODE) and r["eager_calls"] == 0
+        assert r["piece_replays"] == len(MIXED_STEPS) - sum(MIXED_DECODE)
+        assert all(piece for piece in r["pieces"]), "every captured piece holds a collective"
+        for step, (got, eager, single) in enumerate(zip(r["graphed"], r["eager"], r["single"])):
+            assert got.shape == (len(MIXED_STEPS[step]), CONFIG.vocab_size)
+            assert torch.equal(got, eager), f"rank {r['rank']} step {step}: graphed != eager shard"
+            torch.testing.assert_close(got, single, atol=SINGLE_ATOL, rtol=SINGLE_RTOL)
+    for step, (a, b) in enumerate(zip(results[0]["graphed"], results[1]["graphed"])):
+        assert torch.equal(a, b), f"step {step}: rank 1's logits differ from rank 0's"

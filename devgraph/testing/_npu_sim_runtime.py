@@ -55,6 +55,7 @@ from devgraph.backends.cpu._recorder import (
     Segment,
     Tape,
     _is_view,
+    finish_deferred,
     refuse_collective_in_task,
     written_tensors,
 )
@@ -699,6 +700,7 @@ class _Replay(Work):
         self.current: Segment | None = None
         self.entry = 0
         self.waiting: _Step | None = None
+        self.deferred: list[tuple[Entry, Any]] = []  # point-to-point ops issued, not yet waited
 
     def step(self, sched: Scheduler) -> bool:
         with torch.inference_mode():
@@ -708,6 +710,12 @@ class _Replay(Work):
                 entries = self.current.entries
                 while self.entry < len(entries):
                     item: Any = entries[self.entry]  # an Entry, or a _Step waiting on an external event
+                    if getattr(item, "deferred", False):  # see Segment.run
+                        self.deferred.append((item, item.run()))
+                        self.entry += 1
+                        sched.ticks += 1
+                        continue
+                    finish_deferred(self.deferred)
                     ready = getattr(item, "ready", None)
                     if ready is not None and not ready():
                         sched.drive_external(item.event)
@@ -717,6 +725,7 @@ class _Replay(Work):
                     item.run()
                     self.entry += 1
                     sched.ticks += 1
+                finish_deferred(self.deferred)
                 self.index, self.current = self.index + 1, None
         return True
 

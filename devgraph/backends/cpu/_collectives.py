@@ -8,6 +8,13 @@ collective's output gets ``wait_tensor``. That is the strongest order a device c
 program that waited before reading the result (the only one that is correct eagerly) reads the same
 values at replay; every rank replays its collectives in the order it captured them.
 
+Point-to-point ops (``send``, ``recv_`` with an explicit peer: ``dist.send``/``recv``, ``isend``/
+``irecv``, ``batch_isend_irecv``) are the exception. At capture the caller waits their ``Work``
+itself, and the recorder does not (a gloo send or recv waited twice never returns). At replay a run
+of consecutive ones is issued before any is waited, then all are waited before the next entry: in a
+ring exchange every rank sends before it receives, and a gloo send completes only once the peer's
+recv is posted, so waiting each send alone would deadlock.
+
 Ops that ``torch.distributed``'s own Python code issues around a collective are not recorded either:
 they are views, or what a ``Work.wait()`` runs (gloo copies a reduce-scatter's result out of its
 scratch buffer there), which the re-issued collective and its wait redo at replay.
@@ -31,6 +38,7 @@ from torch.utils._pytree import tree_flatten
 __all__ = [
     "IDENTITY",
     "NOT_RECORDED",
+    "POINT_TO_POINT",
     "completion",
     "issued_by_torch_distributed",
     "refuse_async_with_work_in_wait",
@@ -38,6 +46,8 @@ __all__ = [
 
 #: ops that run but are not recorded
 NOT_RECORDED = frozenset({"_c10d_functional::wait_tensor"})
+#: point-to-point ops: waited by the caller at capture; at replay a run of them is issued, then waited
+POINT_TO_POINT = frozenset({"c10d::send", "c10d::recv_"})
 #: ops that return their input unchanged under the recorder
 IDENTITY = frozenset({"_c10d_functional::_wrap_tensor_autograd"})
 

@@ -43,6 +43,7 @@ from devgraph._source import user_source_line
 from devgraph.backends.cpu._collectives import (
     IDENTITY,
     NOT_RECORDED,
+    POINT_TO_POINT,
     completion,
     issued_by_torch_distributed,
     refuse_async_with_work_in_wait,
@@ -50,7 +51,7 @@ from devgraph.backends.cpu._collectives import (
 from devgraph.backends.cpu._held import Held, _External, _Ref, _Strong, describe, materialise
 from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
 
-__all__ = ["Entry", "Recorder", "Segment", "Tape", "refuse_collective_in_task"]
+__all__ = ["Entry", "Recorder", "Segment", "Tape", "finish_deferred", "refuse_collective_in_task"]
 
 _UNINITIALISED = {
     "aten::empty",
@@ -64,7 +65,7 @@ _UNINITIALISED = {
 class Entry:
     """One recorded call: ``func(*args, **kwargs)`` with fresh outputs copied into ``outs``."""
 
-    __slots__ = ("args", "finish", "func", "kwargs", "name", "outs", "rerun")
+    __slots__ = ("args", "deferred", "finish", "func", "kwargs", "name", "outs", "rerun")
 
     def __init__(
         self, func: Callable[..., Any], name: str, args: Any, kwargs: Any, rerun: bool = True
@@ -77,14 +78,16 @@ class Entry:
         self.rerun = rerun
         #: called with the result before the outputs are copied (waits for a collective to finish)
         self.finish: Callable[[Any], None] | None = None
+        #: ``finish`` is left to the segment, which waits a run of point-to-point ops together
+        self.deferred = False
 
-    def run(self) -> None:
+    def run(self) -> Any:
         if not self.rerun:
-            return
+            return None
         args = tree_map(materialise, self.args, is_leaf=lambda x: isinstance(x, Held))
         kwargs = tree_map(materialise, self.kwargs, is_leaf=lambda x: isinstance(x, Held))
         result = self.func(*args, **kwargs)
-        if self.finish is not None:
+        if self.finish is not None and not self.deferred:
             self.finish(result)
         if self.outs:
             leaves, _ = tree_flatten(result)
@@ -99,6 +102,7 @@ class Entry:
                         "please report this op to devgraph so capture refuses it"
                     )
                 dst.copy_(leaves[i])
+        return result
 
     def own(self, index: int) -> None:
         """Hold positional argument ``index`` strongly: a copy made for this task alone."""
@@ -124,8 +128,25 @@ class Segment:
         self.fresh: list[_Ref] = []  # fresh outputs in order (targets when the group is re-issued)
 
     def run(self) -> None:
+        # Consecutive point-to-point ops are all issued before any is waited, as a ring exchange
+        # (isend to one peer, irecv from another) must be: a gloo send completes only once its peer
+        # has posted the matching recv. They are waited before the next entry, which may read them.
+        pending: list[tuple[Entry, Any]] = []
         for entry in self.entries:
+            if entry.deferred:
+                pending.append((entry, entry.run()))
+                continue
+            finish_deferred(pending)
             entry.run()
+        finish_deferred(pending)
+
+
+def finish_deferred(pending: list[tuple[Entry, Any]]) -> None:
+    """Wait the point-to-point ops issued so far (``Entry.deferred``: ``(entry, its result)``), in order."""
+    for entry, result in pending:
+        assert entry.finish is not None
+        entry.finish(result)
+    pending.clear()
 
 
 def _fresh_returns(func: Any) -> list[bool]:
@@ -311,12 +332,16 @@ class Recorder(TorchDispatchMode):
             refuse_collective_in_task(name)
         entry = Entry(func, name, args, kwargs)
         entry.finish = completion(name)
+        entry.deferred = name in POINT_TO_POINT
         inputs = _storages((args, kwargs))
         result = func(*args, **kwargs)
         # Complete it now, while this mode is off: what the wait runs (gloo copies a reduce-scatter's
         # result out of its scratch buffer in ``Work.wait``) belongs to the collective, and a
-        # functional collective's output must be final before it is copied into the pool.
-        entry.finish(result)
+        # functional collective's output must be final before it is copied into the pool. Not a
+        # send or recv: the caller waits its Work, and a gloo send or recv waited twice never returns
+        # (nor could it be waited here before the peer's matching op is posted).
+        if not entry.deferred:
+            entry.finish(result)
         result = self._place_outputs(func, entry, result, inputs)
         self.segment.entries.append(entry)
         self._collectives += 1
