@@ -27,6 +27,7 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_dynamic_quant",
     "add_rms_norm_quant",
+    "gather_block_table",
     "paged_decode_attention_device_lens",
     "paged_decode_attention_host_lens",
     "quantize_int8_dynamic",
@@ -193,6 +194,23 @@ def paged_decode_attention_host_lens(
         out[b].copy_(_attend(query[b], keys, values, scale, None))
 
 
+def gather_block_table(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every block of every sequence's table, gathered: keys and values ``[B, max_blocks * block_size, Hkv, D]``.
+
+    Table entries past a sequence's blocks may hold any value (padding): they are clamped into
+    range, and the caller masks the positions they give.
+    """
+    batch, max_blocks = block_table.shape
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    ids = block_table.clamp(0, num_blocks - 1).reshape(-1).to(torch.int64)
+    span = max_blocks * block_size
+    keys = key_cache.index_select(0, ids).reshape(batch, span, *key_cache.shape[2:])
+    values = value_cache.index_select(0, ids).reshape(batch, span, *value_cache.shape[2:])
+    return keys, values
+
+
 def paged_decode_attention_device_lens(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -209,13 +227,8 @@ def paged_decode_attention_device_lens(
     replay sees whatever lengths were last copied into ``seq_lens``. Table entries past a sequence's
     length may hold any value (padding); they are clamped into range and masked.
     """
-    batch, max_blocks = block_table.shape
-    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
-    ids = block_table.clamp(0, num_blocks - 1).reshape(-1).to(torch.int64)
-    span = max_blocks * block_size
-    keys = key_cache.index_select(0, ids).reshape(batch, span, *key_cache.shape[2:])  # [B, S, Hkv, D]
-    values = value_cache.index_select(0, ids).reshape(batch, span, *value_cache.shape[2:])
-    positions = torch.arange(span, device=seq_lens.device)
+    keys, values = gather_block_table(key_cache, value_cache, block_table)
+    positions = torch.arange(keys.shape[1], device=seq_lens.device)
     mask = positions[None, :] < seq_lens.to(torch.int64)[:, None]  # [B, S]
     out.copy_(_attend(query, keys, values, scale, mask))
 

@@ -59,6 +59,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from devgraph.backends._reference import gather_block_table
+
 __all__ = [
     "MAX_COMPILED_SHAPES",
     "block_mask",
@@ -230,13 +232,11 @@ def window_decode(
     scale: float,
 ) -> torch.Tensor:
     """SDPA in the cache dtype over every block of the table, masked at the lengths: ``[B, Hq, D]``."""
-    batch, max_blocks = block_table.shape
-    num_blocks, block_size, hkv, dim = key_cache.shape
+    batch = block_table.shape[0]
+    hkv, dim = key_cache.shape[2], key_cache.shape[3]
     group = query.shape[1] // hkv
-    span = max_blocks * block_size
-    ids = block_table.clamp(0, num_blocks - 1).reshape(-1).to(torch.int64)
-    keys = key_cache.index_select(0, ids).view(batch, span, hkv, dim).transpose(1, 2)  # [B, Hkv, S, D]
-    values = value_cache.index_select(0, ids).view(batch, span, hkv, dim).transpose(1, 2)
+    keys, values = (t.transpose(1, 2) for t in gather_block_table(key_cache, value_cache, block_table))
+    span = keys.shape[2]  # [B, Hkv, S, D]
     q = query.to(key_cache.dtype).reshape(batch, hkv, group, dim)
     positions = torch.arange(span, device=seq_lens.device)
     # Position 0 stays visible to an empty sequence so no row is fully masked (NaN in some SDPA
