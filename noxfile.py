@@ -129,7 +129,8 @@ def tests_sglang(session: nox.Session) -> None:
         session.install(*CONSTRAINTS, "-r", SGLANG_CPU_REQUIREMENTS)
         # The registry's torchvision is a CUDA build; its C ops never load next to CPU torch.
         session.install("--no-deps", f"sglang=={SGLANG_VERSION}", "torchvision==0.28.0")
-        site = session.run(
+        # run_install: this step belongs to the build, so it runs under `nox --install-only` too.
+        site = session.run_install(
             "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
         ).strip()
         shim = Path(SGLANG_TORCHVISION_SHIM)
