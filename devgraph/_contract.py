@@ -440,6 +440,15 @@ class Graph(abc.ABC):
 
     # -- backend hooks -------------------------------------------------------------------------
 
+    def _prepare_task_call(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, tuple[Any, ...], dict[str, Any], Callable[[Any], Any] | None]:
+        """The call an auto task captures for ``func(*args, **kwargs)``, and what maps its result
+        to the caller's (None: the result as is). Runs before the task group opens; a backend whose
+        runtime rewrites such calls (torch_npu's handlers swap ``.default`` for ``.out`` with
+        pre-allocated outputs) returns the rewritten call. Default: the call as made."""
+        return func, args, kwargs, None
+
     @abc.abstractmethod
     def _begin_capture(self, stream: Stream, pool: MemoryPool) -> None: ...
 

@@ -60,6 +60,7 @@ from devgraph.backends.cpu._recorder import (
     written_tensors,
 )
 from devgraph.testing._npu_sim_ops import NAMESPACE as _SIM_NAMESPACE
+from devgraph.testing._npu_sim_handlers import _NPU_GRAPH_OP_HANDLERS
 from devgraph.testing._npu_sim_ops import check_call
 from devgraph.testing._npu_sim_streams import Call, Scheduler, Work
 
@@ -884,71 +885,6 @@ class graph:
 # -- auto_dispatch_capture (torch_npu/npu/graphs.py::_GraphDispatchMode) -------------------------
 
 
-class _Handler:
-    """The op handlers torch_npu registers in ``_npugraph_handlers`` (IFA v1 and paged attention)."""
-
-    UPDATE_SPECS: dict[str, list[tuple[str, Any, str]]] = {}
-
-    @classmethod
-    def prepare_capture(cls, func, args, kwargs):
-        return func, args, kwargs
-
-    @classmethod
-    def postprocess_result(cls, result, kwargs):
-        return result
-
-    @classmethod
-    def update_args(cls, record, update_input):
-        for loc, idx_or_name, key in cls.UPDATE_SPECS.get(record.op_cache_entry.__name__, []):
-            if key not in update_input:
-                continue
-            if loc == "arg" and len(record.args) > idx_or_name:
-                record.args[idx_or_name] = update_input[key]
-            elif loc == "kwarg":
-                record.kwargs[idx_or_name] = update_input[key]
-
-
-class _IFAHandler(_Handler):
-    UPDATE_SPECS = {
-        name: [("arg", 5, "actual_seq_lengths"), ("arg", 6, "actual_seq_lengths_kv")]
-        for name in (
-            "npu_fused_infer_attention_score",
-            "npu_fused_infer_attention_score.default",
-            "npu_fused_infer_attention_score.out",
-        )
-    }
-
-    @classmethod
-    def prepare_capture(cls, func, args, kwargs):
-        from devgraph.testing._npu_sim_ops import op
-
-        ifa = op("npu_fused_infer_attention_score")
-        if func is ifa.out:
-            return func, args, kwargs
-        workspace = op("_npu_fused_infer_attention_score_get_max_workspace")(*args, **kwargs)
-        keys = ("input_layout", "quant_scale2", "block_table", "num_heads", "num_key_value_heads",
-                "softmax_lse_flag", "query_rope")  # fmt: skip
-        output, softmax_lse = op("_npu_fused_infer_attention_score_infer_output")(
-            args[0], args[2], **{k: kwargs[k] for k in keys if k in kwargs}
-        )
-        kwargs = {**kwargs, "workspace": workspace, "out": [output, softmax_lse]}
-        return ifa.out, args, kwargs
-
-    @classmethod
-    def postprocess_result(cls, result, kwargs):
-        return kwargs["out"]
-
-
-class _PagedAttentionHandler(_Handler):
-    UPDATE_SPECS = {"_npu_paged_attention.default": [("arg", 7, "context_lens")]}
-
-
-_HANDLERS: dict[str, type[_Handler]] = {
-    **dict.fromkeys(_IFAHandler.UPDATE_SPECS, _IFAHandler),
-    "_npu_paged_attention.default": _PagedAttentionHandler,
-}
-
-
 @dataclass
 class _GraphDispatchRecord:
     event: Any = None
@@ -989,14 +925,16 @@ class _GraphDispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        handler_cls = _HANDLERS.get(func.__name__)
+        handler_cls = _NPU_GRAPH_OP_HANDLERS.get(func.__name__)
         if handler_cls is None:
+            return func(*args, **kwargs)
+        if hasattr(handler_cls, "should_handle") and not handler_cls.should_handle(func, args, kwargs):
             return func(*args, **kwargs)
         s = current_stream()
         event = ExternalEvent()
         event.wait(s)
         event.reset(s)
-        actual_func, args, kwargs = handler_cls.prepare_capture(func, args, kwargs)
+        actual_func, args, kwargs = handler_cls.prepare_capture(func, args, dict(kwargs))
         graph_task_group_begin(s)
         result = actual_func(*args, **kwargs)
         handle = graph_task_group_end(s)
@@ -1027,7 +965,13 @@ class _GraphDispatchMode(TorchDispatchMode):
                 for key in update_input:
                     if key in record.kwargs:
                         record.kwargs[key] = update_input[key]
-                _HANDLERS[record.op_cache_entry.__name__].update_args(record, update_input)
+                handler_cls = _NPU_GRAPH_OP_HANDLERS.get(record.op_cache_entry.__name__)
+                if handler_cls is None:
+                    raise RuntimeError(
+                        f"No handler for recorded op: {record.op_cache_entry.__name__}. "
+                        "This indicates the handler was unregistered between capture and update."
+                    )
+                handler_cls.update_args(record, update_input)
                 record.op_cache_entry(*record.args, **record.kwargs)
                 graph_task_update_end(self.update_stream)
                 record.event.record(self.update_stream)

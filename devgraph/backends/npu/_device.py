@@ -33,7 +33,7 @@ from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, St
 from devgraph._errors import DevgraphError
 from devgraph._source import user_source_line
 from devgraph._tasks import TaskGroup, apply_host_args
-from devgraph.backends.npu import _kernels
+from devgraph.backends.npu import _handlers, _kernels
 
 __all__ = [
     "NPU_HARDWARE_STREAMS",
@@ -423,6 +423,24 @@ class NpuGraph(Graph):
                 self._poison(f"the task_update() block of explicit task group {group.index} raised")
             self._release_updated(group, update_stream)  # replays must not hang on it
 
+    def _prepare_task_call(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, tuple[Any, ...], dict[str, Any], Any]:
+        """An op torch_npu's handler registry handles is captured as torch_npu captures it: the
+        handler's ``prepare_capture`` (``.default`` becomes ``.out`` over outputs allocated now, so a
+        task update rewrites the task into the very buffers the graph reads) and
+        ``postprocess_result``. Other ops are captured as called."""
+        registry = self.device._handlers  # type: ignore[attr-defined]
+        handler = registry.get(getattr(func, "__name__", "")) if registry else None
+        if handler is None:
+            return func, args, kwargs, None
+        should = getattr(handler, "should_handle", None)
+        if should is not None and not should(func, args, kwargs):
+            return func, args, kwargs, None
+        actual, args, kwargs = handler.prepare_capture(func, tuple(args), dict(kwargs))
+        _handlers.spec_names(actual, handler)  # refuse a spec that would update the wrong argument
+        return actual, tuple(args), kwargs, lambda result: handler.postprocess_result(result, kwargs)
+
     def call_opaque(self, fn: Any, *args: Any, name: str = "opaque") -> Any:
         """Run ``fn(*args)``; stream capture records what it launches.
 
@@ -452,7 +470,8 @@ class NpuDevice(Device):
     name = "npu"
     dispatch_key = "PrivateUse1"
     capture_stream_budget = NPU_HARDWARE_STREAMS  # per instance: DEVGRAPH_NPU_STREAMS overrides
-    updatable_ops = ("devgraph::paged_decode_attention",)
+    #: devgraph's own updatable op; per instance, the ops of torch_npu's handler registry follow it.
+    updatable_ops: tuple[str, ...] = ("devgraph::paged_decode_attention",)
 
     def __init__(self, index: int = 0) -> None:
         import torch_npu
@@ -460,6 +479,12 @@ class NpuDevice(Device):
         super().__init__(index)
         self._torch_npu = torch_npu
         self._npu = torch_npu.npu
+        #: torch_npu's task-update handler registry (None before torch_npu 2.13; see _handlers).
+        self._handlers = _handlers.handler_registry()
+        self.updatable_ops = (
+            *type(self).updatable_ops,
+            *_handlers.registry_ops(torch_npu, self._handlers),
+        )
         self.capture_stream_budget = _stream_budget()
         self._simulated_type: str | None = getattr(torch_npu, "_devgraph_simulated_device_type", None)
         self._streams: weakref.WeakValueDictionary[Any, NpuStream] = weakref.WeakValueDictionary()
