@@ -79,6 +79,7 @@ __all__ = [
     "graph_task_update_begin",
     "graph_task_update_end",
     "is_available",
+    "fail_next_capture",
     "is_current_stream_capturing",
     "max_memory_allocated",
     "memory_allocated",
@@ -92,7 +93,24 @@ __all__ = [
 
 
 #: Names in ``__all__`` that are the simulator's own controls, not part of ``torch_npu.npu``.
-SIMULATOR_ONLY = frozenset({"reset_state", "stream_mode"})
+SIMULATOR_ONLY = frozenset({"fail_next_capture", "reset_state", "stream_mode"})
+
+#: What ``capture_begin`` raises, per failure ``fail_next_capture`` can inject: the words torch_npu
+#: 2.13 / CANN print (vllm-ascend issues 9691 and 8393).
+CAPTURE_FAILURES = {
+    "stream_resources": (
+        "capture_begin:../torch_npu/csrc/core/npu/NPUGraph.cpp:230 NPU function error: "
+        "c10_npu::acl::AclmdlRICaptureBegin(capture_stream_, capture_mode), error code is 207008\n"
+        "[Error]: Stream resources are insufficient.\n"
+        "Insufficient_Stream_Resources(EL0009): The stream resources are insufficient."
+    ),
+    "old_driver": (
+        "capture_begin:build/CMakeFiles/torch_npu.dir/compiler_depend.ts:214 NPU function error: "
+        "c10_npu::acl::AclmdlRICaptureBegin(capture_stream_, capture_mode), error code is 207005\n"
+        "[Error]: Failed to apply for memory.\n"
+        "EE9999: Inner Error! [SqCqManage]Alloc sq cq fail, stream_id=1984, retCode=0x7020023."
+    ),
+}
 
 
 class _DeviceState:
@@ -104,9 +122,18 @@ class _DeviceState:
         self.capturing: dict[int, NPUGraph] = {}  # stream id -> graph capturing on it
         self.updating: dict[int, _Update] = {}  # stream id -> task update in progress on it
         self.sched = Scheduler()
+        self.fail_captures: list[str] = []  # failures the next capture_begin calls raise
 
 
 _STATE = _DeviceState()
+
+
+def fail_next_capture(kind: str, times: int = 1) -> None:
+    """Make the next ``times`` ``NPUGraph.capture_begin`` calls raise ``kind``'s runtime error (a key of
+    ``CAPTURE_FAILURES``: ``"stream_resources"``, ``"old_driver"``), as Ascend hardware does."""
+    if kind not in CAPTURE_FAILURES:
+        raise ValueError(f"unknown capture failure {kind!r}; known: {sorted(CAPTURE_FAILURES)}")
+    _STATE.fail_captures.extend([kind] * times)
 _stream_ids = itertools.count(1)  # 0 is the default stream
 
 
@@ -115,6 +142,7 @@ def reset_state(mode: str = "eager", hang_timeout: float = 2.0) -> list[tuple[in
     queued device work; run streams in ``mode`` from now on (simulator entry/exit). Returns the
     work that was still queued (blocked)."""
     _STATE.tls.stream_id = 0
+    _STATE.fail_captures.clear()
     for graph_ in list(_STATE.capturing.values()):
         graph_._abandon()
     _STATE.capturing.clear()
@@ -772,6 +800,8 @@ class NPUGraph:
             raise RuntimeError("the current stream is already capturing another graph")
         if pool is not None and not isinstance(pool, _PoolToken):
             raise TypeError(f"pool must come from graph_pool_handle() or NPUGraph.pool(), got {pool!r}")
+        if _STATE.fail_captures:
+            raise RuntimeError(CAPTURE_FAILURES[_STATE.fail_captures.pop(0)])
         self._pool_token = pool if pool is not None else _PoolToken()
         self._tape.begin(self._pool_token.pool, _SimRecorder)
         self._stream_id = s.stream_id

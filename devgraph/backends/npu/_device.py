@@ -33,7 +33,7 @@ from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, St
 from devgraph._errors import DevgraphError
 from devgraph._source import user_source_line
 from devgraph._tasks import TaskGroup, apply_host_args
-from devgraph.backends.npu import _handlers, _kernels
+from devgraph.backends.npu import _capture_errors, _handlers, _kernels
 
 __all__ = [
     "NPU_HARDWARE_STREAMS",
@@ -198,6 +198,10 @@ class NpuGraph(Graph):
             native.reset()
         except Exception:
             logger.debug("reset after a failed capture raised", exc_info=True)
+
+    def _translate_capture_error(self, exc: BaseException) -> BaseException | None:
+        """Stream exhaustion (207008) and an old driver ("Alloc sq cq fail") name their remedy."""
+        return _capture_errors.classify(exc)
 
     def _reset(self) -> None:
         if self.native is not None:
