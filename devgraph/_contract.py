@@ -503,6 +503,9 @@ class Device(abc.ABC):
     dispatch_key: str = ""
     #: hardware streams available to captured graphs (None: no budget to respect).
     capture_stream_budget: int | None = None
+    #: capture sizes this device's stack can hold, declared (probed or configured) by the backend;
+    #: None: no cap, the stream budget alone limits them (devgraph.compile's planner).
+    max_capture_sizes: int | None = None
     #: ops whose calls the runner captures as updatable tasks on this device.
     updatable_ops: tuple[str, ...] = ()
     #: how piecewise mode compiles graph pieces unless the user says otherwise

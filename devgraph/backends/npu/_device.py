@@ -52,17 +52,47 @@ logger = logging.getLogger("devgraph.npu")
 NPU_HARDWARE_STREAMS = 2048
 
 
-def _stream_budget() -> int:
-    raw = os.environ.get("DEVGRAPH_NPU_STREAMS", "").strip()
+def _positive_env(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return NPU_HARDWARE_STREAMS
+        return None
     try:
         value = int(raw)
     except ValueError:
         value = 0
     if value <= 0:
-        raise DevgraphError(f"DEVGRAPH_NPU_STREAMS must be a positive integer, got {raw!r}")
+        raise DevgraphError(f"{name} must be a positive integer, got {raw!r}")
     return value
+
+
+def _stream_budget() -> int:
+    return _positive_env("DEVGRAPH_NPU_STREAMS") or NPU_HARDWARE_STREAMS
+
+
+#: Capture sizes per Ascend stack, by device-name prefix: the Ascend 950 captures at most 4 until
+#: its driver update (vllm-ascend caps it the same way). Other stacks declare no cap: the stream
+#: budget rule is the fallback (devgraph.compile._planner). Override: DEVGRAPH_NPU_MAX_CAPTURE_SIZES.
+STACK_MAX_CAPTURE_SIZES = {"Ascend950": 4}
+
+
+def _max_capture_sizes(npu: Any, index: int) -> int | None:
+    """The stack's cap on capture sizes: configured (DEVGRAPH_NPU_MAX_CAPTURE_SIZES), else probed from
+    the device name, else None (no cap declared)."""
+    configured = _positive_env("DEVGRAPH_NPU_MAX_CAPTURE_SIZES")
+    if configured is not None:
+        return configured
+    get_name = getattr(npu, "get_device_name", None)
+    if get_name is None:
+        return None
+    try:
+        name = str(get_name(index))
+    except Exception as exc:  # a device name is a hint; no name, no cap
+        logger.debug("torch_npu.npu.get_device_name(%d) failed: %s", index, exc)
+        return None
+    for prefix, cap in STACK_MAX_CAPTURE_SIZES.items():
+        if name.replace(" ", "").startswith(prefix):
+            return cap
+    return None
 
 
 class NpuStream(Stream):
@@ -490,6 +520,7 @@ class NpuDevice(Device):
             *_handlers.registry_ops(torch_npu, self._handlers),
         )
         self.capture_stream_budget = _stream_budget()
+        self.max_capture_sizes = _max_capture_sizes(self._npu, index)
         self._simulated_type: str | None = getattr(torch_npu, "_devgraph_simulated_device_type", None)
         self._streams: weakref.WeakValueDictionary[Any, NpuStream] = weakref.WeakValueDictionary()
         self._updates: Any = None
