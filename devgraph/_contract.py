@@ -27,7 +27,21 @@ from devgraph._tasks import TaskGroup, apply_host_args
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Device", "Event", "Graph", "MemoryPool", "MemoryStats", "Stream", "current_graph"]
+__all__ = [
+    "CAPTURE_ERROR_MODES",
+    "Device",
+    "Event",
+    "Graph",
+    "MemoryPool",
+    "MemoryStats",
+    "Stream",
+    "current_graph",
+]
+
+#: ``capture_error_mode`` names, as ``torch.accelerator.Graph`` spells them (torch 2.12+): what the
+#: runtime refuses while a stream captures. ``"default"``: the backend's own choice (CUDA and torch_npu:
+#: ``"global"``). Backends without such checks (the CPU reference) accept and ignore them.
+CAPTURE_ERROR_MODES = ("default", "global", "thread_local", "relaxed")
 
 logger = logging.getLogger("devgraph")
 
@@ -216,6 +230,8 @@ class Graph(abc.ABC):
         self._open_group: TaskGroup | None = None
         # See ``_note_host_args``: (the task list it describes, names the tasks take, pending values).
         self._host_only: tuple[list[TaskGroup], frozenset[str] | None, dict[str, Any]] | None = None
+        #: the ``capture_error_mode`` of the capture in progress or done (``CAPTURE_ERROR_MODES``).
+        self.capture_error_mode = "default"
 
     # -- capture -----------------------------------------------------------------------------
 
@@ -226,6 +242,7 @@ class Graph(abc.ABC):
         pool: MemoryPool | None = None,
         *,
         auto_update_ops: Sequence[str] = (),
+        capture_error_mode: str = "default",
     ) -> Iterator[Graph]:
         """Record the work issued inside the block.
 
@@ -235,6 +252,8 @@ class Graph(abc.ABC):
             pool: the memory pool to capture into (a new one if None); share it across graphs.
             auto_update_ops: qualified op names (``"devgraph::paged_decode_attention"``) whose every
                 call is captured as an updatable task (torch_npu's ``auto_dispatch_capture``).
+            capture_error_mode: what the runtime refuses while capturing, in torch.accelerator's
+                names (``CAPTURE_ERROR_MODES``); passed to runtimes that take it (npu, accelerator).
         Raises:
             DevgraphError: the graph is already captured (call ``reset()``) or capturing, or an
                 ``auto_update_ops`` name is misspelt or names no registered op.
@@ -246,6 +265,12 @@ class Graph(abc.ABC):
             raise DevgraphError("this graph was already captured; call graph.reset() before capturing again")
         if pool is not None and pool.device.name != self.device.name:
             raise DevgraphError(f"pool belongs to {pool.device}, graph to {self.device}")
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise DevgraphError(
+                f"capture_error_mode {capture_error_mode!r} is not one of {list(CAPTURE_ERROR_MODES)} "
+                "(torch.accelerator.Graph's names)"
+            )
+        self.capture_error_mode = capture_error_mode
         auto_update_ops = resolve_auto_update_ops(auto_update_ops, getattr(self.device, "updatable_ops", ()))
         stream = stream or self.device.capture_stream()
         self._pool = pool or self.device.pool()
@@ -428,6 +453,38 @@ class Graph(abc.ABC):
                 with self.task_update(group):
                     call()
                 group.remember(kwargs)
+
+    # -- debugging (torch.accelerator.Graph's enable_debug_mode / debug_dump) -------------------
+
+    def enable_debug_mode(self) -> None:
+        """Keep what ``debug_dump`` needs; call it before ``capture``.
+
+        Raises:
+            DevgraphError: this backend's graphs have no debug dump.
+        """
+        self._enable_debug_mode()
+
+    def debug_dump(self, path: str) -> None:
+        """Write the captured graph to ``path`` in the runtime's own format (backend-specific).
+
+        Raises:
+            DevgraphError: the graph is not captured, or this backend's graphs have no debug dump.
+        """
+        if self._state != "captured":
+            raise DevgraphError("debug_dump() needs a captured graph")
+        self._debug_dump(str(path))
+
+    def _no_debug(self) -> DevgraphError:
+        return DevgraphError(
+            f"{self.device.name} graphs have no debug dump (torch.accelerator.Graph.debug_dump); the "
+            "accelerator backend and torch_npu 2.13's NPUGraph have one"
+        )
+
+    def _enable_debug_mode(self) -> None:
+        raise self._no_debug()
+
+    def _debug_dump(self, path: str) -> None:
+        raise self._no_debug()
 
     def call_opaque(self, fn: Callable[..., Any], *args: Any, name: str = "opaque") -> Any:
         """Run ``fn(*args)`` as one unit of captured work.

@@ -201,7 +201,8 @@ class NpuGraph(Graph):
         self._released = set()
         self._scratch = {}
         self._poisoned = None
-        self.native.capture_begin(pool=pool.handle)
+        mode = "global" if self.capture_error_mode == "default" else self.capture_error_mode
+        self.native.capture_begin(pool=pool.handle, capture_error_mode=mode)
         self._capture_work = _kernels.graph_work(self._scratch)
         self._capture_work.__enter__()
 
@@ -228,6 +229,16 @@ class NpuGraph(Graph):
             native.reset()
         except Exception:
             logger.debug("reset after a failed capture raised", exc_info=True)
+
+    def _enable_debug_mode(self) -> None:
+        if not hasattr(self._npu.NPUGraph, "debug_dump"):
+            raise self._no_debug()
+
+    def _debug_dump(self, path: str) -> None:
+        dump = getattr(self.native, "debug_dump", None)
+        if dump is None:
+            raise self._no_debug()
+        dump(path)
 
     def _translate_capture_error(self, exc: BaseException) -> BaseException | None:
         """Stream exhaustion (207008) and an old driver ("Alloc sq cq fail") name their remedy."""
