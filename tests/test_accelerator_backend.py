@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import devgraph
-from devgraph import DevgraphError, _plugins
+from devgraph import DevgraphError
 from devgraph.backends import accelerator as accelerator_plugin
 from devgraph.backends.accelerator._device import AcceleratorDevice
 from devgraph.testing import accelerator_standin
@@ -211,5 +211,5 @@ def test_a_device_without_a_graph_implementation_is_unavailable(fresh_plugins, m
 
     monkeypatch.setattr(accelerator_plugin, "_accelerator", lambda: (torch, "xpu", ""))
     monkeypatch.setattr(torch.accelerator, "Graph", no_impl)
-    with pytest.raises(devgraph.BackendUnavailable, match="registers no torch.accelerator.Graph"):
+    with pytest.raises(devgraph.BackendUnavailable, match=r"registers no torch\.accelerator\.Graph"):
         devgraph.device("xpu")

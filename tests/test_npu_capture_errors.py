@@ -65,3 +65,26 @@ def test_other_capture_failures_are_left_alone(npu):
 def test_the_simulator_refuses_an_unknown_failure_kind():
     with pytest.raises(ValueError, match="known"):
         _npu_sim_runtime.fail_next_capture("gremlins")
+
+
+@pytest.mark.parametrize(("mode", "native"), [("default", "global"), ("thread_local", "thread_local")])
+def test_capture_error_mode_reaches_npugraph_capture_begin(npu, monkeypatch, mode, native):
+    seen = []
+    sim_graph = _npu_sim_runtime.NPUGraph
+    real = sim_graph.capture_begin
+
+    def spy(self, pool=None, capture_error_mode="global"):
+        seen.append(capture_error_mode)
+        return real(self, pool=pool, capture_error_mode=capture_error_mode)
+
+    monkeypatch.setattr(sim_graph, "capture_begin", spy)
+    graph = npu.graph()
+    with graph.capture(capture_error_mode=mode):
+        torch.ones(2) + 1
+    assert seen == [native] and graph.capture_error_mode == mode
+
+
+def test_debug_dump_is_refused_where_the_runtime_has_none(npu):
+    # The simulator's NPUGraph has no debug_dump (torch_npu 2.13's has): refused, not ignored.
+    with pytest.raises(devgraph.DevgraphError, match="no debug dump"):
+        npu.graph().enable_debug_mode()

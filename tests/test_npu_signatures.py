@@ -258,7 +258,10 @@ def _wheel_handlers(root: Path) -> tuple[dict[str, str], dict[str, list[tuple[An
             if not isinstance(node, ast.ClassDef):
                 continue
             for deco in node.decorator_list:
-                if isinstance(deco, ast.Call) and getattr(deco.func, "id", None) == "register_npu_graph_handler":
+                if (
+                    isinstance(deco, ast.Call)
+                    and getattr(deco.func, "id", None) == "register_npu_graph_handler"
+                ):
                     for name in ast.literal_eval(deco.args[0]):
                         registered[name] = node.name
             for item in node.body:
@@ -279,7 +282,13 @@ def test_update_specs_match_the_wheels_op_handlers(wheel_root):
     # ...with the same UPDATE_SPECS (the host arguments a task update replaces, op by op).
     for op_name, handler in builtin.items():
         assert [tuple(s) for s in handler.get_update_specs(op_name)] == specs.get(op_name, []), op_name
-    for key in ("actual_seq_lengths", "actual_seq_lengths_kv", "actual_seq_qlen", "actual_seq_kvlen", "context_lens"):
+    for key in (
+        "actual_seq_lengths",
+        "actual_seq_lengths_kv",
+        "actual_seq_qlen",
+        "actual_seq_kvlen",
+        "context_lens",
+    ):
         assert any(key == s[2] for entry in specs.values() for s in entry), key
     # _npu_paged_attention's update replaces argument 7, which must be context_lens.
     assert _schema_args(_sim_schema("_npu_paged_attention"))[7][0] == "context_lens"

@@ -288,7 +288,11 @@ class PiecewiseRunner(BucketedRunner):
             logger.warning("devgraph: the full graphs use the whole capture budget; pieces are not captured")
             return CapturePlan((), tuple(self.sizes), max(1, pieces), budget)
         return plan_capture_sizes(
-            self.sizes, max(1, pieces), budget, traffic, max_sizes=getattr(self.device, "max_capture_sizes", None)
+            self.sizes,
+            max(1, pieces),
+            budget,
+            traffic,
+            max_sizes=getattr(self.device, "max_capture_sizes", None),
         )
 
     def _inputs(self, call: Call, size: int | None) -> list[Any]:

@@ -103,7 +103,9 @@ class _TensorListOutHandler(NpuGraphOpHandler):
         return kwargs["out"]
 
 
-def _specs(names: tuple[str, ...], specs: list[tuple[str, Any, str]]) -> dict[str, list[tuple[str, Any, str]]]:
+def _specs(
+    names: tuple[str, ...], specs: list[tuple[str, Any, str]]
+) -> dict[str, list[tuple[str, Any, str]]]:
     return {name: list(specs) for name in names}
 
 

@@ -59,8 +59,8 @@ from devgraph.backends.cpu._recorder import (
     refuse_collective_in_task,
     written_tensors,
 )
-from devgraph.testing._npu_sim_ops import NAMESPACE as _SIM_NAMESPACE
 from devgraph.testing._npu_sim_handlers import _NPU_GRAPH_OP_HANDLERS
+from devgraph.testing._npu_sim_ops import NAMESPACE as _SIM_NAMESPACE
 from devgraph.testing._npu_sim_ops import check_call
 from devgraph.testing._npu_sim_streams import Call, Scheduler, Work
 
@@ -134,6 +134,8 @@ def fail_next_capture(kind: str, times: int = 1) -> None:
     if kind not in CAPTURE_FAILURES:
         raise ValueError(f"unknown capture failure {kind!r}; known: {sorted(CAPTURE_FAILURES)}")
     _STATE.fail_captures.extend([kind] * times)
+
+
 _stream_ids = itertools.count(1)  # 0 is the default stream
 
 

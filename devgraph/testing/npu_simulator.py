@@ -123,7 +123,9 @@ def simulated_torch_npu(streams: str = "eager", hang_timeout: float = 2.0) -> It
     sys.modules["torch_npu"] = module
     sys.modules["torch_npu.npu"] = module.__dict__["npu"]
     sys.modules["torch_npu.npu._npugraph_handlers"] = module.npu._npugraph_handlers
-    sys.modules["torch_npu.npu._npugraph_handlers.npugraph_handler"] = module.npu._npugraph_handlers.npugraph_handler
+    sys.modules["torch_npu.npu._npugraph_handlers.npugraph_handler"] = (
+        module.npu._npugraph_handlers.npugraph_handler
+    )
     ok = False
     try:
         with route(CPU="PrivateUse1"):

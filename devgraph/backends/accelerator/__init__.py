@@ -38,7 +38,11 @@ def _accelerator() -> tuple[Any, str | None, str]:
     except Exception as exc:
         return torch, None, f"torch.accelerator.current_accelerator() failed ({type(exc).__name__}: {exc})"
     if current is None:
-        return torch, None, "no accelerator visible to torch (torch.accelerator.current_accelerator() is None)"
+        return (
+            torch,
+            None,
+            "no accelerator visible to torch (torch.accelerator.current_accelerator() is None)",
+        )
     return torch, current.type, ""
 
 

@@ -28,7 +28,13 @@ from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, St
 from devgraph._errors import DevgraphError
 from devgraph._tasks import TaskGroup
 
-__all__ = ["AcceleratorDevice", "AcceleratorEvent", "AcceleratorGraph", "AcceleratorPool", "AcceleratorStream"]
+__all__ = [
+    "AcceleratorDevice",
+    "AcceleratorEvent",
+    "AcceleratorGraph",
+    "AcceleratorPool",
+    "AcceleratorStream",
+]
 
 logger = logging.getLogger("devgraph.accelerator")
 
@@ -54,7 +60,9 @@ class AcceleratorStream(Stream):
 
     def __init__(self, device: AcceleratorDevice, priority: int = 0, native: Any = None) -> None:
         super().__init__(device, priority)
-        self.native = native if native is not None else device._api.Stream(device.torch_device, priority=priority)
+        self.native = (
+            native if native is not None else device._api.Stream(device.torch_device, priority=priority)
+        )
 
     def synchronize(self) -> None:
         self.native.synchronize()
@@ -143,7 +151,9 @@ class AcceleratorGraph(Graph):
         if not isinstance(pool, AcceleratorPool):
             raise DevgraphError(f"an accelerator graph cannot capture into {pool!r}; use device.pool()")
         self._acc.synchronize(self.device.index)  # as torch.accelerator.Graph.__enter__ does
-        self.native = self._acc.Graph(self.keep_graph, pool=pool.handle, capture_error_mode=self.capture_error_mode)
+        self.native = self._acc.Graph(
+            self.keep_graph, pool=pool.handle, capture_error_mode=self.capture_error_mode
+        )
         if self._debug:
             self.native.enable_debug_mode()
         self.native.capture_begin()
@@ -212,7 +222,9 @@ class AcceleratorDevice(Device):
         self.device_type: str = current.type
         self.dispatch_key = _dispatch_key(self.device_type)
         self._torch_device = (
-            torch.device(self.device_type) if self.device_type == "cpu" else torch.device(self.device_type, index)
+            torch.device(self.device_type)
+            if self.device_type == "cpu"
+            else torch.device(self.device_type, index)
         )
         self._streams: weakref.WeakValueDictionary[Any, AcceleratorStream] = weakref.WeakValueDictionary()
 
