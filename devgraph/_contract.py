@@ -86,6 +86,15 @@ class MemoryPool(abc.ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} on {self.device}>"
 
+    @property
+    def id(self) -> tuple[int, int] | None:
+        """torch's ``(int, int)`` id of this pool (what ``torch.accelerator.Graph(pool=...)`` and
+        ``graph_pool_handle()`` use), where the backend's pool has one (its ``handle``); else None."""
+        handle = getattr(self, "handle", None)
+        if isinstance(handle, tuple) and len(handle) == 2 and all(isinstance(i, int) for i in handle):
+            return handle
+        return None
+
     def _users(self) -> weakref.WeakSet[Graph]:
         # Made on first use: a backend's pool may not call this __init__.
         return self.__dict__.setdefault("_devgraph_users", weakref.WeakSet())

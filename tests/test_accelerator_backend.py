@@ -110,9 +110,10 @@ def test_graphs_of_one_pool_share_torchs_pool_id(acc):
     pool = acc.pool()
     x = torch.ones(4)
     first, second = acc.graph(), acc.graph()
+    assert pool.id is None  # torch's id comes with the first capture into the pool
     with first.capture(pool=pool):
         x + 1
-    assert pool.handle == first.native.pool() and isinstance(pool.handle, tuple)
+    assert pool.id == pool.handle == first.native.pool() and isinstance(pool.id, tuple)
     with second.capture(pool=pool):
         x + 2
     assert second.native.pool() == first.native.pool()
@@ -137,6 +138,10 @@ def test_debug_dump_through_the_contract(acc, tmp_path):
     assert "mul" in (tmp_path / "graph.txt").read_text()
     with pytest.raises(DevgraphError, match="needs a captured graph"):
         acc.graph().debug_dump(tmp_path / "none.txt")
+
+
+def test_pools_without_a_torch_id_say_none():
+    assert devgraph.device("cpu").pool().id is None
 
 
 def test_backends_without_a_dump_say_so(tmp_path):

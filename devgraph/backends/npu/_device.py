@@ -474,7 +474,9 @@ class NpuGraph(Graph):
         """An op torch_npu's handler registry handles is captured as torch_npu captures it: the
         handler's ``prepare_capture`` (``.default`` becomes ``.out`` over outputs allocated now, so a
         task update rewrites the task into the very buffers the graph reads) and
-        ``postprocess_result``. Other ops are captured as called."""
+        ``postprocess_result``. Other ops are captured as called. What the handler allocates (workspace,
+        outputs) the task holds weakly, as torch_npu's records do: ordinary pool memory, ordered by the
+        stream like any other temporary of the graph."""
         registry = self.device._handlers  # type: ignore[attr-defined]
         handler = registry.get(getattr(func, "__name__", "")) if registry else None
         if handler is None:
