@@ -39,6 +39,10 @@ class GuardedGraph(Protocol):
 
     def _group(self, group: TaskGroup) -> AbstractContextManager[TaskGroup]: ...
 
+    def _prepare_task_call(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, tuple[Any, ...], dict[str, Any], Any]: ...
+
 
 _SYNC_REMEDY = (
     "keep the value on the device (tensor ops instead of Python numbers), or compute it before "
@@ -369,8 +373,10 @@ def _pageable_upload(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], d
 
 
 def _call_as_task(graph: GuardedGraph, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    func, args, kwargs, post = graph._prepare_task_call(func, args, kwargs)
     with graph._group(TaskGroup.for_call(len(graph.tasks), func, args, kwargs)):
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+    return result if post is None else post(result)
 
 
 _MODE_CLASSES: tuple[type, type] | None = None

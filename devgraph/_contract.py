@@ -27,7 +27,21 @@ from devgraph._tasks import TaskGroup, apply_host_args
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Device", "Event", "Graph", "MemoryPool", "MemoryStats", "Stream", "current_graph"]
+__all__ = [
+    "CAPTURE_ERROR_MODES",
+    "Device",
+    "Event",
+    "Graph",
+    "MemoryPool",
+    "MemoryStats",
+    "Stream",
+    "current_graph",
+]
+
+#: ``capture_error_mode`` names, as ``torch.accelerator.Graph`` spells them (torch 2.12+): what the
+#: runtime refuses while a stream captures. ``"default"``: the backend's own choice (CUDA and torch_npu:
+#: ``"global"``). Backends without such checks (the CPU reference) accept and ignore them.
+CAPTURE_ERROR_MODES = ("default", "global", "thread_local", "relaxed")
 
 logger = logging.getLogger("devgraph")
 
@@ -71,6 +85,15 @@ class MemoryPool(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} on {self.device}>"
+
+    @property
+    def id(self) -> tuple[int, int] | None:
+        """torch's ``(int, int)`` id of this pool (what ``torch.accelerator.Graph(pool=...)`` and
+        ``graph_pool_handle()`` use), where the backend's pool has one (its ``handle``); else None."""
+        handle = getattr(self, "handle", None)
+        if isinstance(handle, tuple) and len(handle) == 2 and all(isinstance(i, int) for i in handle):
+            return handle
+        return None
 
     def _users(self) -> weakref.WeakSet[Graph]:
         # Made on first use: a backend's pool may not call this __init__.
@@ -216,6 +239,8 @@ class Graph(abc.ABC):
         self._open_group: TaskGroup | None = None
         # See ``_note_host_args``: (the task list it describes, names the tasks take, pending values).
         self._host_only: tuple[list[TaskGroup], frozenset[str] | None, dict[str, Any]] | None = None
+        #: the ``capture_error_mode`` of the capture in progress or done (``CAPTURE_ERROR_MODES``).
+        self.capture_error_mode = "default"
 
     # -- capture -----------------------------------------------------------------------------
 
@@ -226,6 +251,7 @@ class Graph(abc.ABC):
         pool: MemoryPool | None = None,
         *,
         auto_update_ops: Sequence[str] = (),
+        capture_error_mode: str = "default",
     ) -> Iterator[Graph]:
         """Record the work issued inside the block.
 
@@ -235,6 +261,8 @@ class Graph(abc.ABC):
             pool: the memory pool to capture into (a new one if None); share it across graphs.
             auto_update_ops: qualified op names (``"devgraph::paged_decode_attention"``) whose every
                 call is captured as an updatable task (torch_npu's ``auto_dispatch_capture``).
+            capture_error_mode: what the runtime refuses while capturing, in torch.accelerator's
+                names (``CAPTURE_ERROR_MODES``); passed to runtimes that take it (npu, accelerator).
         Raises:
             DevgraphError: the graph is already captured (call ``reset()``) or capturing, or an
                 ``auto_update_ops`` name is misspelt or names no registered op.
@@ -246,6 +274,12 @@ class Graph(abc.ABC):
             raise DevgraphError("this graph was already captured; call graph.reset() before capturing again")
         if pool is not None and pool.device.name != self.device.name:
             raise DevgraphError(f"pool belongs to {pool.device}, graph to {self.device}")
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise DevgraphError(
+                f"capture_error_mode {capture_error_mode!r} is not one of {list(CAPTURE_ERROR_MODES)} "
+                "(torch.accelerator.Graph's names)"
+            )
+        self.capture_error_mode = capture_error_mode
         auto_update_ops = resolve_auto_update_ops(auto_update_ops, getattr(self.device, "updatable_ops", ()))
         stream = stream or self.device.capture_stream()
         self._pool = pool or self.device.pool()
@@ -429,6 +463,38 @@ class Graph(abc.ABC):
                     call()
                 group.remember(kwargs)
 
+    # -- debugging (torch.accelerator.Graph's enable_debug_mode / debug_dump) -------------------
+
+    def enable_debug_mode(self) -> None:
+        """Keep what ``debug_dump`` needs; call it before ``capture``.
+
+        Raises:
+            DevgraphError: this backend's graphs have no debug dump.
+        """
+        self._enable_debug_mode()
+
+    def debug_dump(self, path: str) -> None:
+        """Write the captured graph to ``path`` in the runtime's own format (backend-specific).
+
+        Raises:
+            DevgraphError: the graph is not captured, or this backend's graphs have no debug dump.
+        """
+        if self._state != "captured":
+            raise DevgraphError("debug_dump() needs a captured graph")
+        self._debug_dump(str(path))
+
+    def _no_debug(self) -> DevgraphError:
+        return DevgraphError(
+            f"{self.device.name} graphs have no debug dump (torch.accelerator.Graph.debug_dump); the "
+            "accelerator backend and torch_npu 2.13's NPUGraph have one"
+        )
+
+    def _enable_debug_mode(self) -> None:
+        raise self._no_debug()
+
+    def _debug_dump(self, path: str) -> None:
+        raise self._no_debug()
+
     def call_opaque(self, fn: Callable[..., Any], *args: Any, name: str = "opaque") -> Any:
         """Run ``fn(*args)`` as one unit of captured work.
 
@@ -439,6 +505,15 @@ class Graph(abc.ABC):
         return fn(*args)
 
     # -- backend hooks -------------------------------------------------------------------------
+
+    def _prepare_task_call(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, tuple[Any, ...], dict[str, Any], Callable[[Any], Any] | None]:
+        """The call an auto task captures for ``func(*args, **kwargs)``, and what maps its result
+        to the caller's (None: the result as is). Runs before the task group opens; a backend whose
+        runtime rewrites such calls (torch_npu's handlers swap ``.default`` for ``.out`` with
+        pre-allocated outputs) returns the rewritten call. Default: the call as made."""
+        return func, args, kwargs, None
 
     @abc.abstractmethod
     def _begin_capture(self, stream: Stream, pool: MemoryPool) -> None: ...
@@ -494,6 +569,9 @@ class Device(abc.ABC):
     dispatch_key: str = ""
     #: hardware streams available to captured graphs (None: no budget to respect).
     capture_stream_budget: int | None = None
+    #: capture sizes this device's stack can hold, declared (probed or configured) by the backend;
+    #: None: no cap, the stream budget alone limits them (devgraph.compile's planner).
+    max_capture_sizes: int | None = None
     #: ops whose calls the runner captures as updatable tasks on this device.
     updatable_ops: tuple[str, ...] = ()
     #: how piecewise mode compiles graph pieces unless the user says otherwise

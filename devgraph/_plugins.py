@@ -28,7 +28,7 @@ __all__ = ["BackendInfo", "BackendSpec", "Probe", "device", "list_backends", "pl
 
 logger = logging.getLogger("devgraph")
 
-BUILTIN_BACKENDS = ("cpu", "cuda", "npu")
+BUILTIN_BACKENDS = ("cpu", "cuda", "npu", "accelerator")
 _BUILTIN_MODULES = {name: f"devgraph.backends.{name}" for name in BUILTIN_BACKENDS}
 
 
@@ -50,13 +50,17 @@ class BackendSpec:
         name: the backend's name (``devgraph.device(name)``).
         probe: cheap availability check; must not raise and must not import heavy modules.
         device_class: ``"package.module:Class"`` of its ``Device`` subclass, imported on first use.
-        builtin: True for devgraph's own cpu/cuda/npu backends.
+        builtin: True for devgraph's own cpu/cuda/npu/accelerator backends.
+        device_types: torch device types the backend serves besides its name, asked when a name no
+            backend has is requested (the accelerator backend: ``("xpu",)`` on an XPU machine); cheap,
+            must not raise.
     """
 
     name: str
     probe: Callable[[], Probe]
     device_class: str
     builtin: bool = False
+    device_types: Callable[[], tuple[str, ...]] | None = None
 
 
 @attrs.frozen
@@ -198,6 +202,8 @@ def _select() -> str:
     tiers = (
         [n for n, (s, _) in specs.items() if not s.builtin],
         [n for n in ("cuda", "npu") if n in specs],
+        # torch.accelerator.Graph for a device without a dedicated backend (XPU...).
+        [n for n in ("accelerator",) if n in specs],
         ["cpu"],
     )
     for tier in tiers:
@@ -217,7 +223,7 @@ def _from_torch_device(value: Any, index: int | None) -> tuple[str, int | None]:
     kind = getattr(value, "type", None)
     if type(value).__name__ != "device" or not isinstance(kind, str):
         raise DevgraphError(
-            f"device must be a backend name ('cpu', 'cuda', 'npu'), a torch.device or a devgraph.Device, "
+            f"device must be a backend name ('cpu', 'cuda', 'npu', 'accelerator'), a torch.device or a devgraph.Device, "
             f"got {value!r} ({type(value).__name__})"
         )
     return kind, value.index if index is None else index
@@ -245,6 +251,11 @@ def device(name: str | Any | None = None, index: int | None = None) -> Device:
             return _registry.devices[key]
         specs = _specs()
         if name not in specs:
+            name = _serving(specs, name)
+            key = (name, index)
+            if key in _registry.devices:
+                return _registry.devices[key]
+        if name not in specs:
             raise DevgraphError(
                 f"unknown devgraph backend {name!r}; known backends: {', '.join(sorted(specs))} "
                 "(see `devgraph info`)"
@@ -269,6 +280,21 @@ def device(name: str | Any | None = None, index: int | None = None) -> Device:
         dev = cls(index)
         _registry.devices[key] = dev
         return dev
+
+
+def _serving(specs: dict[str, tuple[BackendSpec, str]], kind: str) -> str:
+    """The backend serving torch device type ``kind`` (its ``device_types``), or ``kind`` itself."""
+    for name, (spec, _) in specs.items():
+        if spec.device_types is None:
+            continue
+        try:
+            kinds = spec.device_types()
+        except Exception as exc:  # like a probe: must not raise; report nothing served
+            logger.debug("device_types() of backend %s raised: %s", name, exc)
+            continue
+        if kind in kinds:
+            return name
+    return kind
 
 
 def forget_devices(name: str) -> None:

@@ -159,3 +159,38 @@ def test_a_2048_size_plan_evaluates_a_small_fraction_of_the_pairs(traffic):
     assert evaluations < 0.02 * count * len(sizes) ** 2 / 2
     demand = _demand(sizes, traffic)
     assert padding_cost(kept, demand) <= padding_cost(spread_evenly(sizes, count), demand) + 1e-6
+
+
+# -- the per-stack cap on capture sizes (Device.max_capture_sizes) ---------------------------------------
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    sizes=st.lists(st.integers(1, 512), min_size=1, max_size=40, unique=True),
+    pieces=st.integers(1, 50),
+    budget=st.one_of(st.none(), st.integers(1, 2048)),
+    cap=st.one_of(st.none(), st.integers(1, 40)),
+)
+def test_the_plan_keeps_the_fewer_of_the_stack_cap_and_the_stream_rule(sizes, pieces, budget, cap):
+    plan = plan_capture_sizes(sizes, pieces, budget, max_sizes=cap)
+    limits = [n for n in (None if budget is None else budget // pieces, cap) if n is not None]
+    assert len(plan.sizes) == min([len(sizes), *limits])
+    assert plan.max_sizes == cap
+    if plan.sizes:
+        assert plan.sizes[-1] == max(sizes)  # the largest size is always kept
+    # A pure function of its arguments (ranks agree by planning from the same options).
+    assert plan == plan_capture_sizes(list(reversed(sizes)), pieces, budget, max_sizes=cap)
+
+
+def test_an_ascend_950_cap_beats_the_old_stream_rule():
+    # 2048 / (27 + 1) = 73 sizes by the old rule; the 950's stack holds 4.
+    sizes = list(range(8, 520, 8))
+    plan = plan_capture_sizes(sizes, pieces=28, budget=2048, max_sizes=4)
+    assert len(plan.sizes) == 4 and plan.sizes[-1] == 512
+    # Without a declared cap the old rule is the fallback.
+    assert len(plan_capture_sizes(sizes, pieces=28, budget=2048).sizes) == min(len(sizes), 2048 // 28)
+
+
+def test_a_cap_below_one_is_a_clear_error():
+    with pytest.raises(DevgraphError, match="max_sizes"):
+        plan_capture_sizes([1, 2], 1, None, max_sizes=0)

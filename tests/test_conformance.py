@@ -70,3 +70,24 @@ def test_pool_held_by_one_graph_takes_more_captures(any_device):
     for _ in range(2):
         _captured_into(any_device, pool).reset()
     assert holder.is_captured()
+
+
+# -- the accelerator backend (torch.accelerator.Graph) on its stand-in -------------------------------------
+
+
+@pytest.fixture
+def standin_device():
+    """The accelerator backend over devgraph.testing's torch.accelerator stand-in (no XPU here)."""
+    from devgraph.backends.accelerator._device import AcceleratorDevice
+    from devgraph.testing.accelerator_standin import standin_accelerator
+
+    with standin_accelerator(hang_timeout=0.5) as api:
+        yield AcceleratorDevice(0, api=api)
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_conformance_of_the_accelerator_backend_on_its_standin(standin_device, check):
+    try:
+        check(standin_device)
+    except NotApplicable as why:
+        pytest.skip(str(why))

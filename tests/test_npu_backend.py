@@ -87,7 +87,8 @@ def test_npu_device_inside_the_simulator(npu):
     assert npu.dispatch_key == "PrivateUse1"
     assert npu.torch_device == torch.device("cpu")
     assert npu.capture_stream_budget == npu_device.NPU_HARDWARE_STREAMS == 2048
-    assert npu.updatable_ops == (OP,)
+    # devgraph's op, then those of torch_npu's handler registry (tests/test_npu_handlers.py)
+    assert npu.updatable_ops[0] == OP and IFA in npu.updatable_ops
     row = {b.name: b for b in devgraph.list_backends()}["npu"]
     assert row.available and "simulator" in row.reason and row.version == "2.13.0"
 

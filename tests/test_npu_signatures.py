@@ -245,19 +245,71 @@ def test_auto_dispatch_mode_has_the_wheels_signatures(wheel_root):
         assert _sim_params(fn) == _ast_params(wheel_methods[method]), method
 
 
-def test_update_specs_match_the_wheels_op_handlers(wheel_root):
-    specs = {}
-    for rel in ("ifa_handler.py", "simple_handler.py"):
-        tree = ast.parse((wheel_root / "torch_npu/npu/_npugraph_handlers" / rel).read_text(encoding="utf-8"))
+HANDLER_DIR = "torch_npu/npu/_npugraph_handlers"
+
+
+def _wheel_handlers(root: Path) -> tuple[dict[str, str], dict[str, list[tuple[Any, ...]]]]:
+    """``({op name: handler class}, {op name: UPDATE_SPECS entry})`` read from the wheel's handler sources."""
+    registered: dict[str, str] = {}
+    specs: dict[str, list[tuple[Any, ...]]] = {}
+    for path in sorted((root / HANDLER_DIR).glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
-            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "UPDATE_SPECS":
-                specs.update(ast.literal_eval(node.value))
-    for op_name, handler in _npu_sim_runtime._HANDLERS.items():
-        assert [tuple(s) for s in specs[op_name]] == [tuple(s) for s in handler.UPDATE_SPECS[op_name]], (
-            op_name
-        )
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for deco in node.decorator_list:
+                if (
+                    isinstance(deco, ast.Call)
+                    and getattr(deco.func, "id", None) == "register_npu_graph_handler"
+                ):
+                    for name in ast.literal_eval(deco.args[0]):
+                        registered[name] = node.name
+            for item in node.body:
+                if isinstance(item, ast.Assign) and getattr(item.targets[0], "id", None) == "UPDATE_SPECS":
+                    for op_name, entry in ast.literal_eval(item.value).items():
+                        specs[op_name] = [tuple(s) for s in entry]
+    return registered, specs
+
+
+def test_update_specs_match_the_wheels_op_handlers(wheel_root):
+    from devgraph.testing._npu_sim_handlers import _NPU_GRAPH_OP_HANDLERS
+
+    registered, specs = _wheel_handlers(wheel_root)
+    assert registered, f"no register_npu_graph_handler in {HANDLER_DIR}"
+    # The simulator registers exactly the wheel's built-in handlers, under the same class names...
+    builtin = {n: h for n, h in _NPU_GRAPH_OP_HANDLERS.items() if h.__module__.startswith("devgraph.testing")}
+    assert {n: h.__name__ for n, h in builtin.items()} == registered
+    # ...with the same UPDATE_SPECS (the host arguments a task update replaces, op by op).
+    for op_name, handler in builtin.items():
+        assert [tuple(s) for s in handler.get_update_specs(op_name)] == specs.get(op_name, []), op_name
+    for key in (
+        "actual_seq_lengths",
+        "actual_seq_lengths_kv",
+        "actual_seq_qlen",
+        "actual_seq_kvlen",
+        "context_lens",
+    ):
+        assert any(key == s[2] for entry in specs.values() for s in entry), key
     # _npu_paged_attention's update replaces argument 7, which must be context_lens.
     assert _schema_args(_sim_schema("_npu_paged_attention"))[7][0] == "context_lens"
+
+
+def test_update_specs_name_the_schema_argument_they_replace(wheel_root):
+    # devgraph's update API names host arguments by schema; torch_npu's specs name a position and a
+    # key. They must be the same argument, or an update would replace the wrong one.
+    _, specs = _wheel_handlers(wheel_root)
+    yaml = _yaml_schemas(wheel_root)
+    checked = 0
+    for op_name, entry in specs.items():
+        base, _, overload = op_name.partition(".")
+        texts = yaml.get(base if overload in ("", "default") else op_name)
+        if not texts:
+            continue  # ATB ops (_npu_paged_attention, MLA) have no codegen schema: checked above
+        names = [a[0] for a in _schema_args(texts[0], YAML_ALIASES)]
+        for loc, where, key in entry:
+            assert loc == "arg" and names[where] == key, (op_name, where, key, names[where])
+            checked += 1
+    assert checked >= 12  # IFA v1 and v2 (three overloads each, two keys)
 
 
 # -- ops (schemas only: no Python definition in the wheel) -------------------------------------------

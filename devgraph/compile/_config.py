@@ -146,6 +146,7 @@ class CompileConfig:
             # with torchair than on one without, and plans sizes for the device's stream budget.
             data["compile_backend"] = self.backend_for(device)
             data["capture_budget"] = self.effective_budget(device)
+            data["max_capture_sizes"] = getattr(device, "max_capture_sizes", None)
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
     def backend_for(self, device: Device | None) -> str:

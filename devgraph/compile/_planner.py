@@ -1,13 +1,23 @@
-"""Capture-size planning within a backend's stream budget.
+"""Capture-size planning within a backend's capture budget.
 
-An Ascend device has about 2,048 hardware streams and ACL graph capture uses one per captured
-piece, so a piecewise model of ``L`` attention layers (``L + 1`` pieces) can hold about
-``2048 / (L + 1)`` sizes. vllm-ascend keeps that many, spread evenly over the requested list
-(first and last kept). ``plan_capture_sizes`` keeps the same number but picks *which* ones by the
-padding they save: a call of ``n`` tokens runs in the smallest captured size ``>= n``, wasting the
-difference, so the planner minimises the expected waste over the traffic (exactly, by dynamic
-programming). Without traffic it takes the requested sizes themselves as the demand. The largest
-size is always kept, so every call up to it is still served by a graph.
+How many sizes a device can hold is a value its backend declares, per stack:
+
+* ``Device.max_capture_sizes``: sizes the stack can capture, probed or configured by the backend (the
+  NPU backend: ``DEVGRAPH_NPU_MAX_CAPTURE_SIZES``, or 4 on an Ascend 950, which vllm-ascend caps at 4
+  until its driver update). None: the stack declares no cap.
+* ``Device.capture_stream_budget``: hardware streams captured pieces may use, one per piece, so
+  ``budget // pieces`` sizes. This is the old Ascend rule, ``2048 / (layers + 1)`` for ``L``
+  attention layers (``L + 1`` pieces); newer CANN stacks capture far more graphs, which is why
+  vllm-ascend dropped it. devgraph keeps it only as the fallback for a stack that declares no cap
+  (``DEVGRAPH_NPU_STREAMS`` overrides the 2,048).
+
+The plan keeps the fewer of the two counts. Which sizes: vllm-ascend spreads them evenly over the
+requested list (first and last kept). ``plan_capture_sizes`` keeps the same number but picks *which*
+ones by the padding they save: a call of ``n`` tokens runs in the smallest captured size ``>= n``,
+wasting the difference, so the planner minimises the expected waste over the traffic (exactly, by
+dynamic programming). Without traffic it takes the requested sizes themselves as the demand. The
+largest size is always kept, so every call up to it is still served by a graph. The plan is a pure
+function of its arguments: ranks given the same options plan the same sizes.
 """
 
 from __future__ import annotations
@@ -42,12 +52,14 @@ class CapturePlan:
         dropped: requested sizes left out to stay within the budget, ascending.
         streams_per_size: streams one size costs (one per captured piece).
         budget: the stream budget planned for (None: unlimited).
+        max_sizes: the stack's cap on capture sizes planned for (None: none declared).
     """
 
     sizes: tuple[int, ...]
     dropped: tuple[int, ...]
     streams_per_size: int
     budget: int | None
+    max_sizes: int | None = None
 
     @property
     def streams(self) -> int:
@@ -240,27 +252,34 @@ def plan_capture_sizes(
     pieces: int,
     budget: int | None,
     traffic: Mapping[int, float] | None = None,
+    *,
+    max_sizes: int | None = None,
 ) -> CapturePlan:
-    """Choose the sizes to capture when each costs ``pieces`` streams out of ``budget``.
+    """Choose the sizes to capture: at most ``max_sizes``, each costing ``pieces`` streams of ``budget``.
 
     Args:
         sizes: requested capture sizes.
         pieces: captured pieces per size (each uses one stream).
-        budget: streams available (None: keep every size).
+        budget: streams available (None: no stream limit).
         traffic: ``{size: weight}`` of the calls expected; None weighs the requested sizes equally.
+        max_sizes: the stack's cap on capture sizes (``Device.max_capture_sizes``; None: no cap, the
+            stream budget alone limits the count).
     Returns:
         a ``CapturePlan``; what it dropped is logged.
     Raises:
-        DevgraphError: no sizes, a size below 1, or ``pieces`` below 1.
+        DevgraphError: no sizes, a size below 1, ``pieces`` below 1, or ``max_sizes`` below 1.
     """
     ordered = sorted({int(s) for s in sizes})
     if not ordered or ordered[0] < 1:
         raise DevgraphError(f"capture sizes must be positive integers, got {list(sizes)}")
     if pieces < 1:
         raise DevgraphError(f"pieces must be >= 1, got {pieces}")
-    if budget is None or len(ordered) * pieces <= budget:
-        return CapturePlan(tuple(ordered), (), pieces, budget)
-    count = budget // pieces
+    if max_sizes is not None and max_sizes < 1:
+        raise DevgraphError(f"max_sizes must be a positive number of capture sizes, got {max_sizes}")
+    limits = [n for n in (None if budget is None else budget // pieces, max_sizes) if n is not None]
+    count = min(limits) if limits else len(ordered)
+    if count >= len(ordered):
+        return CapturePlan(tuple(ordered), (), pieces, budget, max_sizes)
     if count == 0:
         logger.warning(
             "devgraph: a capture budget of %d streams cannot hold one size of %d pieces; nothing is "
@@ -268,19 +287,20 @@ def plan_capture_sizes(
             budget,
             pieces,
         )
-        return CapturePlan((), tuple(ordered), pieces, budget)
+        return CapturePlan((), tuple(ordered), pieces, budget, max_sizes)
     if len(ordered) <= _MAX_DP_SIZES:
         kept, _ = _best_subset(ordered, count, _demand(ordered, traffic))
     else:  # more sizes than the exact search is sized for (time, back pointers): spread them evenly
         kept = spread_evenly(ordered, count)
     dropped = tuple(s for s in ordered if s not in kept)
     logger.info(
-        "devgraph: capture budget %d streams at %d per size: capturing %d of %d sizes; dropped %s "
-        "(calls of those sizes are padded to the next captured size)",
+        "devgraph: capture budget %s streams at %d per size, stack cap %s sizes: capturing %d of %d "
+        "sizes; dropped %s (calls of those sizes are padded to the next captured size)",
         budget,
         pieces,
+        max_sizes,
         len(kept),
         len(ordered),
         list(dropped),
     )
-    return CapturePlan(kept, dropped, pieces, budget)
+    return CapturePlan(kept, dropped, pieces, budget, max_sizes)

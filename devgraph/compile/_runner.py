@@ -287,7 +287,13 @@ class PiecewiseRunner(BucketedRunner):
         if budget is not None and budget < 1:
             logger.warning("devgraph: the full graphs use the whole capture budget; pieces are not captured")
             return CapturePlan((), tuple(self.sizes), max(1, pieces), budget)
-        return plan_capture_sizes(self.sizes, max(1, pieces), budget, traffic)
+        return plan_capture_sizes(
+            self.sizes,
+            max(1, pieces),
+            budget,
+            traffic,
+            max_sizes=getattr(self.device, "max_capture_sizes", None),
+        )
 
     def _inputs(self, call: Call, size: int | None) -> list[Any]:
         assert self._traced is not None

@@ -59,6 +59,7 @@ from devgraph.backends.cpu._recorder import (
     refuse_collective_in_task,
     written_tensors,
 )
+from devgraph.testing._npu_sim_handlers import _NPU_GRAPH_OP_HANDLERS
 from devgraph.testing._npu_sim_ops import NAMESPACE as _SIM_NAMESPACE
 from devgraph.testing._npu_sim_ops import check_call
 from devgraph.testing._npu_sim_streams import Call, Scheduler, Work
@@ -78,6 +79,7 @@ __all__ = [
     "graph_task_update_begin",
     "graph_task_update_end",
     "is_available",
+    "fail_next_capture",
     "is_current_stream_capturing",
     "max_memory_allocated",
     "memory_allocated",
@@ -91,7 +93,24 @@ __all__ = [
 
 
 #: Names in ``__all__`` that are the simulator's own controls, not part of ``torch_npu.npu``.
-SIMULATOR_ONLY = frozenset({"reset_state", "stream_mode"})
+SIMULATOR_ONLY = frozenset({"fail_next_capture", "reset_state", "stream_mode"})
+
+#: What ``capture_begin`` raises, per failure ``fail_next_capture`` can inject: the words torch_npu
+#: 2.13 / CANN print (vllm-ascend issues 9691 and 8393).
+CAPTURE_FAILURES = {
+    "stream_resources": (
+        "capture_begin:../torch_npu/csrc/core/npu/NPUGraph.cpp:230 NPU function error: "
+        "c10_npu::acl::AclmdlRICaptureBegin(capture_stream_, capture_mode), error code is 207008\n"
+        "[Error]: Stream resources are insufficient.\n"
+        "Insufficient_Stream_Resources(EL0009): The stream resources are insufficient."
+    ),
+    "old_driver": (
+        "capture_begin:build/CMakeFiles/torch_npu.dir/compiler_depend.ts:214 NPU function error: "
+        "c10_npu::acl::AclmdlRICaptureBegin(capture_stream_, capture_mode), error code is 207005\n"
+        "[Error]: Failed to apply for memory.\n"
+        "EE9999: Inner Error! [SqCqManage]Alloc sq cq fail, stream_id=1984, retCode=0x7020023."
+    ),
+}
 
 
 class _DeviceState:
@@ -103,9 +122,20 @@ class _DeviceState:
         self.capturing: dict[int, NPUGraph] = {}  # stream id -> graph capturing on it
         self.updating: dict[int, _Update] = {}  # stream id -> task update in progress on it
         self.sched = Scheduler()
+        self.fail_captures: list[str] = []  # failures the next capture_begin calls raise
 
 
 _STATE = _DeviceState()
+
+
+def fail_next_capture(kind: str, times: int = 1) -> None:
+    """Make the next ``times`` ``NPUGraph.capture_begin`` calls raise ``kind``'s runtime error (a key of
+    ``CAPTURE_FAILURES``: ``"stream_resources"``, ``"old_driver"``), as Ascend hardware does."""
+    if kind not in CAPTURE_FAILURES:
+        raise ValueError(f"unknown capture failure {kind!r}; known: {sorted(CAPTURE_FAILURES)}")
+    _STATE.fail_captures.extend([kind] * times)
+
+
 _stream_ids = itertools.count(1)  # 0 is the default stream
 
 
@@ -114,6 +144,7 @@ def reset_state(mode: str = "eager", hang_timeout: float = 2.0) -> list[tuple[in
     queued device work; run streams in ``mode`` from now on (simulator entry/exit). Returns the
     work that was still queued (blocked)."""
     _STATE.tls.stream_id = 0
+    _STATE.fail_captures.clear()
     for graph_ in list(_STATE.capturing.values()):
         graph_._abandon()
     _STATE.capturing.clear()
@@ -771,6 +802,8 @@ class NPUGraph:
             raise RuntimeError("the current stream is already capturing another graph")
         if pool is not None and not isinstance(pool, _PoolToken):
             raise TypeError(f"pool must come from graph_pool_handle() or NPUGraph.pool(), got {pool!r}")
+        if _STATE.fail_captures:
+            raise RuntimeError(CAPTURE_FAILURES[_STATE.fail_captures.pop(0)])
         self._pool_token = pool if pool is not None else _PoolToken()
         self._tape.begin(self._pool_token.pool, _SimRecorder)
         self._stream_id = s.stream_id
@@ -884,71 +917,6 @@ class graph:
 # -- auto_dispatch_capture (torch_npu/npu/graphs.py::_GraphDispatchMode) -------------------------
 
 
-class _Handler:
-    """The op handlers torch_npu registers in ``_npugraph_handlers`` (IFA v1 and paged attention)."""
-
-    UPDATE_SPECS: dict[str, list[tuple[str, Any, str]]] = {}
-
-    @classmethod
-    def prepare_capture(cls, func, args, kwargs):
-        return func, args, kwargs
-
-    @classmethod
-    def postprocess_result(cls, result, kwargs):
-        return result
-
-    @classmethod
-    def update_args(cls, record, update_input):
-        for loc, idx_or_name, key in cls.UPDATE_SPECS.get(record.op_cache_entry.__name__, []):
-            if key not in update_input:
-                continue
-            if loc == "arg" and len(record.args) > idx_or_name:
-                record.args[idx_or_name] = update_input[key]
-            elif loc == "kwarg":
-                record.kwargs[idx_or_name] = update_input[key]
-
-
-class _IFAHandler(_Handler):
-    UPDATE_SPECS = {
-        name: [("arg", 5, "actual_seq_lengths"), ("arg", 6, "actual_seq_lengths_kv")]
-        for name in (
-            "npu_fused_infer_attention_score",
-            "npu_fused_infer_attention_score.default",
-            "npu_fused_infer_attention_score.out",
-        )
-    }
-
-    @classmethod
-    def prepare_capture(cls, func, args, kwargs):
-        from devgraph.testing._npu_sim_ops import op
-
-        ifa = op("npu_fused_infer_attention_score")
-        if func is ifa.out:
-            return func, args, kwargs
-        workspace = op("_npu_fused_infer_attention_score_get_max_workspace")(*args, **kwargs)
-        keys = ("input_layout", "quant_scale2", "block_table", "num_heads", "num_key_value_heads",
-                "softmax_lse_flag", "query_rope")  # fmt: skip
-        output, softmax_lse = op("_npu_fused_infer_attention_score_infer_output")(
-            args[0], args[2], **{k: kwargs[k] for k in keys if k in kwargs}
-        )
-        kwargs = {**kwargs, "workspace": workspace, "out": [output, softmax_lse]}
-        return ifa.out, args, kwargs
-
-    @classmethod
-    def postprocess_result(cls, result, kwargs):
-        return kwargs["out"]
-
-
-class _PagedAttentionHandler(_Handler):
-    UPDATE_SPECS = {"_npu_paged_attention.default": [("arg", 7, "context_lens")]}
-
-
-_HANDLERS: dict[str, type[_Handler]] = {
-    **dict.fromkeys(_IFAHandler.UPDATE_SPECS, _IFAHandler),
-    "_npu_paged_attention.default": _PagedAttentionHandler,
-}
-
-
 @dataclass
 class _GraphDispatchRecord:
     event: Any = None
@@ -989,14 +957,16 @@ class _GraphDispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        handler_cls = _HANDLERS.get(func.__name__)
+        handler_cls = _NPU_GRAPH_OP_HANDLERS.get(func.__name__)
         if handler_cls is None:
+            return func(*args, **kwargs)
+        if hasattr(handler_cls, "should_handle") and not handler_cls.should_handle(func, args, kwargs):
             return func(*args, **kwargs)
         s = current_stream()
         event = ExternalEvent()
         event.wait(s)
         event.reset(s)
-        actual_func, args, kwargs = handler_cls.prepare_capture(func, args, kwargs)
+        actual_func, args, kwargs = handler_cls.prepare_capture(func, args, dict(kwargs))
         graph_task_group_begin(s)
         result = actual_func(*args, **kwargs)
         handle = graph_task_group_end(s)
@@ -1027,7 +997,13 @@ class _GraphDispatchMode(TorchDispatchMode):
                 for key in update_input:
                     if key in record.kwargs:
                         record.kwargs[key] = update_input[key]
-                _HANDLERS[record.op_cache_entry.__name__].update_args(record, update_input)
+                handler_cls = _NPU_GRAPH_OP_HANDLERS.get(record.op_cache_entry.__name__)
+                if handler_cls is None:
+                    raise RuntimeError(
+                        f"No handler for recorded op: {record.op_cache_entry.__name__}. "
+                        "This indicates the handler was unregistered between capture and update."
+                    )
+                handler_cls.update_args(record, update_input)
                 record.op_cache_entry(*record.args, **record.kwargs)
                 graph_task_update_end(self.update_stream)
                 record.event.record(self.update_stream)

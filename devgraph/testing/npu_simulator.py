@@ -34,12 +34,17 @@ import sys
 import types
 from collections.abc import Iterator
 
-from devgraph.testing import _npu_sim_ops, _npu_sim_runtime
+from devgraph.testing import _npu_sim_handlers, _npu_sim_ops, _npu_sim_runtime
 
 __all__ = ["MODULE_NAMES", "SIMULATED_OPS", "simulated_torch_npu"]
 
 #: The ``sys.modules`` entries the simulator installs (and restores on exit).
-MODULE_NAMES = ("torch_npu", "torch_npu.npu")
+MODULE_NAMES = (
+    "torch_npu",
+    "torch_npu.npu",
+    "torch_npu.npu._npugraph_handlers",
+    "torch_npu.npu._npugraph_handlers.npugraph_handler",
+)
 
 #: The torch_npu ops the simulator provides (as ``torch_npu.<name>``).
 SIMULATED_OPS = tuple(sorted({name.split(".")[0] for name in _npu_sim_ops.SCHEMAS}))
@@ -65,6 +70,19 @@ def _build() -> types.ModuleType:
     npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu.npu", None, origin=origin)
     names = [n for n in _npu_sim_runtime.__all__ if n not in _npu_sim_runtime.SIMULATOR_ONLY]
     npu.__dict__.update({name: getattr(_npu_sim_runtime, name) for name in names}, __all__=names)
+    # torch_npu 2.13's task-update handler registry, at the wheel's module paths (one process-wide
+    # registry, as on hardware: a handler registered under one simulator block stays registered).
+    handlers = types.ModuleType("torch_npu.npu._npugraph_handlers", _npu_sim_handlers.__doc__)
+    core = types.ModuleType("torch_npu.npu._npugraph_handlers.npugraph_handler")
+    for mod in (handlers, core):
+        mod.__spec__ = importlib.machinery.ModuleSpec(mod.__name__, None, origin=origin)
+        mod.__dict__.update(
+            NpuGraphOpHandler=_npu_sim_handlers.NpuGraphOpHandler,
+            register_npu_graph_handler=_npu_sim_handlers.register_npu_graph_handler,
+        )
+    core._NPU_GRAPH_OP_HANDLERS = _npu_sim_handlers._NPU_GRAPH_OP_HANDLERS
+    handlers.npugraph_handler = core
+    npu._npugraph_handlers = handlers
     top.__dict__.update(
         __version__="2.13.0",
         SIMULATOR=True,
@@ -104,6 +122,10 @@ def simulated_torch_npu(streams: str = "eager", hang_timeout: float = 2.0) -> It
     _plugins.forget_devices("npu")
     sys.modules["torch_npu"] = module
     sys.modules["torch_npu.npu"] = module.__dict__["npu"]
+    sys.modules["torch_npu.npu._npugraph_handlers"] = module.npu._npugraph_handlers
+    sys.modules["torch_npu.npu._npugraph_handlers.npugraph_handler"] = (
+        module.npu._npugraph_handlers.npugraph_handler
+    )
     ok = False
     try:
         with route(CPU="PrivateUse1"):

@@ -33,7 +33,7 @@ from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, St
 from devgraph._errors import DevgraphError
 from devgraph._source import user_source_line
 from devgraph._tasks import TaskGroup, apply_host_args
-from devgraph.backends.npu import _kernels
+from devgraph.backends.npu import _capture_errors, _handlers, _kernels
 
 __all__ = [
     "NPU_HARDWARE_STREAMS",
@@ -52,17 +52,47 @@ logger = logging.getLogger("devgraph.npu")
 NPU_HARDWARE_STREAMS = 2048
 
 
-def _stream_budget() -> int:
-    raw = os.environ.get("DEVGRAPH_NPU_STREAMS", "").strip()
+def _positive_env(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return NPU_HARDWARE_STREAMS
+        return None
     try:
         value = int(raw)
     except ValueError:
         value = 0
     if value <= 0:
-        raise DevgraphError(f"DEVGRAPH_NPU_STREAMS must be a positive integer, got {raw!r}")
+        raise DevgraphError(f"{name} must be a positive integer, got {raw!r}")
     return value
+
+
+def _stream_budget() -> int:
+    return _positive_env("DEVGRAPH_NPU_STREAMS") or NPU_HARDWARE_STREAMS
+
+
+#: Capture sizes per Ascend stack, by device-name prefix: the Ascend 950 captures at most 4 until
+#: its driver update (vllm-ascend caps it the same way). Other stacks declare no cap: the stream
+#: budget rule is the fallback (devgraph.compile._planner). Override: DEVGRAPH_NPU_MAX_CAPTURE_SIZES.
+STACK_MAX_CAPTURE_SIZES = {"Ascend950": 4}
+
+
+def _max_capture_sizes(npu: Any, index: int) -> int | None:
+    """The stack's cap on capture sizes: configured (DEVGRAPH_NPU_MAX_CAPTURE_SIZES), else probed from
+    the device name, else None (no cap declared)."""
+    configured = _positive_env("DEVGRAPH_NPU_MAX_CAPTURE_SIZES")
+    if configured is not None:
+        return configured
+    get_name = getattr(npu, "get_device_name", None)
+    if get_name is None:
+        return None
+    try:
+        name = str(get_name(index))
+    except Exception as exc:  # a device name is a hint; no name, no cap
+        logger.debug("torch_npu.npu.get_device_name(%d) failed: %s", index, exc)
+        return None
+    for prefix, cap in STACK_MAX_CAPTURE_SIZES.items():
+        if name.replace(" ", "").startswith(prefix):
+            return cap
+    return None
 
 
 class NpuStream(Stream):
@@ -171,7 +201,8 @@ class NpuGraph(Graph):
         self._released = set()
         self._scratch = {}
         self._poisoned = None
-        self.native.capture_begin(pool=pool.handle)
+        mode = "global" if self.capture_error_mode == "default" else self.capture_error_mode
+        self.native.capture_begin(pool=pool.handle, capture_error_mode=mode)
         self._capture_work = _kernels.graph_work(self._scratch)
         self._capture_work.__enter__()
 
@@ -198,6 +229,20 @@ class NpuGraph(Graph):
             native.reset()
         except Exception:
             logger.debug("reset after a failed capture raised", exc_info=True)
+
+    def _enable_debug_mode(self) -> None:
+        if not hasattr(self._npu.NPUGraph, "debug_dump"):
+            raise self._no_debug()
+
+    def _debug_dump(self, path: str) -> None:
+        dump = getattr(self.native, "debug_dump", None)
+        if dump is None:
+            raise self._no_debug()
+        dump(path)
+
+    def _translate_capture_error(self, exc: BaseException) -> BaseException | None:
+        """Stream exhaustion (207008) and an old driver ("Alloc sq cq fail") name their remedy."""
+        return _capture_errors.classify(exc)
 
     def _reset(self) -> None:
         if self.native is not None:
@@ -423,6 +468,26 @@ class NpuGraph(Graph):
                 self._poison(f"the task_update() block of explicit task group {group.index} raised")
             self._release_updated(group, update_stream)  # replays must not hang on it
 
+    def _prepare_task_call(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, tuple[Any, ...], dict[str, Any], Any]:
+        """An op torch_npu's handler registry handles is captured as torch_npu captures it: the
+        handler's ``prepare_capture`` (``.default`` becomes ``.out`` over outputs allocated now, so a
+        task update rewrites the task into the very buffers the graph reads) and
+        ``postprocess_result``. Other ops are captured as called. What the handler allocates (workspace,
+        outputs) the task holds weakly, as torch_npu's records do: ordinary pool memory, ordered by the
+        stream like any other temporary of the graph."""
+        registry = self.device._handlers  # type: ignore[attr-defined]
+        handler = registry.get(getattr(func, "__name__", "")) if registry else None
+        if handler is None:
+            return func, args, kwargs, None
+        should = getattr(handler, "should_handle", None)
+        if should is not None and not should(func, args, kwargs):
+            return func, args, kwargs, None
+        actual, args, kwargs = handler.prepare_capture(func, tuple(args), dict(kwargs))
+        _handlers.spec_names(actual, handler)  # refuse a spec that would update the wrong argument
+        return actual, tuple(args), kwargs, lambda result: handler.postprocess_result(result, kwargs)
+
     def call_opaque(self, fn: Any, *args: Any, name: str = "opaque") -> Any:
         """Run ``fn(*args)``; stream capture records what it launches.
 
@@ -452,7 +517,8 @@ class NpuDevice(Device):
     name = "npu"
     dispatch_key = "PrivateUse1"
     capture_stream_budget = NPU_HARDWARE_STREAMS  # per instance: DEVGRAPH_NPU_STREAMS overrides
-    updatable_ops = ("devgraph::paged_decode_attention",)
+    #: devgraph's own updatable op; per instance, the ops of torch_npu's handler registry follow it.
+    updatable_ops: tuple[str, ...] = ("devgraph::paged_decode_attention",)
 
     def __init__(self, index: int = 0) -> None:
         import torch_npu
@@ -460,7 +526,14 @@ class NpuDevice(Device):
         super().__init__(index)
         self._torch_npu = torch_npu
         self._npu = torch_npu.npu
+        #: torch_npu's task-update handler registry (None before torch_npu 2.13; see _handlers).
+        self._handlers = _handlers.handler_registry()
+        self.updatable_ops = (
+            *type(self).updatable_ops,
+            *_handlers.registry_ops(torch_npu, self._handlers),
+        )
         self.capture_stream_budget = _stream_budget()
+        self.max_capture_sizes = _max_capture_sizes(self._npu, index)
         self._simulated_type: str | None = getattr(torch_npu, "_devgraph_simulated_device_type", None)
         self._streams: weakref.WeakValueDictionary[Any, NpuStream] = weakref.WeakValueDictionary()
         self._updates: Any = None
