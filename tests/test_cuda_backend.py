@@ -196,6 +196,19 @@ class TestOnGpu:
         dev.synchronize()
         torch.testing.assert_close(y, x + 1)
 
+    @pytest.mark.parametrize("mode", ["default", "global", "thread_local", "relaxed"])
+    def test_capture_error_mode_reaches_cuda_graph(self, dev: Any, mode: str) -> None:
+        # torch.cuda.CUDAGraph.capture_begin rejects names it does not know, so a wrong mapping
+        # ("default" passed through) fails here; each mode captures and replays like eager.
+        graph = dev.graph()
+        x = torch.ones(4, device="cuda")
+        with graph.capture(capture_error_mode=mode):
+            y = x * 3
+        x.fill_(2.0)
+        graph.replay()
+        dev.synchronize()
+        torch.testing.assert_close(y, torch.full_like(x, 6.0))
+
     def test_graphs_sharing_a_pool_reuse_its_memory(self, dev: Any) -> None:
         big, small = torch.randn(256, 256, device="cuda"), torch.randn(64, 64, device="cuda")
 

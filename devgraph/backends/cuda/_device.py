@@ -188,7 +188,9 @@ class CudaGraph(Graph):
         # mistaken for captured work. gc.collect() is left to the runner (it is slow per capture).
         torch.cuda.synchronize(self.device.index)
         graph = torch.cuda.CUDAGraph(keep_graph=True) if self.keep_graph else torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=pool.handle)
+        # torch.cuda spells "default" as "global" (its own default); the other names are the same.
+        mode = "global" if self.capture_error_mode == "default" else self.capture_error_mode
+        graph.capture_begin(pool=pool.handle, capture_error_mode=mode)
         self.torch_graph = graph
 
     def _end_capture(self) -> None:
