@@ -518,6 +518,7 @@ class _SimRecorder(Recorder):
         result = self._issue(func, args, kwargs, allocating)
         if random:
             self.rng.after(func, args, kwargs, gen)
+        refuse_unrecordable_kinds(func, result)
         self._inputs = frozenset(_storage_ptr(t) for t in inputs if tensor_bytes(t))
         self._allocating = allocating
         result = self._place_outputs(func, entry, result)
