@@ -50,7 +50,7 @@ def test_an_external_event_wait_outside_a_graph_holds_its_stream_until_recorded(
     with simulated_torch_npu(streams="lazy", hang_timeout=0.2) as sim:
         npu = sim.npu
         graph, _x, y = _doubling_graph(npu)
-        waiter, recorder = npu.Stream(), npu.Stream()
+        waiter = npu.Stream()
         event = npu.ExternalEvent()
         event.wait(waiter)
         with npu.stream(waiter):

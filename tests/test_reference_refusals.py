@@ -175,23 +175,20 @@ def test_consecutive_replays_continue_the_stream_as_eager_calls_do(device):
     torch.testing.assert_close(replays, [fn(x), fn(x)])
 
 
+def _noise(x, gen):
+    return x + torch.randn(4, generator=gen)
+
+
 def test_a_generator_passed_in_is_held_by_the_graph():
-    x = torch.zeros(4)
-
-    def fn(x):
-        gen = torch.Generator().manual_seed(2)
-        torch.rand(1, generator=gen)  # drawn once before capture
-        return gen
-
-    gen = fn(x)
-    graph, out = _capture(devgraph.device("cpu"), lambda x: x + torch.randn(4, generator=gen), x)
+    x, gen = torch.zeros(4), torch.Generator().manual_seed(2)
+    torch.rand(1, generator=gen)  # drawn once before capture
+    graph, out = _capture(devgraph.device("cpu"), _noise, x, gen)
     state = gen.get_state()
     del gen  # the graph keeps drawing from it, as a CUDA graph keeps a registered generator's state
     graph.replay()
-    replayed = out.clone()
     again = torch.Generator()
     again.set_state(state)
-    torch.testing.assert_close(replayed, x + torch.randn(4, generator=again))
+    torch.testing.assert_close(out, _noise(x, again))
 
 
 def test_reseeding_inside_a_task_reissue_is_refused():
@@ -230,7 +227,7 @@ def test_cuda_maps_torch_rng_capture_assertion_to_capture_error():
 def test_reseeding_inside_a_cuda_capture_is_a_capture_error():
     device = devgraph.device("cuda")
     x = torch.zeros(4, device="cuda")
-    with pytest.raises(CaptureError, match="set_current_seed|set_state"):
+    with pytest.raises(CaptureError, match=r"set_current_seed|set_state"):
         _capture(device, lambda x: (torch.cuda.manual_seed(0), x + torch.randn(4, device="cuda"))[1], x)
 
 

@@ -66,7 +66,9 @@ def _draws_on_cpu(args: Any, kwargs: Any) -> bool:
     device = kwargs.get("device")
     if device is not None and torch.device(device).type != "cpu":
         return False
-    return not any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tree_flatten((args, kwargs))[0])
+    return not any(
+        isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tree_flatten((args, kwargs))[0]
+    )
 
 
 def _key(state: torch.Tensor) -> bytes:
@@ -112,7 +114,9 @@ class RngWatch:
         default generator, or another device's)."""
         gen = _generator(args, kwargs)
         if gen is None:
-            if _draws_on_cpu(args, kwargs) and not torch.equal(self._default, torch.default_generator.get_state()):
+            if _draws_on_cpu(args, kwargs) and not torch.equal(
+                self._default, torch.default_generator.get_state()
+            ):
                 self._refuse(func, "the default generator was re-seeded (torch.manual_seed / set_rng_state)")
             return None
         if gen.device.type != "cpu":
