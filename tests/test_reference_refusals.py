@@ -311,3 +311,20 @@ def test_autocast_entered_inside_the_captured_code_replays_like_eager(device):
     device.synchronize()
     with torch.no_grad():
         torch.testing.assert_close(out, fn(x))
+
+
+def _dropout(x):
+    return torch.nn.functional.dropout(x * 2, 0.5, training=True)
+
+
+def test_random_work_recorded_whole_is_not_mistaken_for_a_reseed():
+    """Work recorded as one opaque call (inductor's CPU kernels) draws outside op-by-op recording;
+    the draws it makes are replayed with it, so they are no re-seed."""
+    graph, x = devgraph.device("cpu").graph(), torch.randn(8)
+    with torch.no_grad(), graph.capture():
+        out = graph.call_opaque(_dropout, x) + torch.rand(8)
+    torch.manual_seed(3)
+    graph.replay()
+    replayed = out.clone()
+    torch.manual_seed(3)
+    torch.testing.assert_close(replayed, _dropout(x) + torch.rand(8))

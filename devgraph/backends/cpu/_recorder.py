@@ -16,7 +16,10 @@ only known from what they do. Whether an op's result is a view is decided from w
 an output sharing storage with an input is an alias (no entry when that is all the op did), any
 other output is fresh memory and goes to the pool.
 
-``empty``-style factories are not re-run (their contents are undefined anyway).
+``empty``-style factories are not re-run (their contents are undefined anyway). Random ops are
+re-run on their generator, drawing the stream's next numbers; a generator re-seeded inside the
+capture is refused (``_rng``), and so are quantized and nested tensors, which a storage, dtype and
+strides cannot describe.
 
 ``torch.distributed`` collectives are recorded as one entry each and re-issued on the capture-time
 buffers at replay, then waited (``_collectives``). Only the capturing thread's ops are recorded.
@@ -387,6 +390,7 @@ class Recorder(TorchDispatchMode):
             for i, leaf in enumerate(leaves)
         ]
         self.segment.entries.append(entry)
+        self.rng.resync()  # what ``fn`` drew (inductor's seeds) is replayed with it
         return tree_unflatten(placed, spec)
 
     def pause_recording(self) -> None:
