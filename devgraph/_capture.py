@@ -20,7 +20,7 @@ from devgraph._errors import CaptureError
 from devgraph._source import user_source_line
 from devgraph._tasks import TaskGroup
 
-__all__ = ["GuardedGraph", "capturing", "dispatch_refusal", "raise_refusal"]
+__all__ = ["GuardedGraph", "capturing", "dispatch_refusal", "raise_refusal", "refuse_autocast_cache"]
 
 
 class GuardedGraph(Protocol):
@@ -379,6 +379,45 @@ def _call_as_task(graph: GuardedGraph, func: Any, args: tuple[Any, ...], kwargs:
     return result if post is None else post(result)
 
 
+def _autocast_device_types(device_type: str) -> list[str]:
+    """The device types among the CPU and ``device_type`` whose autocast is on in this thread."""
+    import torch
+
+    on = []
+    for t in dict.fromkeys(("cpu", device_type)):
+        try:
+            if torch.is_autocast_enabled(t):
+                on.append(t)
+        except RuntimeError:  # a device type torch's autocast does not know (npu without torch_npu)
+            continue
+    return on
+
+
+def refuse_autocast_cache(device_type: str) -> None:
+    """Refuse a capture begun inside ``torch.autocast`` with its weight-cast cache on (the default).
+
+    Autocast caches the low-precision casts of weights until its region exits: a capture inside the
+    region records reads of those casts (made by a warm-up in the same region, or by the capture
+    itself), which are freed when the region exits. A device graph would then read freed memory
+    (on CUDA, memory the pool hands to the next graph captured into it); the CPU reference raises at
+    the next replay. Autocast entered inside the captured code is fine: its casts are captured.
+    """
+    import torch
+
+    if not torch.is_autocast_cache_enabled():
+        return
+    on = _autocast_device_types(device_type)
+    if on:
+        raise CaptureError(
+            f"graph capture inside torch.autocast({on[0]!r}) with its weight cache on: the graph would "
+            "read weight casts that autocast frees when its region exits",
+            op="torch.autocast",
+            source=user_source_line(),
+            remedy=f"use torch.autocast({on[0]!r}, ..., cache_enabled=False) around the capture and the "
+            "calls that replay it, or enter autocast inside the captured code",
+        )
+
+
 _MODE_CLASSES: tuple[type, type] | None = None
 
 
@@ -389,6 +428,7 @@ def capturing(graph: GuardedGraph, auto_update_ops: Sequence[str] = ()) -> Itera
     if _MODE_CLASSES is None:
         _MODE_CLASSES = _modes()
     guard_cls, dispatch_cls = _MODE_CLASSES
+    refuse_autocast_cache(graph.device.torch_device.type)
     with contextlib.ExitStack() as stack:
         recorders = op_recorders()  # the backend's op recorder, entered by its _begin_capture
         stack.enter_context(guard_cls(graph.device.torch_device.type))

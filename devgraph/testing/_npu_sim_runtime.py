@@ -57,8 +57,10 @@ from devgraph.backends.cpu._recorder import (
     _is_view,
     finish_deferred,
     refuse_collective_in_task,
+    refuse_unrecordable_kinds,
     written_tensors,
 )
+from devgraph.backends.cpu._rng import is_random
 from devgraph.testing._npu_sim_handlers import _NPU_GRAPH_OP_HANDLERS
 from devgraph.testing._npu_sim_ops import NAMESPACE as _SIM_NAMESPACE
 from devgraph.testing._npu_sim_ops import check_call
@@ -521,6 +523,7 @@ class _SimRecorder(Recorder):
             return self._collective(func, args, kwargs)
         if self._collectives and issued_by_torch_distributed():
             return func(*args, **kwargs)  # torch.distributed's own work around a collective
+        refuse_unrecordable_kinds(func, (args, kwargs))  # as the CPU reference (quantized, nested)
         if func.namespace == "devgraph":
             with self:  # record what the kernel launches (its ops come back to this method)
                 return func.redispatch(_CPU_KEYS, *args, **kwargs)
@@ -541,7 +544,12 @@ class _SimRecorder(Recorder):
         entry = Entry(func, name, args, kwargs, rerun=not allocating)
         if frozen_lens:
             entry.own(7)  # the task's own copy: nothing else holds it
+        random = is_random(func)  # re-seeding inside the capture is refused as on the CPU reference
+        gen = self.rng.before(func, args, kwargs) if random else None
         result = self._issue(func, args, kwargs, allocating)
+        if random:
+            self.rng.after(func, args, kwargs, gen)
+        refuse_unrecordable_kinds(func, result)
         self._inputs = frozenset(_storage_ptr(t) for t in inputs if tensor_bytes(t))
         self._allocating = allocating
         result = self._place_outputs(func, entry, result)

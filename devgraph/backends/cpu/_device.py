@@ -123,6 +123,7 @@ class CpuGraph(Graph):
         recorder, old, new = self._update
         recorder.__exit__(None, None, None)
         del self._update
+        recorder.check_generators()  # re-seeding inside a re-issue is refused like capture
         if recorder._reissued != len(old.fresh):
             raise DevgraphError(
                 f"task {group.index} ({group.op}) was re-issued with {recorder._reissued} outputs, "

@@ -16,7 +16,10 @@ only known from what they do. Whether an op's result is a view is decided from w
 an output sharing storage with an input is an alias (no entry when that is all the op did), any
 other output is fresh memory and goes to the pool.
 
-``empty``-style factories are not re-run (their contents are undefined anyway).
+``empty``-style factories are not re-run (their contents are undefined anyway). Random ops are
+re-run on their generator, drawing the stream's next numbers; a generator re-seeded inside the
+capture is refused (``_rng``), and so are quantized and nested tensors, which a storage, dtype and
+strides cannot describe.
 
 ``torch.distributed`` collectives are recorded as one entry each and re-issued on the capture-time
 buffers at replay, then waited (``_collectives``). Only the capturing thread's ops are recorded.
@@ -50,6 +53,7 @@ from devgraph.backends.cpu._collectives import (
 )
 from devgraph.backends.cpu._held import Held, _External, _Ref, _Strong, describe, materialise
 from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
+from devgraph.backends.cpu._rng import RngWatch, is_random
 
 __all__ = ["Entry", "Recorder", "Segment", "Tape", "finish_deferred", "refuse_collective_in_task"]
 
@@ -216,6 +220,28 @@ def _refuse_unstrided(func: Any, tree: Any) -> None:
             )
 
 
+def refuse_unrecordable_kinds(func: Any, tree: Any) -> None:
+    """Refuse quantized and nested tensors: the recorder rebuilds a tensor from its storage, dtype and
+    strides, which loses a quantized tensor's quantizer (replay would fail inside torch) and cannot
+    describe a nested tensor's ragged parts."""
+    for t in tree_flatten(tree)[0]:
+        if not isinstance(t, torch.Tensor):
+            continue
+        kind = "quantized" if t.is_quantized else "nested" if t.is_nested else None
+        if kind is not None:
+            raise CaptureError(
+                f"the CPU reference backend cannot record {kind} tensors (it rebuilds every tensor from "
+                f"its storage, dtype and strides, which a {kind} tensor does not fully describe)",
+                op=func._schema.name,
+                source=user_source_line(),
+                remedy=(
+                    "dequantize weights before capture (keep float copies as the graph's inputs)"
+                    if kind == "quantized"
+                    else "pad nested tensors to a dense tensor before capture (to_padded_tensor) and pass that in"
+                ),
+            )
+
+
 def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensor arguments ``func`` writes (``Tensor(a!)`` arguments, or ``out``)."""
     written: list[torch.Tensor] = []
@@ -274,6 +300,7 @@ class Recorder(TorchDispatchMode):
         # collective, which replay re-issues whole, not to the capture.
         self._thread = threading.get_ident()
         self._collectives = 0  # collectives recorded so far
+        self.rng = RngWatch()  # refuses generators re-seeded inside the capture
 
     #: higher-order ops reach the recorder only from compiled graphs, while it is paused
     supports_higher_order_operators = True
@@ -292,6 +319,7 @@ class Recorder(TorchDispatchMode):
             return self._collective(func, args, kwargs)
         if self._collectives and issued_by_torch_distributed():
             return func(*args, **kwargs)  # torch.distributed's own work around a collective
+        refuse_unrecordable_kinds(func, (args, kwargs))
         if _is_python_bodied(func):
             with self:  # what the body launches comes back here, op by op
                 return func.redispatch(_CPU_KEYS, *args, **kwargs)
@@ -309,9 +337,14 @@ class Recorder(TorchDispatchMode):
         name = func._schema.name
         entry = Entry(func, name, args, kwargs, rerun=name not in _UNINITIALISED)
         inputs = _storages((args, kwargs))
+        random = is_random(func)
+        gen = self.rng.before(func, args, kwargs) if random else None
         result = self._run(func, args, kwargs)
+        if random:
+            self.rng.after(func, args, kwargs, gen)
         leaves = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
         _refuse_unstrided(func, leaves)
+        refuse_unrecordable_kinds(func, leaves)
         if _is_view(func) and all(_aliases(t, inputs) or not tensor_bytes(t) for t in leaves):
             return result  # metadata over memory that is already referenced: nothing to replay
         result = self._place_outputs(func, entry, result, inputs)
@@ -357,6 +390,7 @@ class Recorder(TorchDispatchMode):
             for i, leaf in enumerate(leaves)
         ]
         self.segment.entries.append(entry)
+        self.rng.resync()  # what ``fn`` drew (inductor's seeds) is replayed with it
         return tree_unflatten(placed, spec)
 
     def pause_recording(self) -> None:
@@ -365,6 +399,11 @@ class Recorder(TorchDispatchMode):
 
     def resume_recording(self) -> None:
         self._paused -= 1
+        self.rng.resync()  # what the paused (compiled) work drew is replayed with it
+
+    def check_generators(self) -> None:
+        """Refuse generators re-seeded inside the recording (see ``RngWatch``); call when it ends."""
+        self.rng.finish()
 
     def record_compiled(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], result: Any, name: str
@@ -488,9 +527,15 @@ class Tape:
                 going through an op, ``torch.from_numpy(...)`` say): a device graph would read
                 freed memory at every replay. The segments are dropped.
         """
-        assert self.recorder is not None
-        self.recorder.__exit__(None, None, None)
+        recorder = self.recorder
+        assert recorder is not None
+        recorder.__exit__(None, None, None)
         self.recorder = None
+        try:
+            recorder.check_generators()
+        except CaptureError:
+            self.segments = []
+            raise
         for segment in self.segments:
             for entry in segment.entries:
                 if not isinstance(entry, Entry):

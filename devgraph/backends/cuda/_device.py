@@ -61,6 +61,14 @@ _CAPTURE_VIOLATIONS = (
     "operation failed due to a previous error during capture",
     "stream capture",
     "cudaErrorStreamCapture",
+    # torch's own assertNotCapturing: re-seeding a generator (manual_seed, set_rng_state) and others
+    "during CUDA graph capture",
+)
+
+_RNG_REMEDY = (
+    "seed before capture, not inside the captured code: call torch.manual_seed / set_rng_state (or "
+    "Generator.manual_seed / set_state) outside the block and create generators outside it; a replay "
+    "then draws the next numbers of the stream, as an eager call would"
 )
 
 _CAPTURE_REMEDY = (
@@ -166,10 +174,12 @@ class CudaGraph(Graph):
             return None
         text = str(exc).strip()
         first_line = text.splitlines()[0] if text else type(exc).__name__
+        rng = "GeneratorImpl" in first_line  # "Cannot call CUDAGeneratorImpl::set_current_seed ..."
         return CaptureError(
             f"CUDA refused an operation during graph capture: {first_line}",
+            op="torch.manual_seed / set_rng_state / Generator.manual_seed" if rng else None,
             source=user_source_line(exc.__traceback__) or user_source_line(),
-            remedy=_CAPTURE_REMEDY,
+            remedy=_RNG_REMEDY if rng else _CAPTURE_REMEDY,
         )
 
     def _begin_capture(self, stream: Stream, pool: MemoryPool) -> None:
