@@ -68,6 +68,16 @@ class DevgraphPlatformMixin:
         super().check_and_update_config(vllm_config)  # type: ignore[misc]
         if cc.cudagraph_mode == CUDAGraphMode.NONE:
             return
+        limits = attention_limits(vllm_config.model_config) if vllm_config.model_config else []
+        if limits and cc.cudagraph_mode.has_full_cudagraphs() and _freezes_host_arguments(cls):
+            logger.warning(
+                "devgraph vLLM platform (%s): FULL graphs need devgraph's attention backend, which "
+                "does not do %s; the model keeps the platform's attention and vLLM resolves "
+                "cudagraph_mode=%s by what that attention supports (on vLLM's CPU attention: PIECEWISE)",
+                cls.devgraph_device_name,
+                " or ".join(limits),
+                cc.cudagraph_mode.name,
+            )
         if _devgraph_attention(cls, vllm_config) and cc.cudagraph_mode.requires_piecewise_compilation():
             # A FULL graph records what vLLM's opaque attention op launches, but a task update needs
             # the attention called directly (its op is then an updatable task of the graph): the
@@ -221,8 +231,20 @@ def _devgraph_attention(cls: Any, vllm_config: Any) -> bool:
         mode is not None
         and mode.has_full_cudagraphs()
         and not vllm_config.model_config.use_mla
+        and not attention_limits(vllm_config.model_config)
         and _freezes_host_arguments(cls)
     )
+
+
+def attention_limits(model_config: Any) -> list[str]:
+    """What the model's attention needs that devgraph's attention backend does not do (yet)."""
+    hf = getattr(model_config, "hf_text_config", None)
+    found = []
+    if getattr(model_config, "get_sliding_window", lambda: None)():
+        found.append("sliding-window attention")
+    if getattr(hf, "attn_logit_softcapping", None):
+        found.append("attention logit soft-capping")
+    return found
 
 
 def _direct_devgraph_attention(cls: Any, vllm_config: Any) -> bool:

@@ -33,12 +33,27 @@ logger = logging.getLogger("devgraph")
 class _Entry:
     """One captured batch descriptor: its graph, weak outputs and (for debug) input addresses."""
 
-    __slots__ = ("graph", "input_addresses", "output")
+    __slots__ = ("graph", "input_addresses", "metadata_addresses", "output")
 
-    def __init__(self, graph: Graph, output: Any, input_addresses: list[int]) -> None:
+    def __init__(self, graph: Graph, output: Any, input_addresses: list[int], metadata_addresses: dict) -> None:
         self.graph = graph
         self.output = output
         self.input_addresses = input_addresses
+        self.metadata_addresses = metadata_addresses
+
+
+def _metadata_addresses(context: Any) -> dict[str, int]:
+    """Data pointers of the tensor fields of the step's attention metadata, by field name: a FULL
+    graph reads them at their capture-time addresses, so vLLM must keep them in persistent buffers."""
+    from devgraph.adapters.vllm._host_args import metadata_objects
+
+    found: dict[str, int] = {}
+    for i, m in enumerate(metadata_objects(getattr(context, "attn_metadata", None))):
+        fields = vars(m) if hasattr(m, "__dict__") else {}
+        for name, value in fields.items():
+            if isinstance(value, torch.Tensor) and value.numel():
+                found[f"{type(m).__name__}[{i}].{name}"] = value.data_ptr()
+    return found
 
 
 def _addresses(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
@@ -230,7 +245,8 @@ class DevgraphGraphWrapper:
                 "attention called inside vLLM's opaque custom op?). Use cudagraph_mode=FULL_DECODE_ONLY "
                 "or PIECEWISE"
             )
-        self.entries[descriptor] = _Entry(graph, weak_ref_tensors(output), addresses)
+        metadata = _metadata_addresses(context) if self.runtime_mode.name == "FULL" else {}
+        self.entries[descriptor] = _Entry(graph, weak_ref_tensors(output), addresses, metadata)
         _stats.count("capture", self.runtime_mode.name)
         # The caller gets the captured tensors themselves, not weak views of them.
         return output
@@ -238,6 +254,15 @@ class DevgraphGraphWrapper:
     def _replay(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
         if self.debug:
             self._check_addresses(entry, _addresses(args, kwargs))
+            if entry.metadata_addresses:
+                now = _metadata_addresses(context)
+                moved = sorted(k for k, v in entry.metadata_addresses.items() if now.get(k, v) != v)
+                if moved:
+                    raise DevgraphError(
+                        f"FULL graph replay: attention metadata tensor(s) {', '.join(moved)} moved since "
+                        "capture; a FULL graph reads them at their capture-time addresses (vLLM's "
+                        "persistent buffers), so this replay would read stale metadata"
+                    )
         host_args = step_host_args(context, entry.graph) if entry.graph.tasks else None
         entry.graph.replay(host_args=host_args)
         if host_args is not None:
