@@ -38,15 +38,20 @@ def platform_on(device_name: str):
         (DevgraphPlatformMixin, CpuPlatform),
         {"devgraph_device_name": device_name, "devgraph_error": None, "_global_graph_pool": None},
     )
-    previous = vllm.platforms.__dict__.get("current_platform")
-    vllm.platforms.current_platform = cls()
+    platform = cls()
+    # vLLM's modules that imported ``current_platform`` by name hold it too.
+    holders = [vllm.platforms, vllm.compilation.cuda_graph]
+    previous = [m.__dict__.get("current_platform") for m in holders]
+    for module in holders:
+        module.current_platform = platform
     try:
-        yield vllm.platforms.current_platform
+        yield platform
     finally:
-        if previous is None:
-            del vllm.platforms.current_platform
-        else:
-            vllm.platforms.current_platform = previous
+        for module, value in zip(holders, previous):
+            if value is None:
+                del module.current_platform
+            else:
+                module.current_platform = value
 
 
 def metadata(lens: list[int]) -> dict[str, SimpleNamespace]:
