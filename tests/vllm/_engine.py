@@ -57,7 +57,6 @@ ALL_RUNS = (
     ("llama", "PIECEWISE", "toy"),
     ("mixtral", "eager", None),
     ("mixtral", "default", "cpu"),
-    ("mixtral", "FULL_AND_PIECEWISE", "cpu"),
     ("sliding", "eager", None),
     ("sliding", "default", "cpu"),
 )

@@ -40,11 +40,12 @@ def main(model: str, mode: str, out: str) -> None:
     if mode == "eager":
         kwargs = {"enforce_eager": True}
     elif mode == "default":
-        kwargs = {}
+        kwargs = {"max_num_seqs": 8}  # vLLM's default compilation config; fewer capture sizes (16 at most)
     else:
         compilation.update(cudagraph_mode=mode, cudagraph_capture_sizes=CAPTURE_SIZES)
         kwargs = {"compilation_config": compilation}
-    llm = LLM(model=model, dtype="float32", seed=0, max_model_len=128, max_num_seqs=16, **kwargs)
+    kwargs.setdefault("max_num_seqs", 16)
+    llm = LLM(model=model, dtype="float32", seed=0, max_model_len=128, **kwargs)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     with torch.inference_mode():
         results = llm.generate(PROMPTS, params, use_tqdm=False)
