@@ -26,8 +26,8 @@ BLOCK = 16
 
 @contextlib.contextmanager
 def platform_on(device_name: str):
-    import vllm.compilation.cuda_graph  # noqa: F401  (imported under vLLM's own platform)
-    import vllm.forward_context  # noqa: F401
+    import vllm.compilation.cuda_graph
+    import vllm.forward_context
     import vllm.platforms
     from vllm.platforms.cpu import CpuPlatform
 
@@ -56,7 +56,9 @@ def platform_on(device_name: str):
 
 def metadata(lens: list[int]) -> dict[str, SimpleNamespace]:
     """One step's attention metadata, {layer: metadata}, as devgraph's attention backend builds it."""
-    m = SimpleNamespace(seq_lens_host=list(lens), max_query_len=1, devgraph_host_args={"seq_lens_host": list(lens)})
+    m = SimpleNamespace(
+        seq_lens_host=list(lens), max_query_len=1, devgraph_host_args={"seq_lens_host": list(lens)}
+    )
     return {f"layer{i}": m for i in range(LAYERS)}
 
 

@@ -90,8 +90,9 @@ def test_general_plugin_does_nothing_without_the_switch_or_without_a_plugin_list
 
 
 def test_general_plugin_entry_point_is_declared():
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     general = project["entry-points"]["vllm.general_plugins"]

@@ -83,9 +83,14 @@ def test_worker_and_model_runner_methods_the_devgraph_runner_path_builds_on_exis
 PRIVATE_SYMBOLS = {
     # _runner.DevgraphModelRunnerMixin._model_forward: the runner's documented override point around
     # the model call ("can be overridden by subclasses"), where over-size eager decode is counted.
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward": ["self", "input_ids", "positions",
-                                                                       "intermediate_tensors",
-                                                                       "inputs_embeds", "model_kwargs"],
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward": [
+        "self",
+        "input_ids",
+        "positions",
+        "intermediate_tensors",
+        "inputs_embeds",
+        "model_kwargs",
+    ],
     # _platform: which built-in platform the devgraph platform subclasses (CPU: graphs kept on; CUDA
     # and ROCm: the platform's own attention). Platform.is_cuda_alike() is an instance method.
     "vllm.platforms.cpu.CpuPlatform._enum": None,
@@ -119,13 +124,36 @@ def test_the_adapter_uses_no_other_private_vllm_symbol():
     used = set()
     for path in Path(adapter.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
                 used.add(node.attr)
     own = {
-        "_all_instances", "_users", "_stats", "_runner", "_host_args", "_worker", "_platform", "_plugin",
-        "_attention", "_wrapper", "_built", "_adopted", "_counters", "_lock", "_platform_cls",
-        "_check_addresses", "_capture", "_replay", "_prefill", "_devgraph_note_eager", "_pool",
-        "_open_group", "_reference",
+        "_all_instances",
+        "_users",
+        "_stats",
+        "_runner",
+        "_host_args",
+        "_worker",
+        "_platform",
+        "_plugin",
+        "_attention",
+        "_wrapper",
+        "_built",
+        "_adopted",
+        "_counters",
+        "_lock",
+        "_platform_cls",
+        "_check_addresses",
+        "_capture",
+        "_replay",
+        "_prefill",
+        "_devgraph_note_eager",
+        "_pool",
+        "_open_group",
+        "_reference",
     }
     assert used - own <= allowed, sorted(used - own - allowed)
 

@@ -88,7 +88,8 @@ def test_second_platform_plugin_coexists_through_vllm_plugins_keeping_its_genera
     both = run_python(["-c", PLATFORM_AND_GENERAL_PLUGINS], engine_env(devgraph=True, PYTHONPATH=path))
     assert both.returncode != 0 and "Only one platform plugin can be activated" in both.stderr
     switched = run_python(
-        ["-c", PLATFORM_AND_GENERAL_PLUGINS], engine_env(devgraph=True, PYTHONPATH=path, VLLM_PLUGINS="devgraph")
+        ["-c", PLATFORM_AND_GENERAL_PLUGINS],
+        engine_env(devgraph=True, PYTHONPATH=path, VLLM_PLUGINS="devgraph"),
     )
     assert switched.returncode == 0, switched.stderr[-3000:]
     # devgraph's platform is the active one, and the displaced package's general plugin still ran.

@@ -20,7 +20,9 @@ def _recipe() -> str:
 def test_readme_vllm_recipe_runs_as_written(tiny_model, tmp_path):
     script = tmp_path / "recipe.py"
     script.write_text(_recipe())
-    env = engine_env(devgraph=False, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", DEVGRAPH_VLLM="1")
+    env = engine_env(
+        devgraph=False, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", DEVGRAPH_VLLM="1"
+    )
     proc = run_python([str(script), str(tiny_model)], env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     stats = ast.literal_eval(proc.stdout.strip().splitlines()[-1])  # the printed stats() dict

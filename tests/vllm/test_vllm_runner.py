@@ -199,10 +199,10 @@ def test_full_capture_that_records_no_attention_task_is_refused(cpu):
 
 
 def test_decode_batch_above_the_largest_capture_size_is_counted_and_logged_once(cpu, caplog):
+    from _fake_engine import metadata
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import set_forward_context
 
-    from _fake_engine import metadata
     from devgraph.adapters.vllm import _runner, reset_stats, stats
 
     config = _full_config()
@@ -220,10 +220,10 @@ def test_decode_batch_above_the_largest_capture_size_is_counted_and_logged_once(
 
 
 def test_prefill_batches_above_the_largest_capture_size_are_not_counted(cpu):
+    from _fake_engine import metadata
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import set_forward_context
 
-    from _fake_engine import metadata
     from devgraph.adapters.vllm import _runner, reset_stats, stats
 
     config = _full_config()
@@ -245,7 +245,9 @@ def test_sleep_mode_and_model_runner_v2_are_refused_at_config_time(monkeypatch):
     with pytest.raises(DevgraphError, match="sleep mode"):
         _refuse_unsupported(sleepy)
     v2 = SimpleNamespace(
-        model_config=SimpleNamespace(enable_sleep_mode=False), compilation_config=graphs, use_v2_model_runner=True
+        model_config=SimpleNamespace(enable_sleep_mode=False),
+        compilation_config=graphs,
+        use_v2_model_runner=True,
     )
     with pytest.raises(DevgraphError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         _refuse_unsupported(v2)
@@ -269,5 +271,7 @@ def test_the_device_neutral_path_uses_the_devgraph_device_of_the_platform(cpu):
 
     from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
 
-    wrapper = DevgraphGraphWrapper(AttentionModel(torch.float32), _full_config(), runtime_mode=CUDAGraphMode.FULL)
+    wrapper = DevgraphGraphWrapper(
+        AttentionModel(torch.float32), _full_config(), runtime_mode=CUDAGraphMode.FULL
+    )
     assert wrapper.device is devgraph.device("cpu")

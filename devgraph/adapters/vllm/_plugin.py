@@ -92,7 +92,9 @@ def displaced_general_plugins(entry_points: Any = None) -> list[Any]:
         return getattr(dist, "name", None)
 
     displaced = {
-        dist_name(ep) for ep in entry_points(group=PLATFORM_GROUP) if ep.name not in allowed and ep.name != "devgraph"
+        dist_name(ep)
+        for ep in entry_points(group=PLATFORM_GROUP)
+        if ep.name not in allowed and ep.name != "devgraph"
     }
     displaced.discard(None)
     return [

@@ -88,6 +88,10 @@ def __getattr__(name: str) -> Any:
         cls = _built[name] = type(
             name,
             (DevgraphWorkerMixin, base),
-            {"__module__": __name__, "__qualname__": name, "__doc__": f"{base.__name__} with devgraph graphs."},
+            {
+                "__module__": __name__,
+                "__qualname__": name,
+                "__doc__": f"{base.__name__} with devgraph graphs.",
+            },
         )
     return cls

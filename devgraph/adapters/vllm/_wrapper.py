@@ -35,7 +35,9 @@ class _Entry:
 
     __slots__ = ("graph", "input_addresses", "metadata_addresses", "output")
 
-    def __init__(self, graph: Graph, output: Any, input_addresses: list[int], metadata_addresses: dict) -> None:
+    def __init__(
+        self, graph: Graph, output: Any, input_addresses: list[int], metadata_addresses: dict
+    ) -> None:
         self.graph = graph
         self.output = output
         self.input_addresses = input_addresses
@@ -82,7 +84,8 @@ def _carries_host_args(context: Any) -> bool:
     from devgraph.adapters.vllm._host_args import metadata_objects
 
     return any(
-        getattr(m, "devgraph_host_args", None) for m in metadata_objects(getattr(context, "attn_metadata", None))
+        getattr(m, "devgraph_host_args", None)
+        for m in metadata_objects(getattr(context, "attn_metadata", None))
     )
 
 
