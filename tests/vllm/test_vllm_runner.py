@@ -249,10 +249,36 @@ def test_sleep_mode_and_model_runner_v2_are_refused_at_config_time(monkeypatch):
         compilation_config=graphs,
         use_v2_model_runner=True,
     )
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the user's own choice: refused
     with pytest.raises(DevgraphError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         _refuse_unsupported(v2)
     v2.compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(name="NONE"))
     _refuse_unsupported(v2)  # no graphs: nothing of devgraph's runs
+
+
+class _V2ByDefault:
+    """vLLM's choice of runner as ``VllmConfig.use_v2_model_runner`` makes it: the env var, else V2."""
+
+    model_config = SimpleNamespace(enable_sleep_mode=False)
+    compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(name="FULL_AND_PIECEWISE"))
+
+    @property
+    def use_v2_model_runner(self):
+        import os
+
+        value = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+        return True if value is None else value == "1"
+
+
+def test_model_runner_v2_chosen_by_vllm_itself_is_switched_to_v1(monkeypatch):
+    import os
+
+    from devgraph.adapters.vllm._platform import _refuse_unsupported
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # recorded, so that teardown restores it
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    _refuse_unsupported(_V2ByDefault())
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # inherited by the worker processes
 
 
 def test_worker_name_carries_its_base_worker_across_processes():

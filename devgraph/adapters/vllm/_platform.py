@@ -10,6 +10,7 @@ overridden; everything else is the base platform's.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, ClassVar
 
 from devgraph._errors import DevgraphError
@@ -197,15 +198,32 @@ def _refuse_unsupported(vllm_config: Any) -> None:
             f"sleeping would not free devgraph's graph memory. Turn sleep mode off or unset {DEVGRAPH_VLLM_ENV}"
         )
     cc = vllm_config.compilation_config
-    if cc.cudagraph_mode is not None and cc.cudagraph_mode.name != "NONE":
-        try:
-            v2 = bool(vllm_config.use_v2_model_runner)
-        except AttributeError:
-            v2 = False
-        if v2:
-            from devgraph.adapters.vllm._runner import v2_runner_message
+    if cc.cudagraph_mode is None or cc.cudagraph_mode.name == "NONE" or not _uses_v2_runner(vllm_config):
+        return
+    if V2_RUNNER_ENV not in os.environ:
+        # vLLM picked Model Runner V2 by itself (its default for dense models on GPU): pick the V1
+        # runner instead, for this process and the worker processes it starts.
+        os.environ[V2_RUNNER_ENV] = "0"
+        logger.warning(
+            "devgraph vLLM platform: %s=0 set (Model Runner V2 captures FULL graphs without the "
+            "platform's graph wrapper, so they would not be devgraph's)",
+            V2_RUNNER_ENV,
+        )
+        if not _uses_v2_runner(vllm_config):
+            return
+    from devgraph.adapters.vllm._runner import v2_runner_message
 
-            raise DevgraphError(v2_runner_message())
+    raise DevgraphError(v2_runner_message())
+
+
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def _uses_v2_runner(vllm_config: Any) -> bool:
+    try:
+        return bool(vllm_config.use_v2_model_runner)
+    except AttributeError:
+        return False
 
 
 def _freezes_host_arguments(cls: Any) -> bool:
