@@ -45,41 +45,49 @@ def run_python(code_or_script: list[str], env: dict[str, str], timeout: int = EN
     )
 
 
-#: Every engine run the tests read, started together (each engine uses one torch thread).
+#: Every engine run the tests read, (model, mode, devgraph backend or None), started together (each
+#: engine uses one torch thread). "default" is vLLM's default compilation config, unchanged.
 ALL_RUNS = (
-    ("eager", None),
-    ("PIECEWISE", "cpu"),
-    ("FULL", "cpu"),
-    ("FULL_AND_PIECEWISE", "cpu"),
-    ("PIECEWISE", "toy"),
+    ("llama", "eager", None),
+    ("llama", "default", "cpu"),
+    ("llama", "PIECEWISE", "cpu"),
+    ("llama", "FULL", "cpu"),
+    ("llama", "FULL_DECODE_ONLY", "cpu"),
+    ("llama", "FULL_AND_PIECEWISE", "cpu"),
+    ("llama", "PIECEWISE", "toy"),
+    ("mixtral", "eager", None),
+    ("mixtral", "default", "cpu"),
+    ("sliding", "eager", None),
+    ("sliding", "default", "cpu"),
 )
 
 
 class EngineRuns:
-    """Engine runs by (mode, devgraph backend or None), each in its own process, cached for the session.
+    """Engine runs by (model, mode, devgraph backend or None), each in its own process, cached for the
+    session.
 
     All runs start on first use, ``DEVGRAPH_VLLM_TEST_JOBS`` (default: half the CPUs, at least 1) at a
     time, so that CI with more cores waits for the slowest engine rather than their sum.
     """
 
-    def __init__(self, model: Path, workdir: Path) -> None:
-        self.model = model
+    def __init__(self, models: dict[str, Path], workdir: Path) -> None:
+        self.models = models
         self.workdir = workdir
         jobs = int(os.environ.get("DEVGRAPH_VLLM_TEST_JOBS", max(1, (os.cpu_count() or 2) // 2)))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
-        self.runs: dict[tuple[str, str | None], concurrent.futures.Future] = {}
+        self.runs: dict[tuple[str, str, str | None], concurrent.futures.Future] = {}
 
-    def _run(self, key: tuple[str, str | None]) -> subprocess.CompletedProcess:
-        mode, devgraph = key
-        out = self.workdir / f"{mode}-{devgraph}.json"
+    def _run(self, key: tuple[str, str, str | None]) -> subprocess.CompletedProcess:
+        model, mode, devgraph = key
+        out = self.workdir / f"{model}-{mode}-{devgraph}.json"
         env = engine_env(devgraph is not None, backend=devgraph or "cpu")
-        proc = run_python([str(HERE / "_run_engine.py"), str(self.model), mode, str(out)], env)
+        proc = run_python([str(HERE / "_run_engine.py"), str(self.models[model]), mode, str(out)], env)
         return proc, out
 
-    def __call__(self, mode: str, devgraph: str | None) -> dict:
+    def __call__(self, mode: str, devgraph: str | None, model: str = "llama") -> dict:
         if not self.runs:
             self.runs = {key: self.pool.submit(self._run, key) for key in ALL_RUNS}
-        key = (mode, devgraph)
+        key = (model, mode, devgraph)
         if key not in self.runs:
             self.runs[key] = self.pool.submit(self._run, key)
         proc, out = self.runs[key].result()

@@ -42,3 +42,59 @@ def build_tiny_llama(path: Path, seed: int = 0) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     fast.save_pretrained(path)
     return path
+
+
+def _save(model_cls, config, path: Path, seed: int) -> Path:
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.dim() > 1 else p.fill_(1.0)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+_COMMON = dict(
+    vocab_size=len(WORDS) + 3,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+)
+
+
+def build_tiny_mixtral(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Mixtral (4 experts, 2 per token): vLLM's fused MoE layer."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2)
+    return _save(MixtralForCausalLM, config, path, seed)
+
+
+def build_tiny_sliding_mistral(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Mistral with a sliding window of 8 tokens (shorter than most prompts + outputs)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(**_COMMON, sliding_window=8)
+    return _save(MistralForCausalLM, config, path, seed)

@@ -32,3 +32,68 @@ def test_unrecognised_switch_value_activates_the_platform_so_it_can_refuse(monke
 def test_entry_point_is_registered_in_vllms_platform_plugin_group():
     eps = importlib.metadata.entry_points(group="vllm.platform_plugins")
     assert {ep.name: ep.value for ep in eps}.get("devgraph") == "devgraph.adapters.vllm._plugin:register"
+
+
+class _Dist:
+    def __init__(self, name):
+        self.name = name
+
+
+class _EP:
+    def __init__(self, name, dist, calls=None):
+        self.name, self.dist, self.value = name, _Dist(dist), f"{dist}:{name}"
+        self.calls = calls
+
+    def load(self):
+        return lambda: self.calls.append(self.name)
+
+
+def _fake_entry_points(calls):
+    groups = {
+        "vllm.platform_plugins": [_EP("devgraph", "devgraph"), _EP("ascend", "vllm-ascend")],
+        "vllm.general_plugins": [
+            _EP("devgraph", "devgraph", calls),
+            _EP("ascend_model", "vllm-ascend", calls),
+            _EP("ascend_kv_connector", "vllm-ascend", calls),
+            _EP("lora_resolver", "someone-else", calls),
+        ],
+    }
+    return lambda group: groups[group]
+
+
+def test_general_plugins_of_the_platform_package_vllm_plugins_displaced_still_run(monkeypatch):
+    # VLLM_PLUGINS=devgraph picks devgraph's platform over vllm-ascend's, and would drop vllm-ascend's
+    # general plugins with it: devgraph's general plugin runs them (and nothing else).
+    monkeypatch.setenv("DEVGRAPH_VLLM", "1")
+    monkeypatch.setenv("VLLM_PLUGINS", "devgraph")
+    calls = []
+    assert _plugin.load_general_plugins(_fake_entry_points(calls)) == ["ascend_model", "ascend_kv_connector"]
+    assert calls == ["ascend_model", "ascend_kv_connector"]
+
+
+def test_general_plugins_the_list_keeps_are_left_to_vllm(monkeypatch):
+    monkeypatch.setenv("DEVGRAPH_VLLM", "1")
+    monkeypatch.setenv("VLLM_PLUGINS", "devgraph,ascend_model")
+    calls = []
+    assert _plugin.load_general_plugins(_fake_entry_points(calls)) == ["ascend_kv_connector"]
+
+
+def test_general_plugin_does_nothing_without_the_switch_or_without_a_plugin_list(monkeypatch):
+    calls = []
+    monkeypatch.setenv("VLLM_PLUGINS", "devgraph")
+    monkeypatch.delenv("DEVGRAPH_VLLM", raising=False)
+    assert _plugin.load_general_plugins(_fake_entry_points(calls)) == []
+    monkeypatch.setenv("DEVGRAPH_VLLM", "1")
+    monkeypatch.delenv("VLLM_PLUGINS")  # vLLM loads every plugin itself
+    assert _plugin.load_general_plugins(_fake_entry_points(calls)) == []
+    assert calls == []
+
+
+def test_general_plugin_entry_point_is_declared():
+    from pathlib import Path
+
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    general = project["entry-points"]["vllm.general_plugins"]
+    assert general["devgraph"] == "devgraph.adapters.vllm._plugin:load_general_plugins"

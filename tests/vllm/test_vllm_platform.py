@@ -43,3 +43,54 @@ def test_broken_setting_fails_at_engine_start_naming_the_switch(tiny_model, tmp_
     assert "DEVGRAPH_VLLM" in last
     if "DEVGRAPH_BACKEND" in setting:
         assert "DEVGRAPH_BACKEND" in last
+
+
+def _second_platform_package(tmp_path):
+    """A site directory with a fake platform package (a platform plugin and a general plugin), as
+    vllm-ascend is, plus devgraph's general-plugin entry point as ``pip install devgraph`` declares it."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "fakeaccel.py").write_text(
+        "import os\n"
+        "def register():\n    return 'vllm.platforms.cpu.CpuPlatform'\n"
+        "def register_models():\n    os.environ['FAKEACCEL_GENERAL_PLUGIN_RAN'] = '1'\n"
+    )
+    for dist, entry_points in (
+        (
+            "fakeaccel",
+            "[vllm.platform_plugins]\nfakeaccel = fakeaccel:register\n\n"
+            "[vllm.general_plugins]\nfakeaccel_models = fakeaccel:register_models\n",
+        ),
+        (
+            "devgraph_general_plugin",
+            "[vllm.general_plugins]\ndevgraph = devgraph.adapters.vllm._plugin:load_general_plugins\n",
+        ),
+    ):
+        info = site / f"{dist}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(entry_points)
+    return site
+
+
+PLATFORM_AND_GENERAL_PLUGINS = (
+    "import os; from vllm.platforms import current_platform as p; "
+    "from vllm.plugins import load_general_plugins; load_general_plugins(); "
+    "print(type(p).__mro__[0].__module__, os.environ.get('FAKEACCEL_GENERAL_PLUGIN_RAN'))"
+)
+
+
+def test_second_platform_plugin_coexists_through_vllm_plugins_keeping_its_general_plugins(tmp_path):
+    import os
+
+    site = _second_platform_package(tmp_path)
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    both = run_python(["-c", PLATFORM_AND_GENERAL_PLUGINS], engine_env(devgraph=True, PYTHONPATH=path))
+    assert both.returncode != 0 and "Only one platform plugin can be activated" in both.stderr
+    switched = run_python(
+        ["-c", PLATFORM_AND_GENERAL_PLUGINS],
+        engine_env(devgraph=True, PYTHONPATH=path, VLLM_PLUGINS="devgraph"),
+    )
+    assert switched.returncode == 0, switched.stderr[-3000:]
+    # devgraph's platform is the active one, and the displaced package's general plugin still ran.
+    assert switched.stdout.split()[-2:] == ["devgraph.adapters.vllm._platform", "1"]

@@ -5,7 +5,12 @@ entry point ``devgraph``. It is inert unless ``DEVGRAPH_VLLM=1``: then the platf
 devgraph's device (``DEVGRAPH_BACKEND`` or the best available one) is subclassed so that
 
 * ``get_static_graph_wrapper_cls()`` is ``DevgraphGraphWrapper`` (vLLM's piecewise backend wraps every
-  piece with it) and the model runner wraps the whole model with it for FULL graphs;
+  piece with it);
+* the worker is the platform's own, whose model runner gets one device-neutral devgraph piece
+  (``_runner``): the model's FULL wrapper (vLLM's, vllm-ascend's, or none on CPU) becomes a
+  ``DevgraphGraphWrapper``, profiling-time graphs are cleared, over-size eager decode is counted;
+* on devices that freeze host arguments (CPU reference, NPU) FULL graphs use devgraph's attention,
+  task-updated every step;
 * the graph pool is one devgraph pool, captures run on the devgraph device's capture stream;
 * on the CPU reference backend, graphs are switched back on (vLLM's CPU platform turns them off)
   and the worker runs vLLM's own ``capture_model()`` after warm-up.

@@ -15,17 +15,18 @@ from typing import Any
 
 from devgraph._errors import DevgraphError
 
-__all__ = ["step_host_args"]
+__all__ = ["metadata_objects", "step_host_args"]
 
 
-def _metadata_objects(attn_metadata: Any) -> list[Any]:
+def metadata_objects(attn_metadata: Any) -> list[Any]:
+    """The attention metadata objects of one step (vLLM's dict per layer, or a list of them)."""
     # vLLM passes {layer name: metadata}, or a list of such dicts (one per micro-batch).
     if attn_metadata is None:
         return []
     if isinstance(attn_metadata, Mapping):
         return list(attn_metadata.values())
     if isinstance(attn_metadata, (list, tuple)):
-        return [m for part in attn_metadata for m in _metadata_objects(part)]
+        return [m for part in attn_metadata for m in metadata_objects(part)]
     return [attn_metadata]
 
 
@@ -38,7 +39,7 @@ def step_host_args(context: Any, graph: Any) -> Mapping[str, Any]:
             or layers disagree on them.
     """
     found: Mapping[str, Any] | None = None
-    for metadata in _metadata_objects(getattr(context, "attn_metadata", None)):
+    for metadata in metadata_objects(getattr(context, "attn_metadata", None)):
         host_args = getattr(metadata, "devgraph_host_args", None)
         if host_args is None:
             continue

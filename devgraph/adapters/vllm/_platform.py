@@ -10,6 +10,7 @@ overridden; everything else is the base platform's.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, ClassVar
 
 from devgraph._errors import DevgraphError
@@ -25,9 +26,6 @@ BASE_PLATFORMS = {
     "cuda": "vllm.platforms.cuda.CudaPlatform",
     "npu": "vllm_ascend.platform.NPUPlatform",
 }
-
-#: The worker vLLM's CPU platform gets instead of its own (others keep the platform's worker).
-CPU_WORKER = "devgraph.adapters.vllm._worker.DevgraphCPUWorker"
 
 WRAPPER_QUALNAME = "devgraph.adapters.vllm._wrapper.DevgraphGraphWrapper"
 
@@ -67,29 +65,40 @@ class DevgraphPlatformMixin:
         cc = vllm_config.compilation_config
         parallel = vllm_config.parallel_config
         saved = (cc.mode, list(cc.cudagraph_capture_sizes or ()), cc.backend)
-        worker_was_auto = parallel.worker_cls == "auto"
+        _refuse_unsupported(vllm_config)
         super().check_and_update_config(vllm_config)  # type: ignore[misc]
         if cc.cudagraph_mode == CUDAGraphMode.NONE:
             return
-        on_cpu = _is_vllm_cpu(cls)
-        if not on_cpu and cc.cudagraph_mode.has_full_cudagraphs():
-            # The FULL wrapper is made by the platform's own model runner (vLLM's CUDAGraphWrapper,
-            # vllm-ascend's), which would hand devgraph's pool to torch's graph API.
-            raise DevgraphError(
-                f"{DEVGRAPH_VLLM_ENV}=1 on devgraph device {cls.devgraph_device_name!r} "
-                f"(vLLM platform {cls.__mro__[2].__name__}): "
-                f"cudagraph_mode={cc.cudagraph_mode.name} is not supported yet (FULL graphs through "
-                "devgraph exist for the cpu reference only); use cudagraph_mode=PIECEWISE"
+        limits = attention_limits(vllm_config.model_config) if vllm_config.model_config else []
+        if limits and cc.cudagraph_mode.has_full_cudagraphs() and _freezes_host_arguments(cls):
+            logger.warning(
+                "devgraph vLLM platform (%s): FULL graphs need devgraph's attention backend, which "
+                "does not do %s; the model keeps the platform's attention and vLLM resolves "
+                "cudagraph_mode=%s by what that attention supports (on vLLM's CPU attention: PIECEWISE)",
+                cls.devgraph_device_name,
+                " or ".join(limits),
+                cc.cudagraph_mode.name,
             )
+        if _devgraph_attention(cls, vllm_config) and cc.cudagraph_mode.requires_piecewise_compilation():
+            # A FULL graph records what vLLM's opaque attention op launches, but a task update needs
+            # the attention called directly (its op is then an updatable task of the graph): the
+            # decode batches get FULL graphs, the rest runs eagerly.
+            logger.warning(
+                "devgraph vLLM platform (%s): cudagraph_mode=%s runs as FULL_DECODE_ONLY (FULL decode "
+                "graphs with devgraph's task-updated attention; prefills eager)",
+                cls.devgraph_device_name,
+                cc.cudagraph_mode.name,
+            )
+            cc.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+        direct = _direct_devgraph_attention(cls, vllm_config)
+        if direct and cc.mode == CompilationMode.VLLM_COMPILE:
+            cc.mode = CompilationMode.NONE  # Dynamo cannot trace into the direct attention call
+        on_cpu = _is_vllm_cpu(cls)
         if on_cpu:
             mode, sizes, backend = saved
-            if (
-                _full_graphs_with_devgraph_attention(cls, vllm_config)
-                and mode == CompilationMode.VLLM_COMPILE
-            ):
-                # FULL graphs need the attention called directly (devgraph's op then is an
-                # updatable task of the graph); Dynamo cannot trace into it, so the model runs
-                # uncompiled under the FULL wrapper.
+            if direct and mode == CompilationMode.VLLM_COMPILE:
+                # The attention is called directly (devgraph's op then is an updatable task of the
+                # graph); Dynamo cannot trace into it, so the model runs uncompiled.
                 logger.warning(
                     "devgraph vLLM platform (cpu): cudagraph_mode=%s runs the model uncompiled "
                     "(compilation mode NONE) with devgraph's attention backend",
@@ -104,8 +113,11 @@ class DevgraphPlatformMixin:
             if mode == CompilationMode.VLLM_COMPILE:
                 cc.backend = backend if backend not in ("", "inductor") else "eager"
                 _disable_cuda_only_passes(cc.pass_config)
-        if worker_was_auto and on_cpu:
-            parallel.worker_cls = CPU_WORKER
+        if not parallel.worker_cls.startswith(_worker_module()):
+            # The platform's own worker (and model runner), with devgraph's FULL-graph runner path.
+            from devgraph.adapters.vllm._worker import worker_qualname
+
+            parallel.worker_cls = worker_qualname(parallel.worker_cls)
         logger.info(
             "devgraph vLLM platform: device %s, cudagraph_mode %s, capture sizes %s",
             cls.devgraph_device_name,
@@ -125,11 +137,12 @@ class DevgraphPlatformMixin:
     def get_attn_backend_cls(
         cls, selected_backend: Any, attn_selector_config: Any, num_heads: Any = None
     ) -> str:
-        """devgraph's attention backend for FULL graphs on the CPU reference, else the base's choice."""
+        """devgraph's attention backend for FULL graphs on a device that freezes host arguments
+        (the CPU reference, NPU), else the base platform's choice."""
         from vllm.config import get_current_vllm_config_or_none
 
         config = get_current_vllm_config_or_none()
-        if config is not None and _full_graphs_with_devgraph_attention(cls, config):
+        if config is not None and _devgraph_attention(cls, config):
             from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
             from devgraph.adapters.vllm._attention import BACKEND_QUALNAME
@@ -142,12 +155,13 @@ class DevgraphPlatformMixin:
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
-        """False for FULL graphs with devgraph's attention: the graph must record devgraph's op (an
-        updatable task), not vLLM's Python custom op, which would re-read the forward context."""
+        """False for FULL graphs without pieces with devgraph's attention: the model then runs
+        uncompiled and calls the attention directly (with pieces, vLLM splits at its custom op, whose
+        body the graph records)."""
         from vllm.config import get_current_vllm_config_or_none
 
         config = get_current_vllm_config_or_none()
-        if config is not None and _full_graphs_with_devgraph_attention(cls, config):
+        if config is not None and _direct_devgraph_attention(cls, config):
             return False
         return super().opaque_attention_op()  # type: ignore[misc]
 
@@ -163,25 +177,99 @@ def _is_vllm_cpu(cls: Any) -> bool:
     return getattr(cls, "_enum", None) == PlatformEnum.CPU
 
 
-def _full_graphs_with_devgraph_attention(cls: Any, vllm_config: Any) -> bool:
-    """True when FULL graphs without pieces run on vLLM's CPU platform (devgraph's CPU reference, or a
-    third-party devgraph device with CPU tensors): they use devgraph's attention.
+def _is_cuda_alike(cls: Any) -> bool:
+    """True on vLLM's CUDA and ROCm platforms (``Platform.is_cuda_alike`` is an instance method)."""
+    from vllm.platforms.interface import PlatformEnum
 
-    FULL_AND_PIECEWISE keeps vLLM's CPU attention (its pieces split at vLLM's attention op), whose
-    builder declares no FULL support: vLLM itself then resolves the mode to PIECEWISE.
+    return getattr(cls, "_enum", None) in (PlatformEnum.CUDA, PlatformEnum.ROCM)
+
+
+def _worker_module() -> str:
+    return "devgraph.adapters.vllm._worker."
+
+
+def _refuse_unsupported(vllm_config: Any) -> None:
+    """Settings whose graphs would not be devgraph's, refused before the engine builds anything."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is not None and getattr(model_config, "enable_sleep_mode", False):
+        raise DevgraphError(
+            f"{DEVGRAPH_VLLM_ENV}=1 does not support vLLM's sleep mode (enable_sleep_mode=True): sleep "
+            "mode captures graphs into its own cuMem pool, which devgraph's pools do not use, so "
+            f"sleeping would not free devgraph's graph memory. Turn sleep mode off or unset {DEVGRAPH_VLLM_ENV}"
+        )
+    cc = vllm_config.compilation_config
+    if cc.cudagraph_mode is None or cc.cudagraph_mode.name == "NONE" or not _uses_v2_runner(vllm_config):
+        return
+    if V2_RUNNER_ENV not in os.environ:
+        # vLLM picked Model Runner V2 by itself (its default for dense models on GPU): pick the V1
+        # runner instead, for this process and the worker processes it starts.
+        os.environ[V2_RUNNER_ENV] = "0"
+        logger.warning(
+            "devgraph vLLM platform: %s=0 set (Model Runner V2 captures FULL graphs without the "
+            "platform's graph wrapper, so they would not be devgraph's)",
+            V2_RUNNER_ENV,
+        )
+        if not _uses_v2_runner(vllm_config):
+            return
+    from devgraph.adapters.vllm._runner import v2_runner_message
+
+    raise DevgraphError(v2_runner_message())
+
+
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def _uses_v2_runner(vllm_config: Any) -> bool:
+    try:
+        return bool(vllm_config.use_v2_model_runner)
+    except AttributeError:
+        return False
+
+
+def _freezes_host_arguments(cls: Any) -> bool:
+    """True when a FULL graph on this platform needs devgraph's attention: the devgraph device
+    declares updatable ops (host arguments frozen at capture, re-issued at replay: the CPU reference,
+    NPU) and the platform's own attention is not one built for device graphs (vLLM's CUDA-alike
+    platforms keep theirs: FlashAttention reads its lengths from device tensors)."""
+    if cls.devgraph_error is not None or cls.devgraph_device_name is None or _is_cuda_alike(cls):
+        return False
+    return bool(getattr(cls.devgraph_device(), "updatable_ops", ()))
+
+
+def _devgraph_attention(cls: Any, vllm_config: Any) -> bool:
+    """True when FULL graphs run on a device that freezes host arguments: the attention is devgraph's.
+
+    vLLM's own attention on those devices reads host lengths that a FULL graph would freeze (and
+    vLLM's CPU attention declares no FULL support, so vLLM would quietly drop FULL graphs).
     """
+    if vllm_config.model_config is None:
+        return False
     mode = vllm_config.compilation_config.cudagraph_mode
     return (
-        (
-            _is_vllm_cpu(cls)
-            and mode is not None
-            and mode.has_full_cudagraphs()
-            and not mode.requires_piecewise_compilation()
-            and not vllm_config.model_config.use_mla
-        )
-        if vllm_config.model_config is not None
-        else False
+        mode is not None
+        and mode.has_full_cudagraphs()
+        and not vllm_config.model_config.use_mla
+        and not attention_limits(vllm_config.model_config)
+        and _freezes_host_arguments(cls)
     )
+
+
+def attention_limits(model_config: Any) -> list[str]:
+    """What the model's attention needs that devgraph's attention backend does not do (yet)."""
+    hf = getattr(model_config, "hf_text_config", None)
+    found = []
+    if getattr(model_config, "get_sliding_window", lambda: None)():
+        found.append("sliding-window attention")
+    if getattr(hf, "attn_logit_softcapping", None):
+        found.append("attention logit soft-capping")
+    return found
+
+
+def _direct_devgraph_attention(cls: Any, vllm_config: Any) -> bool:
+    """FULL graphs without pieces with devgraph's attention: the model runs uncompiled and calls the
+    attention directly, so that a FULL graph captures devgraph's op as an updatable task."""
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return _devgraph_attention(cls, vllm_config) and not mode.requires_piecewise_compilation()
 
 
 def _disable_cuda_only_passes(pass_config: Any) -> None:

@@ -1,10 +1,34 @@
-"""The ``vllm.platform_plugins`` entry point: activate the devgraph platform only when switched on."""
+"""vLLM entry points: the platform plugin (active only when switched on) and a general plugin that keeps
+the displaced platform package's general plugins working.
+
+vLLM activates every platform plugin whose function returns a class name and refuses to start when
+two do (devgraph's and vllm-ascend's ``ascend``, say). ``VLLM_PLUGINS=devgraph`` picks devgraph's,
+but vLLM applies that list to every plugin group, so the platform package's *general* plugins
+(vllm-ascend's model, model-loader and KV-connector registrations) would be dropped without a word.
+devgraph's general plugin (``vllm.general_plugins`` entry point ``devgraph``, let through by the same
+list) loads them: with ``DEVGRAPH_VLLM=1`` and ``VLLM_PLUGINS`` set, every general plugin that the list
+left out and whose distribution also ships a ``vllm.platform_plugins`` entry point the list left out.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import Any
 
-__all__ = ["DEVGRAPH_VLLM_ENV", "PLATFORM_QUALNAME", "is_enabled", "register"]
+__all__ = [
+    "DEVGRAPH_VLLM_ENV",
+    "PLATFORM_QUALNAME",
+    "displaced_general_plugins",
+    "is_enabled",
+    "load_general_plugins",
+    "register",
+]
+
+logger = logging.getLogger("devgraph")
+
+PLATFORM_GROUP = "vllm.platform_plugins"
+GENERAL_GROUP = "vllm.general_plugins"
 
 #: The one switch: vLLM runs exactly as without devgraph unless it is "1".
 DEVGRAPH_VLLM_ENV = "DEVGRAPH_VLLM"
@@ -42,3 +66,60 @@ def switch_value_error() -> str | None:
     if value in _TRUE or value in _FALSE:
         return None
     return f"{DEVGRAPH_VLLM_ENV}={os.environ[DEVGRAPH_VLLM_ENV]!r} is not understood; set {DEVGRAPH_VLLM_ENV}=1 or unset it"
+
+
+def _allowed() -> list[str] | None:
+    # vLLM's own parsing of VLLM_PLUGINS: comma-separated names; unset means every plugin.
+    value = os.environ.get("VLLM_PLUGINS")
+    return None if value is None else [name for name in value.split(",") if name]
+
+
+def displaced_general_plugins(entry_points: Any = None) -> list[Any]:
+    """The general-plugin entry points ``VLLM_PLUGINS`` left out that belong to a platform package
+    whose platform plugin it also left out (so that devgraph's platform could be the active one).
+
+    ``entry_points``: ``importlib.metadata.entry_points`` (a parameter for tests).
+    """
+    import importlib.metadata
+
+    allowed = _allowed()
+    if allowed is None or not is_enabled():
+        return []
+    entry_points = entry_points or importlib.metadata.entry_points
+
+    def dist_name(ep: Any) -> str | None:
+        dist = getattr(ep, "dist", None)
+        return getattr(dist, "name", None)
+
+    displaced = {
+        dist_name(ep)
+        for ep in entry_points(group=PLATFORM_GROUP)
+        if ep.name not in allowed and ep.name != "devgraph"
+    }
+    displaced.discard(None)
+    return [
+        ep
+        for ep in entry_points(group=GENERAL_GROUP)
+        if ep.name not in allowed and ep.name != "devgraph" and dist_name(ep) in displaced
+    ]
+
+
+def load_general_plugins(entry_points: Any = None) -> list[str]:
+    """vLLM general plugin: run the displaced platform package's general plugins; their names.
+
+    A plugin that fails is logged and skipped, as vLLM itself does with general plugins.
+    """
+    ran = []
+    for ep in displaced_general_plugins(entry_points):
+        try:
+            ep.load()()
+        except Exception:
+            logger.exception("devgraph: general plugin %s (%s) failed", ep.name, ep.value)
+            continue
+        ran.append(ep.name)
+    if ran:
+        logger.info(
+            "devgraph: ran the general plugins VLLM_PLUGINS left out of the displaced platform package: %s",
+            ", ".join(ran),
+        )
+    return ran

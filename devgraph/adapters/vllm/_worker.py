@@ -1,9 +1,13 @@
-"""CPU worker and model runner that let vLLM's own capture loop run on devgraph's CPU reference.
+"""The devgraph worker: the platform's own worker, whose model runner gets devgraph's runner path.
 
-vLLM's CPU worker never captures graphs and its model runner never wraps the model for FULL graphs.
-``DevgraphCPUWorker`` builds a ``DevgraphCPUModelRunner`` (with vLLM's workspace manager, which the
-capture loop locks afterwards) and, after vLLM's warm-up, calls vLLM's unchanged ``capture_model()``:
-its dispatcher, capture sizes and warm-up runs drive ``DevgraphGraphWrapper``.
+The devgraph platform sets ``parallel_config.worker_cls`` to ``worker_qualname(base)``, where
+``base`` is the worker the platform chose (vLLM's ``gpu_worker.Worker`` on CUDA, vllm-ascend's
+``NPUWorker``, vLLM's ``CPUWorker``). The name carries the base, so a worker process (which
+resolves the name without re-running the platform's config check) builds the same class:
+``DevgraphWorkerMixin`` over the base. After the base's ``init_device`` has built its model runner,
+the runner is adopted (``_runner.adopt_model_runner``). On vLLM's CPU worker, which never captures,
+the mixin also makes the workspace manager that vLLM's capture loop locks and runs vLLM's own
+``capture_model()`` after warm-up.
 """
 
 from __future__ import annotations
@@ -11,53 +15,83 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-from vllm.config import CompilationMode, CUDAGraphMode
-from vllm.utils.torch_utils import set_random_seed
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-from vllm.v1.worker.cpu_worker import CPUWorker
+from devgraph._errors import DevgraphError
 
-from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
-
-__all__ = ["DevgraphCPUModelRunner", "DevgraphCPUWorker"]
+__all__ = ["DevgraphWorkerMixin", "base_of", "worker_qualname"]
 
 logger = logging.getLogger("devgraph")
 
-
-class DevgraphCPUModelRunner(CPUModelRunner):
-    """vLLM's CPU model runner, with the model wrapped for FULL graphs as the GPU runner does."""
-
-    def load_model(self, load_dummy_weights: bool = False) -> None:
-        super().load_model(load_dummy_weights)
-        cc = self.compilation_config
-        if cc.mode != CompilationMode.STOCK_TORCH_COMPILE and cc.cudagraph_mode.has_full_cudagraphs():
-            self.model = DevgraphGraphWrapper(self.model, self.vllm_config, runtime_mode=CUDAGraphMode.FULL)  # type: ignore[has-type]
-
-    def get_model(self) -> Any:
-        model: Any = self.model
-        return model.unwrap() if isinstance(model, DevgraphGraphWrapper) else model
+_PREFIX = "DevgraphWorker__"
 
 
-class DevgraphCPUWorker(CPUWorker):
-    """vLLM's CPU worker plus graph capture after warm-up."""
+def worker_qualname(base_qualname: str) -> str:
+    """The qualified name vLLM resolves to the devgraph worker over ``base_qualname``."""
+    if "__" in base_qualname:
+        raise DevgraphError(f"cannot name a devgraph worker over {base_qualname!r} (it contains '__')")
+    return f"{__name__}.{_PREFIX}{base_qualname.replace('.', '__')}"
+
+
+def base_of(name: str) -> str:
+    """The base worker's qualified name inside a ``worker_qualname`` class name."""
+    return name[len(_PREFIX) :].replace("__", ".")
+
+
+def _is_cpu_worker(worker: Any) -> bool:
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    return isinstance(worker, CPUWorker)
+
+
+class DevgraphWorkerMixin:
+    """What devgraph adds to the platform's worker (see the module docstring)."""
 
     def init_device(self) -> None:
-        from vllm.v1.worker.workspace import init_workspace_manager
+        from devgraph.adapters.vllm._runner import adopt_model_runner, v2_runner_message
 
-        super().init_device()
-        # capture_model() locks the workspace afterwards, so it must exist (the GPU worker makes it).
-        init_workspace_manager(self.device, 1)
-        if not isinstance(self.model_runner, CPUModelRunner) or self.use_v2_model_runner:  # type: ignore[has-type]
-            raise RuntimeError("devgraph's vLLM adapter supports vLLM's V1 CPU model runner only")
-        self.model_runner = DevgraphCPUModelRunner(self.vllm_config, torch.device("cpu"))
+        if getattr(self, "use_v2_model_runner", False):
+            raise DevgraphError(v2_runner_message())
+        super().init_device()  # type: ignore[misc]
+        if _is_cpu_worker(self):
+            from vllm.v1.worker.workspace import init_workspace_manager
+
+            # capture_model() locks the workspace afterwards, so it must exist (the GPU worker makes it).
+            init_workspace_manager(self.device, 1)  # type: ignore[attr-defined]
+        adopt_model_runner(self.model_runner)  # type: ignore[attr-defined]
 
     def compile_or_warm_up_model(self) -> Any:
-        times = super().compile_or_warm_up_model()
+        from vllm.config import CUDAGraphMode
+        from vllm.utils.torch_utils import set_random_seed
+
+        times = super().compile_or_warm_up_model()  # type: ignore[misc]
         if (
-            not self.model_config.enforce_eager
-            and self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+            _is_cpu_worker(self)
+            and not self.model_config.enforce_eager  # type: ignore[attr-defined]
+            and self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE  # type: ignore[attr-defined]
         ):
-            self.model_runner.capture_model()
+            self.model_runner.capture_model()  # type: ignore[attr-defined]
             # Capture ran dummy batches; start generation from the seed as vLLM's GPU worker does.
-            set_random_seed(self.model_config.seed, self.parallel_config.data_parallel_index)
+            set_random_seed(self.model_config.seed, self.parallel_config.data_parallel_index)  # type: ignore[attr-defined]
         return times
+
+
+_built: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if not name.startswith(_PREFIX):
+        raise AttributeError(name)
+    cls = _built.get(name)
+    if cls is None:
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        base = resolve_obj_by_qualname(base_of(name))
+        cls = _built[name] = type(
+            name,
+            (DevgraphWorkerMixin, base),
+            {
+                "__module__": __name__,
+                "__qualname__": name,
+                "__doc__": f"{base.__name__} with devgraph graphs.",
+            },
+        )
+    return cls

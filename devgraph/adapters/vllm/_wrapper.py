@@ -33,12 +33,29 @@ logger = logging.getLogger("devgraph")
 class _Entry:
     """One captured batch descriptor: its graph, weak outputs and (for debug) input addresses."""
 
-    __slots__ = ("graph", "input_addresses", "output")
+    __slots__ = ("graph", "input_addresses", "metadata_addresses", "output")
 
-    def __init__(self, graph: Graph, output: Any, input_addresses: list[int]) -> None:
+    def __init__(
+        self, graph: Graph, output: Any, input_addresses: list[int], metadata_addresses: dict
+    ) -> None:
         self.graph = graph
         self.output = output
         self.input_addresses = input_addresses
+        self.metadata_addresses = metadata_addresses
+
+
+def _metadata_addresses(context: Any) -> dict[str, int]:
+    """Data pointers of the tensor fields of the step's attention metadata, by field name: a FULL
+    graph reads them at their capture-time addresses, so vLLM must keep them in persistent buffers."""
+    from devgraph.adapters.vllm._host_args import metadata_objects
+
+    found: dict[str, int] = {}
+    for i, m in enumerate(metadata_objects(getattr(context, "attn_metadata", None))):
+        fields = vars(m) if hasattr(m, "__dict__") else {}
+        for name, value in fields.items():
+            if isinstance(value, torch.Tensor) and value.numel():
+                found[f"{type(m).__name__}[{i}].{name}"] = value.data_ptr()
+    return found
 
 
 def _addresses(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
@@ -61,6 +78,15 @@ def _gc_paused(pause: bool) -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+def _carries_host_args(context: Any) -> bool:
+    from devgraph.adapters.vllm._host_args import metadata_objects
+
+    return any(
+        getattr(m, "devgraph_host_args", None)
+        for m in metadata_objects(getattr(context, "attn_metadata", None))
+    )
 
 
 class DevgraphGraphWrapper:
@@ -113,8 +139,7 @@ class DevgraphGraphWrapper:
         if not isinstance(pool, MemoryPool):
             raise DevgraphError(
                 f"vLLM's global graph pool is {type(pool).__name__}, not a devgraph MemoryPool; "
-                "devgraph captures need the platform's graph_pool_handle() (sleep-mode cuMem pools "
-                "are not supported: disable enable_sleep_mode)"
+                "devgraph captures need the devgraph platform's graph_pool_handle()"
             )
         self.graph_pool = pool
         self.entries: dict[Any, _Entry] = {}
@@ -143,9 +168,28 @@ class DevgraphGraphWrapper:
 
     @classmethod
     def clear_all_graphs(cls) -> None:
-        """Drop the graphs of every wrapper (vLLM does this before re-capturing)."""
-        for wrapper in list(cls._all_instances):
+        """Drop the graphs of every wrapper; the next capture phase captures them again.
+
+        A pool whose graphs were all reset is not captured into again (CUDA's allocator asserts),
+        so wrappers holding such a pool get a fresh one, and so does the platform when it was its
+        global graph pool.
+        """
+        from vllm.platforms import current_platform
+
+        wrappers = list(cls._all_instances)
+        for wrapper in wrappers:
             wrapper.clear_graphs()
+        fresh: dict[int, MemoryPool] = {}
+        platform_cls = type(current_platform)
+        for wrapper in wrappers:
+            pool = wrapper.graph_pool
+            if pool._users():  # a graph of another owner still holds it
+                continue
+            if id(pool) not in fresh:
+                fresh[id(pool)] = current_platform.graph_pool_handle()
+                if platform_cls._global_graph_pool is pool:
+                    platform_cls._global_graph_pool = fresh[id(pool)]
+            wrapper.graph_pool = fresh[id(pool)]
 
     def clear_graphs(self) -> None:
         """Drop this wrapper's graphs; the next capture phase captures them again."""
@@ -173,10 +217,10 @@ class DevgraphGraphWrapper:
             )
         entry = self.entries.get(descriptor)
         if entry is None:
-            return self._capture(descriptor, args, kwargs)
+            return self._capture(descriptor, args, kwargs, context)
         return self._replay(entry, args, kwargs, context)
 
-    def _capture(self, descriptor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _capture(self, descriptor: Any, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
         from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
 
         validate_cudagraph_capturing_enabled()  # only inside vLLM's capture phase
@@ -193,7 +237,19 @@ class DevgraphGraphWrapper:
                 # Only safe for the last piece (or the whole model): nothing captured after it
                 # reads this output, so its memory may go back to the pool right away.
                 output = weak_ref_tensors(output)
-        self.entries[descriptor] = _Entry(graph, weak_ref_tensors(output), addresses)
+        if self.runtime_mode.name == "FULL" and not graph.tasks and _carries_host_args(context):
+            # The step's attention reads host lengths a replay must re-issue, but the capture found
+            # no updatable task (the attention ran inside an op devgraph cannot see into): every
+            # replay would attend over the capture-time lengths.
+            graph.reset()
+            raise DevgraphError(
+                f"{self.runtime_mode.name} graph for {descriptor}: the attention metadata carries "
+                "devgraph_host_args, but the capture recorded no updatable attention task (was the "
+                "attention called inside vLLM's opaque custom op?). Use cudagraph_mode=FULL_DECODE_ONLY "
+                "or PIECEWISE"
+            )
+        metadata = _metadata_addresses(context) if self.runtime_mode.name == "FULL" else {}
+        self.entries[descriptor] = _Entry(graph, weak_ref_tensors(output), addresses, metadata)
         _stats.count("capture", self.runtime_mode.name)
         # The caller gets the captured tensors themselves, not weak views of them.
         return output
@@ -201,6 +257,15 @@ class DevgraphGraphWrapper:
     def _replay(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
         if self.debug:
             self._check_addresses(entry, _addresses(args, kwargs))
+            if entry.metadata_addresses:
+                now = _metadata_addresses(context)
+                moved = sorted(k for k, v in entry.metadata_addresses.items() if now.get(k, v) != v)
+                if moved:
+                    raise DevgraphError(
+                        f"FULL graph replay: attention metadata tensor(s) {', '.join(moved)} moved since "
+                        "capture; a FULL graph reads them at their capture-time addresses (vLLM's "
+                        "persistent buffers), so this replay would read stale metadata"
+                    )
         host_args = step_host_args(context, entry.graph) if entry.graph.tasks else None
         entry.graph.replay(host_args=host_args)
         if host_args is not None:

@@ -1,0 +1,189 @@
+"""The devgraph model-runner path: one device-neutral piece added to the platform's own model runner.
+
+vLLM's GPU runner wraps the model for FULL graphs with ``CUDAGraphWrapper`` in ``load_model``,
+vllm-ascend's ``NPUModelRunner`` with ``ACLGraphWrapper``, and vLLM's CPU runner (a subclass of the
+GPU runner) not at all. ``adopt_model_runner(runner)`` gives the runner the
+``DevgraphModelRunnerMixin`` overrides, keeping its class and state otherwise:
+
+* ``load_model``: the platform's load, then the model's FULL wrapper (whichever class the platform
+  used, or none) is replaced by a ``DevgraphGraphWrapper`` around the same model;
+* ``profile_cudagraph_memory``: vLLM swaps the pools of its own wrapper classes to a profiling pool
+  and clears only those classes afterwards; devgraph's wrappers get the same treatment, so no
+  profiling-time graph (captured against the profiling KV cache) survives into serving;
+* ``_model_forward``: a decode batch above the largest capture size (vLLM runs it eagerly without
+  a word) is counted (``stats()["eager.over_capture_size"]``) and logged once with the fix;
+* ``_update_full_graph_params_if_needed`` (vllm-ascend's per-step attention update after a FULL
+  replay, with its stream synchronisation): nothing, since devgraph's replay re-issues the updatable
+  attention tasks itself (replay first, update after, ordered by events).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from devgraph._errors import DevgraphError
+from devgraph.adapters.vllm import _stats
+from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
+
+__all__ = ["DevgraphModelRunnerMixin", "adopt_model_runner", "wrap_full_model"]
+
+logger = logging.getLogger("devgraph")
+
+
+def _wants_full_graphs(vllm_config: Any) -> bool:
+    from vllm.config import CompilationMode
+
+    cc = vllm_config.compilation_config
+    return (
+        cc.mode != CompilationMode.STOCK_TORCH_COMPILE
+        and cc.cudagraph_mode is not None
+        and cc.cudagraph_mode.has_full_cudagraphs()
+    )
+
+
+def wrap_full_model(model: Any, vllm_config: Any) -> Any:
+    """``model`` as the runner should hold it: inside one FULL ``DevgraphGraphWrapper`` when FULL
+    graphs are on, with any FULL wrapper the platform put around it (``CUDAGraphWrapper``,
+    ``ACLGraphWrapper``: whatever has ``runnable`` and ``runtime_mode == FULL``) taken off first.
+
+    Raises:
+        DevgraphError: the model sits in a wrapper devgraph does not know (micro-batching's
+            ``UBatchWrapper``): its graphs would not be devgraph's.
+    """
+    from vllm.config import CUDAGraphMode
+
+    if not _wants_full_graphs(vllm_config) or isinstance(model, DevgraphGraphWrapper):
+        return model
+    if vllm_config.parallel_config.use_ubatching:
+        raise DevgraphError(
+            "DEVGRAPH_VLLM=1 with FULL graphs does not support micro-batching (dual-batch overlap): "
+            "vLLM wraps the model in its UBatchWrapper, whose graphs are CUDA graphs; turn off "
+            "enable_dbo or use cudagraph_mode=PIECEWISE"
+        )
+    inner = model
+    if getattr(model, "runtime_mode", None) == CUDAGraphMode.FULL and hasattr(model, "runnable"):
+        inner = model.runnable  # the platform's own FULL wrapper: devgraph's takes its place
+    return DevgraphGraphWrapper(inner, vllm_config, runtime_mode=CUDAGraphMode.FULL)
+
+
+def _num_tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    for name in ("input_ids", "positions", "inputs_embeds"):
+        value = kwargs.get(name)
+        if value is not None and hasattr(value, "shape"):
+            return int(value.shape[-1] if name == "positions" else value.shape[0])
+    return None
+
+
+def _all_decode(attn_metadata: Any) -> bool:
+    """True when every attention metadata of the step says one query token per request."""
+    from devgraph.adapters.vllm._host_args import metadata_objects
+
+    found = [getattr(m, "max_query_len", None) for m in metadata_objects(attn_metadata)]
+    found = [n for n in found if n is not None]
+    return bool(found) and all(n == 1 for n in found)
+
+
+class DevgraphModelRunnerMixin:
+    """What devgraph adds to a vLLM model runner (see the module docstring)."""
+
+    devgraph_over_size_logged: bool = False
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        self.model = wrap_full_model(self.model, self.vllm_config)  # type: ignore[attr-defined]
+
+    def get_model(self) -> Any:
+        model: Any = self.model  # type: ignore[attr-defined]
+        if isinstance(model, DevgraphGraphWrapper):
+            return model.unwrap()
+        return super().get_model()  # type: ignore[misc]
+
+    def profile_cudagraph_memory(self, *args: Any, **kwargs: Any) -> int:
+        """vLLM's estimate, with devgraph's wrappers capturing into a profiling pool, cleared after."""
+        from vllm.platforms import current_platform
+
+        wrappers = list(DevgraphGraphWrapper._all_instances)
+        saved = {id(w): w.graph_pool for w in wrappers}
+        profiling_pool = current_platform.graph_pool_handle()
+        for wrapper in wrappers:
+            wrapper.graph_pool = profiling_pool
+        try:
+            return super().profile_cudagraph_memory(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            DevgraphGraphWrapper.clear_all_graphs()
+            for wrapper in wrappers:
+                wrapper.graph_pool = saved[id(wrapper)]
+
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if is_forward_context_available():
+            context = get_forward_context()
+            largest = self.compilation_config.max_cudagraph_capture_size  # type: ignore[attr-defined]
+            if context.cudagraph_runtime_mode == CUDAGraphMode.NONE and largest:
+                self._devgraph_note_eager(_num_tokens(args, kwargs), largest, context)
+        return super()._model_forward(*args, **kwargs)  # type: ignore[misc]
+
+    def _devgraph_note_eager(self, num_tokens: int | None, largest: int, context: Any) -> None:
+        cc = self.compilation_config  # type: ignore[attr-defined]
+        if cc.cudagraph_mode.name == "NONE" or num_tokens is None or num_tokens <= largest:
+            return
+        if not _all_decode(context.attn_metadata):
+            return
+        _stats.count("eager", "over_capture_size")
+        if not DevgraphModelRunnerMixin.devgraph_over_size_logged:
+            DevgraphModelRunnerMixin.devgraph_over_size_logged = True
+            logger.warning(
+                "devgraph: a decode batch of %d tokens is above the largest graph capture size (%d) "
+                "and runs eagerly (counted in devgraph.adapters.vllm.stats()['eager.over_capture_size']). "
+                "To replay it from a graph, raise compilation_config.max_cudagraph_capture_size "
+                "(or list the size in cudagraph_capture_sizes) to at least max_num_seqs, or lower "
+                "max_num_seqs to %d.",
+                num_tokens,
+                largest,
+                largest,
+            )
+
+    def _update_full_graph_params_if_needed(self, *args: Any, **kwargs: Any) -> None:
+        """vllm-ascend's attention update after a FULL replay: devgraph's replay did it already."""
+        return None
+
+
+_adopted: dict[type, type] = {}
+
+
+def adopt_model_runner(runner: Any) -> Any:
+    """Give ``runner`` (the platform's model runner, already built) devgraph's overrides in place.
+
+    Its class becomes a subclass of its own class with ``DevgraphModelRunnerMixin`` first; its state
+    is untouched, so this works for any runner derived from vLLM's GPU runner (vLLM's CPU and GPU
+    runners, vllm-ascend's NPU runner) before ``load_model`` runs.
+
+    Raises:
+        DevgraphError: the runner is Model Runner V2, which captures FULL graphs itself.
+    """
+    cls = type(runner)
+    if isinstance(runner, DevgraphModelRunnerMixin):
+        return runner
+    if cls.__module__.startswith(("vllm.v1.worker.gpu.", "vllm_ascend.worker.v2.")):
+        raise DevgraphError(v2_runner_message())
+    adopted = _adopted.get(cls)
+    if adopted is None:
+        adopted = _adopted[cls] = type(
+            f"Devgraph{cls.__name__}", (DevgraphModelRunnerMixin, cls), {"__module__": __name__}
+        )
+    runner.__class__ = adopted
+    return runner
+
+
+def v2_runner_message() -> str:
+    """Why Model Runner V2 is refused, and what to set."""
+    return (
+        "DEVGRAPH_VLLM=1 needs vLLM's V1 model runner: Model Runner V2 (vLLM's default for dense "
+        "models on GPU since 0.25.1) captures its FULL graphs itself, without the platform's graph "
+        "wrapper, so they would not be devgraph's graphs. Set VLLM_USE_V2_MODEL_RUNNER=0, or "
+        "cudagraph_mode=NONE to run without graphs"
+    )

@@ -1,0 +1,303 @@
+"""The device-neutral model-runner path (``_runner``, ``_worker``) against vLLM's own classes, on the
+CPU reference backend, without an engine: the FULL wrapper swap, graph lifecycle (profiling graphs,
+``clear_all_graphs`` and re-capture), over-size decode batches, and the settings refused up front.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _fake_engine import AttentionModel, platform_on, step, vllm_config
+
+import devgraph
+from devgraph._errors import DevgraphError
+
+CAPTURED, LATER = [5, 9], [30, 3]
+
+
+@pytest.fixture
+def cpu():
+    with platform_on("cpu") as platform:
+        yield platform
+
+
+def _full_config():
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    config = vllm_config()
+    config.compilation_config.mode = CompilationMode.VLLM_COMPILE
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+    return config
+
+
+class _GpuLikeRunner:
+    """Stands in for vLLM's GPU runner: ``load_model`` wraps the model with vLLM's CUDAGraphWrapper."""
+
+    def __init__(self, config, model) -> None:
+        self.vllm_config = config
+        self.compilation_config = config.compilation_config
+        self._model = model
+        self.profiled = None
+
+    def load_model(self) -> None:
+        from vllm.compilation.cuda_graph import CUDAGraphWrapper
+        from vllm.config import CUDAGraphMode
+
+        self.model = CUDAGraphWrapper(self._model, self.vllm_config, runtime_mode=CUDAGraphMode.FULL)
+
+    def get_model(self):
+        return self.model
+
+    def profile_cudagraph_memory(self) -> int:
+        # What vLLM's does, as far as devgraph's wrappers see it: a capture phase through the wrapper.
+        step(self.model, self._model, self.vllm_config, CAPTURED, capture=True)
+        self.profiled = [(e.graph, e.graph.pool()) for e in self.model.entries.values()]
+        return 0
+
+    def _model_forward(self, **kwargs):
+        return "ran"
+
+
+def test_load_model_replaces_the_platforms_full_wrapper_around_the_same_model(cpu):
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
+    from devgraph.adapters.vllm._runner import DevgraphModelRunnerMixin, adopt_model_runner
+    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
+
+    model = AttentionModel(torch.float32)
+    runner = adopt_model_runner(_GpuLikeRunner(_full_config(), model))
+    assert isinstance(runner, DevgraphModelRunnerMixin) and isinstance(runner, _GpuLikeRunner)
+    runner.load_model()
+    assert isinstance(runner.model, DevgraphGraphWrapper)
+    assert not isinstance(runner.model.runnable, CUDAGraphWrapper)
+    assert runner.model.runnable is model and runner.get_model() is model
+
+
+def test_unwrapped_model_gets_the_full_wrapper_and_piecewise_only_configs_are_left_alone(cpu):
+    from vllm.config import CUDAGraphMode
+
+    from devgraph.adapters.vllm._runner import wrap_full_model
+    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
+
+    model = AttentionModel(torch.float32)
+    config = _full_config()
+    assert isinstance(wrap_full_model(model, config), DevgraphGraphWrapper)  # vLLM's CPU runner: unwrapped
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    assert wrap_full_model(model, config) is model
+
+
+def test_adopting_vllms_cpu_runner_keeps_its_class_behind_the_mixin():
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from devgraph.adapters.vllm._runner import DevgraphModelRunnerMixin, adopt_model_runner
+
+    runner = CPUModelRunner.__new__(CPUModelRunner)  # its state does not matter to the adoption
+    adopt_model_runner(runner)
+    mro = type(runner).__mro__
+    assert mro[1:3] == (DevgraphModelRunnerMixin, CPUModelRunner)
+    assert type(runner).load_model is DevgraphModelRunnerMixin.load_model
+    assert adopt_model_runner(runner) is runner and type(runner).__mro__ == mro  # idempotent
+
+
+def test_model_runner_v2_is_refused_naming_the_setting():
+    from devgraph.adapters.vllm._runner import adopt_model_runner
+
+    V2 = type("GPUModelRunner", (), {"__module__": "vllm.v1.worker.gpu.model_runner"})
+    with pytest.raises(DevgraphError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        adopt_model_runner(V2())
+
+
+def test_profiling_graphs_go_to_a_profiling_pool_and_do_not_survive_into_serving(cpu):
+    from devgraph.adapters.vllm._runner import adopt_model_runner
+
+    model = AttentionModel(torch.float32)
+    config = _full_config()
+    runner = adopt_model_runner(_GpuLikeRunner(config, model))
+    runner.load_model()
+    serving_pool = runner.model.graph_pool
+    runner.profile_cudagraph_memory()
+    ((profiled_graph, profiled_pool),) = runner.profiled
+    assert profiled_pool is not serving_pool  # captured into a profiling pool
+    assert runner.model.entries == {} and runner.model.graph_pool is serving_pool
+    # The real capture phase captures again (a stale profiling graph would have been replayed).
+    step(runner.model, model, config, CAPTURED, capture=True)
+    (entry,) = runner.model.entries.values()
+    assert entry.graph is not profiled_graph and entry.graph.pool() is serving_pool
+
+
+def test_clear_all_graphs_then_recapture_replays_correctly(cpu):
+    from vllm.config import CUDAGraphMode
+
+    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
+
+    model = AttentionModel(torch.float32)
+    config = _full_config()
+    wrapper = DevgraphGraphWrapper(model, config, runtime_mode=CUDAGraphMode.FULL)
+    step(wrapper, model, config, CAPTURED, capture=True)
+    first_pool = wrapper.graph_pool
+    DevgraphGraphWrapper.clear_all_graphs()
+    assert wrapper.entries == {}
+    # Every graph of the pool was reset: the pool cannot be captured into again, so a fresh one is used
+    # (also as the platform's global pool).
+    assert wrapper.graph_pool is not first_pool and cpu.get_global_graph_pool() is wrapper.graph_pool
+    step(wrapper, model, config, CAPTURED, capture=True)
+    model.acc.zero_()
+    step(wrapper, model, config, LATER)
+    torch.testing.assert_close(model.acc, model.expected(LATER))
+
+
+def test_replay_refuses_an_undescribed_step_outside_the_capture_phase(cpu):
+    from vllm.config import CUDAGraphMode
+
+    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
+
+    model = AttentionModel(torch.float32)
+    config = _full_config()
+    wrapper = DevgraphGraphWrapper(model, config, runtime_mode=CUDAGraphMode.FULL)
+    with pytest.raises(RuntimeError):  # vLLM's own guard: no capture outside its capture phase
+        step(wrapper, model, config, CAPTURED, capture=False)
+
+
+_LIB = None
+
+
+def _opaque_attention_model():
+    """The model's attention inside a Python-bodied custom op, as vLLM's opaque attention op is."""
+    global _LIB
+    if _LIB is None:
+        _LIB = torch.library.Library("devgraph_vllm_test", "DEF")
+        _LIB.define("attention(Tensor x) -> ()")
+
+        def attention(x):
+            _OPAQUE.model.__call__(_OPAQUE.model.input_ids)
+
+        _LIB.impl("attention", attention, "CPU")
+    model = AttentionModel(torch.float32)
+    _OPAQUE.model = model
+    return model, lambda input_ids, positions=None: torch.ops.devgraph_vllm_test.attention(input_ids)
+
+
+_OPAQUE = SimpleNamespace(model=None)
+
+
+def test_full_capture_that_records_no_attention_task_is_refused(cpu):
+    # The step's metadata carries host lengths, but the attention ran inside an op devgraph does not
+    # see into: every replay would reuse the capture-time lengths.
+    from vllm.config import CUDAGraphMode
+
+    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
+
+    model, opaque = _opaque_attention_model()
+    config = _full_config()
+    wrapper = DevgraphGraphWrapper(opaque, config, runtime_mode=CUDAGraphMode.FULL)
+    with pytest.raises(DevgraphError, match="no updatable attention task"):
+        step(wrapper, model, config, CAPTURED, capture=True)
+    assert wrapper.entries == {}
+
+
+def test_decode_batch_above_the_largest_capture_size_is_counted_and_logged_once(cpu, caplog):
+    from _fake_engine import metadata
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import set_forward_context
+
+    from devgraph.adapters.vllm import _runner, reset_stats, stats
+
+    config = _full_config()
+    config.compilation_config.max_cudagraph_capture_size = 8
+    runner = _runner.adopt_model_runner(_GpuLikeRunner(config, None))
+    reset_stats()
+    _runner.DevgraphModelRunnerMixin.devgraph_over_size_logged = False
+    with caplog.at_level(logging.WARNING, logger="devgraph"):
+        for tokens, lens in ((10, [3] * 10), (9, [4] * 9), (4, [5] * 4)):
+            with set_forward_context(metadata(lens), config, cudagraph_runtime_mode=CUDAGraphMode.NONE):
+                assert runner._model_forward(input_ids=torch.zeros(tokens, dtype=torch.int64)) == "ran"
+    assert stats()["eager.over_capture_size"] == 2
+    (record,) = [r for r in caplog.records if "largest graph capture size" in r.getMessage()]
+    assert "max_cudagraph_capture_size" in record.getMessage()
+
+
+def test_prefill_batches_above_the_largest_capture_size_are_not_counted(cpu):
+    from _fake_engine import metadata
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import set_forward_context
+
+    from devgraph.adapters.vllm import _runner, reset_stats, stats
+
+    config = _full_config()
+    config.compilation_config.max_cudagraph_capture_size = 8
+    runner = _runner.adopt_model_runner(_GpuLikeRunner(config, None))
+    reset_stats()
+    meta = metadata([20])
+    meta["layer0"].max_query_len = 20
+    with set_forward_context(meta, config, cudagraph_runtime_mode=CUDAGraphMode.NONE):
+        runner._model_forward(input_ids=torch.zeros(20, dtype=torch.int64))
+    assert "eager.over_capture_size" not in stats()
+
+
+def test_sleep_mode_and_model_runner_v2_are_refused_at_config_time(monkeypatch):
+    from devgraph.adapters.vllm._platform import _refuse_unsupported
+
+    graphs = SimpleNamespace(cudagraph_mode=SimpleNamespace(name="FULL_AND_PIECEWISE"))
+    sleepy = SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=True), compilation_config=graphs)
+    with pytest.raises(DevgraphError, match="sleep mode"):
+        _refuse_unsupported(sleepy)
+    v2 = SimpleNamespace(
+        model_config=SimpleNamespace(enable_sleep_mode=False),
+        compilation_config=graphs,
+        use_v2_model_runner=True,
+    )
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the user's own choice: refused
+    with pytest.raises(DevgraphError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        _refuse_unsupported(v2)
+    v2.compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(name="NONE"))
+    _refuse_unsupported(v2)  # no graphs: nothing of devgraph's runs
+
+
+class _V2ByDefault:
+    """vLLM's choice of runner as ``VllmConfig.use_v2_model_runner`` makes it: the env var, else V2."""
+
+    model_config = SimpleNamespace(enable_sleep_mode=False)
+    compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(name="FULL_AND_PIECEWISE"))
+
+    @property
+    def use_v2_model_runner(self):
+        import os
+
+        value = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+        return True if value is None else value == "1"
+
+
+def test_model_runner_v2_chosen_by_vllm_itself_is_switched_to_v1(monkeypatch):
+    import os
+
+    from devgraph.adapters.vllm._platform import _refuse_unsupported
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # recorded, so that teardown restores it
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    _refuse_unsupported(_V2ByDefault())
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # inherited by the worker processes
+
+
+def test_worker_name_carries_its_base_worker_across_processes():
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from devgraph.adapters.vllm._worker import DevgraphWorkerMixin, worker_qualname
+
+    cls = resolve_obj_by_qualname(worker_qualname("vllm.v1.worker.cpu_worker.CPUWorker"))
+    assert cls.__mro__[1:3] == (DevgraphWorkerMixin, CPUWorker)
+    assert resolve_obj_by_qualname(worker_qualname("vllm.v1.worker.cpu_worker.CPUWorker")) is cls
+
+
+def test_the_device_neutral_path_uses_the_devgraph_device_of_the_platform(cpu):
+    from vllm.config import CUDAGraphMode
+
+    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
+
+    wrapper = DevgraphGraphWrapper(
+        AttentionModel(torch.float32), _full_config(), runtime_mode=CUDAGraphMode.FULL
+    )
+    assert wrapper.device is devgraph.device("cpu")
