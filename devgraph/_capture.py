@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from devgraph._collectives import is_collective, refuse_collective, refuse_object_collective
 from devgraph._compiled_regions import CompiledRegions, op_recorders
 from devgraph._errors import CaptureError
+from devgraph._opnames import has_python_kernel
 from devgraph._source import user_source_line
 from devgraph._tasks import TaskGroup
 
@@ -261,6 +262,9 @@ def _modes() -> tuple[type, type]:
             self.device_type = graph.device.torch_device.type
             self.auto = frozenset(auto_update_ops)
             self.regions: CompiledRegions | None = None  # set when the backend records ops
+            key = {"cpu": "CPU", "cuda": "CUDA"}.get(self.device_type, "PrivateUse1")
+            self.key_name = key
+            self.keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
         supports_higher_order_operators = True
 
@@ -283,6 +287,12 @@ def _modes() -> tuple[type, type]:
             if name in self.auto and self.graph._open_group is None:
                 self._refuse_task_in_compiled(name)
                 return _call_as_task(self.graph, func, args, kwargs)
+            if has_python_kernel(func, self.key_name) and _on_device((args, kwargs), self.device_type):
+                # A Python-bodied custom op (vLLM's attention): the guard must see what its body
+                # launches, or an updatable op inside would be captured with frozen host arguments
+                # and no task, and a host sync inside would go unrefused.
+                with self:
+                    return func.redispatch(self.keys, *args, **kwargs)
             return func(*args, **kwargs)
 
         def _higher_order(self, func, args, kwargs):

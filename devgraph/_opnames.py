@@ -11,7 +11,7 @@ from typing import Any
 
 from devgraph._errors import DevgraphError
 
-__all__ = ["lookup_op", "resolve_auto_update_ops"]
+__all__ = ["has_python_kernel", "lookup_op", "resolve_auto_update_ops"]
 
 _AUTO_UPDATE_SPELLING = (
     "spell auto_update_ops 'namespace::op', e.g. 'devgraph::paged_decode_attention'; an engine's custom "
@@ -63,3 +63,33 @@ def resolve_auto_update_ops(names: Sequence[str] | str, declared: Sequence[str] 
             name = f"{ns}::{rest.partition('.')[0]}"  # capture matches the schema name
         resolved.append(name)
     return tuple(dict.fromkeys(resolved))
+
+
+# Namespaces whose Python kernels run whole (torch's own, and devgraph's ops, whose kernels are pure
+# functions of their arguments, host arguments included, which task update changes).
+_WHOLE_NAMESPACES = frozenset({"aten", "prims", "prim", "devgraph"})
+_PYTHON_KERNELS: dict[tuple[Any, str], bool] = {}
+
+
+def has_python_kernel(func: Any, dispatch_key: str) -> bool:
+    """True for a custom op whose ``dispatch_key`` kernel is a Python function (``torch.library``).
+
+    ``dispatch_key`` is the device's backend key (``"CPU"``, ``"CUDA"``, ``"PrivateUse1"``); a
+    ``CompositeExplicitAutograd`` kernel (what ``torch.library.custom_op`` registers) serves every
+    device. Such a body may read live Python state (vLLM's attention reads its forward context) and
+    launches ops of its own, which a capture must see one by one: an updatable op among them is a
+    task, and what the body read at capture is frozen, exactly as a device graph freezes it.
+    """
+    key = (func, dispatch_key)
+    known = _PYTHON_KERNELS.get(key)
+    if known is None:
+        import torch
+
+        ns, _, rest = func.name().partition("::")
+        overload = func._overloadname
+        name = rest if overload == "default" else f"{rest}.{overload}"
+        registered: set[str] = getattr(torch.library, "_impls", set())
+        known = _PYTHON_KERNELS[key] = ns not in _WHOLE_NAMESPACES and any(
+            f"{ns}/{name}/{k}" in registered for k in (dispatch_key, "CompositeExplicitAutograd")
+        )
+    return known

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from devgraph._capture import raise_refusal
 from devgraph._collectives import is_collective, refuse_collective
 from devgraph._errors import CaptureError, DevgraphError
+from devgraph._opnames import has_python_kernel
 from devgraph._source import user_source_line
 from devgraph.backends.cpu._collectives import (
     IDENTITY,
@@ -163,30 +164,16 @@ def _is_view(func: Any) -> bool:
 
 
 _COMPOSITE: dict[Any, bool] = {}
-_PYTHON_BODIED: dict[Any, bool] = {}
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
-# Namespaces whose Python kernels are recorded whole: torch's own, and devgraph's ops, whose CPU
-# kernels are pure functions of their arguments (host arguments included, which task update changes).
-_WHOLE_NAMESPACES = frozenset({"aten", "prims", "prim", "devgraph"})
 
 
 def _is_python_bodied(func: Any) -> bool:
-    """True for a custom op whose CPU kernel is a Python function (``torch.library``).
+    """True for a custom op whose CPU kernel is a Python function (see ``has_python_kernel``).
 
-    Such a body may read live Python state (vLLM's attention reads its forward context): re-running
-    it at replay would see today's state where a device graph replays what the body launched at
-    capture. So the recorder records what it launches instead.
+    Re-running such a body at replay would see today's Python state where a device graph replays
+    what the body launched at capture, so the recorder records what it launches instead.
     """
-    known = _PYTHON_BODIED.get(func)
-    if known is None:
-        ns, _, rest = func.name().partition("::")
-        overload = func._overloadname
-        name = rest if overload == "default" else f"{rest}.{overload}"
-        registered: set[str] = getattr(torch.library, "_impls", set())
-        known = _PYTHON_BODIED[func] = ns not in _WHOLE_NAMESPACES and any(
-            f"{ns}/{name}/{key}" in registered for key in ("CPU", "CompositeExplicitAutograd")
-        )
-    return known
+    return has_python_kernel(func, "CPU")
 
 
 def _is_composite(func: Any) -> bool:
