@@ -265,6 +265,7 @@ def _modes() -> tuple[type, type]:
             key = {"cpu": "CPU", "cuda": "CUDA"}.get(self.device_type, "PrivateUse1")
             self.key_name = key
             self.keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+            self.host_guard: Any = None  # the HostSyncGuard of this capture, set by capturing()
 
         supports_higher_order_operators = True
 
@@ -290,8 +291,12 @@ def _modes() -> tuple[type, type]:
             if has_python_kernel(func, self.key_name) and _on_device((args, kwargs), self.device_type):
                 # A Python-bodied custom op (vLLM's attention): the guard must see what its body
                 # launches, or an updatable op inside would be captured with frozen host arguments
-                # and no task, and a host sync inside would go unrefused.
-                with self:
+                # and no task, and a host sync inside would go unrefused. torch took the host-sync
+                # guard (a function mode) off the stack for the outer call: put it back too.
+                with contextlib.ExitStack() as body:
+                    if self.host_guard is not None:
+                        body.enter_context(self.host_guard)
+                    body.enter_context(self)
                     return func.redispatch(self.keys, *args, **kwargs)
             return func(*args, **kwargs)
 
@@ -441,8 +446,9 @@ def capturing(graph: GuardedGraph, auto_update_ops: Sequence[str] = ()) -> Itera
     refuse_autocast_cache(graph.device.torch_device.type)
     with contextlib.ExitStack() as stack:
         recorders = op_recorders()  # the backend's op recorder, entered by its _begin_capture
-        stack.enter_context(guard_cls(graph.device.torch_device.type))
+        host_guard = stack.enter_context(guard_cls(graph.device.torch_device.type))
         dispatch = stack.enter_context(dispatch_cls(graph, auto_update_ops))
+        dispatch.host_guard = host_guard
         if recorders:
             # Compiled graphs bypass the dispatcher in part (inductor): record each one whole.
             dispatch.regions = stack.enter_context(CompiledRegions(recorders))

@@ -30,6 +30,13 @@ def syncing_body(x: torch.Tensor) -> torch.Tensor:
     return x * float(x.sum().item())
 
 
+@torch.library.custom_op("devgraph_test::listing_body", mutates_args=())
+def listing_body(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    # transformers' grouped_mm fallback does this: split by offsets read on the host
+    parts = torch.split(x, offs.tolist())
+    return torch.cat([p * (i + 1) for i, p in enumerate(parts)])
+
+
 def _case(dev):
     # bfloat16 on the NPU (Ascend's attention takes no float32), float32 on the reference
     dtype = torch.float32 if str(dev).startswith("cpu") else torch.bfloat16
@@ -68,3 +75,14 @@ def test_host_sync_inside_a_python_bodied_op_is_refused(any_device):
     with pytest.raises(CaptureError, match="_local_scalar_dense|item"):
         with graph.capture():
             syncing_body(x)
+
+
+def test_host_read_inside_a_python_bodied_op_is_refused(any_device):
+    # .tolist() is seen by the host-sync guard (a function mode), which torch takes off the stack
+    # for the outer op: the capture must put it back, or the offsets would be frozen silently.
+    x = torch.ones(6, device=any_device.torch_device)
+    offs = torch.tensor([2, 4], device=any_device.torch_device)
+    graph = any_device.graph()
+    with pytest.raises(CaptureError, match="tolist"):
+        with graph.capture():
+            listing_body(x, offs)
