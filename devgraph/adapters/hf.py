@@ -155,7 +155,22 @@ def _prefill_factory(dev: Device, hf: HFOptions, runner_config: RunnerConfig, op
         **options,
     }
     config = attrs.evolve(runner_config, mode="piecewise", batch_sizes=None, max_batch_size=None)
-    return lambda row: piecewise_runner(row, dev, config, **options)
+
+    def build(row: Any) -> Any:
+        from devgraph.adapters._hf_moe import GroupedMmRouting, eager_uses_grouped_mm
+
+        # Always last, whatever passes the caller chose: without it a mixture-of-experts piece would
+        # replay the routing of capture time (see _hf_moe).
+        routing = GroupedMmRouting(eager_uses_grouped_mm(row.model))
+        passes = options["passes"]
+        named = {**options, "passes": (*(() if passes is None else passes), routing)}
+        if passes is None:  # None: the built-in and contributed passes, then the routing rewrite
+            from devgraph.compile.passes import builtin_passes, contributed_passes
+
+            named["passes"] = (*builtin_passes(), *contributed_passes(dev), routing)
+        return piecewise_runner(row, dev, config, **named)
+
+    return build
 
 
 def _prefill_sizes(max_cache_len: int) -> tuple[int, ...]:
