@@ -44,6 +44,7 @@ from devgraph._errors import DevgraphError
 from devgraph._graphed import GraphedModule
 from devgraph._plugins import device as _device
 from devgraph.adapters._hf_cache import SharedStaticCache
+from devgraph.adapters._hf_compat import cache_kwarg
 from devgraph.adapters._hf_plan import eager_reason, read_generate_call
 from devgraph.adapters._hf_prefill import PiecewisePrefill
 from devgraph.adapters._hf_step import MAX_MASKS, DecodeRoute, DecodeStep
@@ -288,8 +289,38 @@ class GraphedCausalLM(GraphedModule):
                     setattr(named["generation_config"], name, value)
             else:
                 named.update(fields)
+            decodes, prefills = self._route.decode_calls, self._route.prefill_calls
             with _decode_route(model, self._route, fields["compile_config"]):
-                return model.generate(**named, past_key_values=self.cache.view(rows))
+                out = model.generate(**named, **{cache_kwarg(model): self.cache.view(rows)})
+            self._check_hook_reached(out, call.input_ids.shape[1], decodes, prefills)
+            return out
+
+    def _check_hook_reached(self, out: Any, prompt: int, decodes: int, prefills: int) -> None:
+        """Count (and warn once) a ``generate`` whose forwards never reached devgraph's hook.
+
+        transformers calls the route through ``get_compiled_call``; a release that stops doing so (or
+        renames what the route reads) would otherwise run every step eagerly with no sign of it.
+        """
+        sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+        if not isinstance(sequences, torch.Tensor) or sequences.dim() != 2:
+            return
+        from transformers import __version__
+
+        new = sequences.shape[1] - prompt
+        if new >= 2 and self._route.decode_calls == decodes:
+            self.runner.note_fallback(
+                "decode_hook_not_reached",
+                f"transformers {__version__} ran the decode steps without calling devgraph's hook "
+                "(model.get_compiled_call); every step ran eagerly. Use a transformers release this "
+                "devgraph supports (the range in its pyproject.toml), or report it",
+            )
+        if new >= 1 and self._route.prefill is not None and self._route.prefill_calls == prefills:
+            self.runner.note_fallback(
+                "prefill_hook_not_reached",
+                f"transformers {__version__} ran the prefill without calling devgraph's hook (a chunked "
+                "prefill through model.get_compiled_call); the prefill ran eagerly, not from the pieces. "
+                "Use a transformers release this devgraph supports, or mode='full'",
+            )
 
     def __repr__(self) -> str:
         return (
