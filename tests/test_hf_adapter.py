@@ -146,6 +146,23 @@ def test_prompt_overflowing_the_cache_falls_back_with_warning():
     assert graphed.stats.fallbacks == {"sequence_too_long": 1}
 
 
+@pytest.mark.parametrize("overflow", [0, 1], ids=["fills_the_cache", "one_slot_over"])
+def test_cache_length_boundary(overflow):
+    # prompt + max_new_tokens - 1 slots are written (the last token is never fed back): exactly
+    # max_cache_len is graphed, one more falls back.
+    model = tiny_model("llama")
+    ids, mask = prompts(1, seed=8)
+    new = 4
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=PROMPT_LEN + new - 1 - overflow)
+    call = dict(attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new)
+    out = graphed.generate(ids, **call)
+    assert torch.equal(out, model.generate(ids, **call))
+    if overflow:
+        assert graphed.stats.fallbacks == {"sequence_too_long": 1} and graphed.stats.replays == 0
+    else:
+        assert graphed.stats.fallbacks == {} and graphed.stats.replays == new - 1
+
+
 def test_strict_raises_instead_of_falling_back():
     graphed = devgraph.wrap(
         tiny_model("llama"), "cpu", max_batch_size=1, max_cache_len=CACHE_LEN, strict=True
@@ -186,3 +203,16 @@ def test_all_buckets_with_their_cache_fit_in_125_percent_of_the_largest_alone():
         return graphed.stats.pool_bytes + graphed.cache.nbytes
 
     assert graph_and_cache_bytes([1, 2, 4, 8]) <= 1.25 * graph_and_cache_bytes([8])
+
+
+def test_inputs_on_another_device_are_named():
+    graphed = devgraph.wrap(tiny_model("llama"), "cpu", batch_sizes=[1], max_cache_len=16)
+    ids = torch.zeros(1, 4, dtype=torch.long, device="meta")
+    with pytest.raises(devgraph.DevgraphError, match=r"input_ids on meta.*model is on cpu.*\.to\(model\.device\)"):
+        graphed.generate(ids, max_new_tokens=2)
+
+
+def test_a_model_in_train_mode_is_warned_about_naming_eval():
+    model = tiny_model("llama").train()
+    with pytest.warns(UserWarning, match=r"train mode.*model\.eval\(\)"):
+        devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=16)

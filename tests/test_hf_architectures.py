@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _hf_models import ARCHITECTURES, prompts, tiny_model
+from _hf_models import ARCHITECTURES, REFUSED, prompts, tiny_model
 
 import devgraph
 
@@ -51,3 +51,10 @@ def test_piecewise_prefill_matches_eager_on_architecture(name):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m, s=step: f"step {s}: {m}")
     assert graphed.prefill_stats.replays == 1 and graphed.stats.replays == 2
     assert graphed.stats.fallbacks == {} and graphed.prefill_stats.fallbacks == {}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_architecture_the_decode_step_cannot_serve_is_refused_at_wrap(name):
+    # Bloom was accepted, then every decode step fell back (mask_structure) with no fix named.
+    with pytest.raises(devgraph.DevgraphError, match="ALiBi.*eager model.generate"):
+        devgraph.wrap(tiny_model(name), "cpu")

@@ -43,6 +43,7 @@ from devgraph._contract import Device
 from devgraph._errors import DevgraphError
 from devgraph._graphed import GraphedModule
 from devgraph._plugins import device as _device
+from devgraph._source import user_stacklevel
 from devgraph.adapters._hf_cache import SharedStaticCache
 from devgraph.adapters._hf_compat import cache_kwarg
 from devgraph.adapters._hf_plan import eager_reason, read_generate_call
@@ -255,6 +256,7 @@ class GraphedCausalLM(GraphedModule):
         """
         model = self.module
         call = read_generate_call(args, kwargs)
+        _check_inputs(call.named, model)
         why, config = eager_reason(model, call, self.runner.sizes[-1], self.options.max_cache_len)
         if why is not None:
             self.runner.note_fallback(*why)  # raises when strict; counts; warns once per reason
@@ -363,6 +365,18 @@ def _decode_route(model: Any, route: DecodeRoute, compile_config: Any) -> Iterat
 # -- model checks ----------------------------------------------------------------------------------
 
 
+def _check_inputs(named: dict[str, Any], model: Any) -> None:
+    """Refuse prompt tensors on another device than the model's, naming them and the fix."""
+    for key in ("inputs", "input_ids", "attention_mask"):
+        value = named.get(key)
+        if isinstance(value, torch.Tensor) and value.device != model.device:
+            key = "input_ids" if key == "inputs" else key
+            raise DevgraphError(
+                f"generate() got {key} on {value.device}, the model is on {model.device}; move them first: "
+                f"{key}.to(model.device)"
+            )
+
+
 def _check_model(model: Any, device: Device) -> int:
     """The number of cache layers; refuse, with the reason and the fix, models this adapter cannot serve."""
     name = type(model).__name__
@@ -387,13 +401,29 @@ def _check_model(model: Any, device: Device) -> int:
             f"{name} keeps a cache of its own kind (state-space or linear attention), not keys/values; "
             "the graphed decode step needs a static KV cache. Use eager model.generate() for this model."
         )
-    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    text_config = config.get_text_config(decoder=True)
+    if getattr(text_config, "model_type", None) == "bloom" or getattr(text_config, "alibi", False) is True:
+        raise DevgraphError(
+            f"{name} adds ALiBi position biases, which its forward builds from the 2-D attention mask; the "
+            "graphed decode step takes the 4-D masks transformers builds for a static cache, so every step "
+            "would run eagerly. Use eager model.generate() for this model, or a model with rotary or "
+            "learned positions"
+        )
+    layer_types, _ = get_layer_types_and_kwargs(text_config)
     for index, layer_type in enumerate(layer_types):
         if layer_type not in _ATTENTION_LAYER_TYPES:
             raise DevgraphError(
                 f"{name} layer {index} has layer type {layer_type!r}; the graphed decode step caches "
                 f"{list(_ATTENTION_LAYER_TYPES)} layers only. Use eager model.generate() for this model."
             )
+    if model.training:
+        import warnings
+
+        warnings.warn(
+            f"devgraph: {name} is in train mode (dropout is active, so eager and graphed generate differ from "
+            "run to run); call model.eval() before devgraph.wrap",
+            stacklevel=user_stacklevel(),
+        )
     param = next(model.parameters(), None)
     if param is not None and param.device.type != torch.device(device.torch_device).type:
         raise DevgraphError(
