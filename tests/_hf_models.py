@@ -137,3 +137,12 @@ def prompts(batch: int, seed: int, length: int = 7) -> tuple[torch.Tensor, torch
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (batch, length), generator=gen)
     return ids, torch.ones_like(ids)
+
+
+def full_length_static_cache(model: torch.nn.Module, max_cache_len: int) -> Any:
+    """An eager ``generate`` cache laid out as devgraph's: a full-length ``StaticLayer`` per layer,
+    sliding-window layers included (transformers' own static cache gives those a window-length one)."""
+    from transformers.cache_utils import Cache, StaticLayer
+
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    return Cache(layers=[StaticLayer(max_cache_len=max_cache_len) for _ in range(layers)])
