@@ -175,9 +175,10 @@ def test_call_runs_the_model_eagerly():
     model = tiny_model("qwen2")
     graphed = devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=CACHE_LEN)
     ids, _ = prompts(2, seed=10)
-    with torch.no_grad():
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"forward_not_graphed.*graphed\.generate"):
         assert torch.equal(graphed(ids).logits, model(ids).logits)
     assert not graphed.runner.captured
+    assert graphed.stats.fallbacks == {"forward_not_graphed": 1}
 
 
 def test_unknown_option_names_the_valid_ones():

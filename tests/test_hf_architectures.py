@@ -41,7 +41,7 @@ _SOME_SLOW = [n if n in _DEFAULT else pytest.param(n, marks=pytest.mark.slow) fo
 def test_piecewise_prefill_matches_eager_on_architecture(name):
     # Mixture-of-experts layers once replayed the routing of capture time here (logits 0.01-0.1 off).
     model = tiny_model(name)
-    graphed = devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=16, mode="piecewise")
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[1, 4], max_cache_len=16, mode="piecewise")
     ids, mask = prompts(1, seed=5, length=9)
     call = dict(do_sample=False, max_new_tokens=3, output_logits=True, return_dict_in_generate=True)
     out = graphed.generate(ids, attention_mask=mask, **call)
@@ -49,7 +49,15 @@ def test_piecewise_prefill_matches_eager_on_architecture(name):
     assert torch.equal(out.sequences, expected.sequences)
     for step, (got, want) in enumerate(zip(out.logits, expected.logits)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m, s=step: f"step {s}: {m}")
-    assert graphed.prefill_stats.replays == 1 and graphed.stats.replays == 2
+    # Seeded sampling, a left-padded batch of 3 in the bucket of 4.
+    ids, mask = prompts(3, seed=6, length=6)
+    mask[0, :2] = 0
+    sample = dict(attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=4)
+    torch.manual_seed(7)
+    out = graphed.generate(ids, **sample)
+    torch.manual_seed(7)
+    assert torch.equal(out, model.generate(ids, **sample))
+    assert graphed.prefill_stats.replays == 1 + 3 and graphed.stats.replays == 2 + 3
     assert graphed.stats.fallbacks == {} and graphed.prefill_stats.fallbacks == {}
 
 

@@ -187,7 +187,8 @@ def _prefill_sizes(max_cache_len: int) -> tuple[int, ...]:
 class GraphedCausalLM(GraphedModule):
     """A causal LM whose ``generate()`` is transformers' own, with decode steps replayed from graphs.
 
-    Calling it runs the model eagerly (``graphed(input_ids)`` is ``model(input_ids)``); attributes it
+    Calling it runs the model eagerly (``graphed(input_ids)`` is ``model(input_ids)``, counted in
+    ``stats.fallbacks["forward_not_graphed"]`` with a one-time warning); attributes it
     does not define are the model's own. Graphs are captured on the first graphed decode step (or
     by ``capture()``); ``stats`` counts replays and eager fallbacks by reason.
     """
@@ -216,6 +217,12 @@ class GraphedCausalLM(GraphedModule):
         self._lock = threading.RLock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``model(*args, **kwargs)``, eagerly: only ``generate()`` is graphed (counted and warned once)."""
+        self.runner.note_fallback(
+            "forward_not_graphed",
+            "calling the wrapper runs the model's forward eagerly; only generate() replays graphs. Use "
+            "graphed.generate(...), or devgraph.wrap a module whose forward takes and returns tensors",
+        )
         return self.module(*args, **kwargs)
 
     def _drop_graphs(self) -> None:
