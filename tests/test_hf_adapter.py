@@ -209,7 +209,9 @@ def test_all_buckets_with_their_cache_fit_in_125_percent_of_the_largest_alone():
 def test_inputs_on_another_device_are_named():
     graphed = devgraph.wrap(tiny_model("llama"), "cpu", batch_sizes=[1], max_cache_len=16)
     ids = torch.zeros(1, 4, dtype=torch.long, device="meta")
-    with pytest.raises(devgraph.DevgraphError, match=r"input_ids on meta.*model is on cpu.*\.to\(model\.device\)"):
+    with pytest.raises(
+        devgraph.DevgraphError, match=r"input_ids on meta.*model is on cpu.*\.to\(model\.device\)"
+    ):
         graphed.generate(ids, max_new_tokens=2)
 
 

@@ -64,7 +64,7 @@ def test_piecewise_prefill_matches_eager_on_architecture(name):
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_architecture_the_decode_step_cannot_serve_is_refused_at_wrap(name):
     # Bloom was accepted, then every decode step fell back (mask_structure) with no fix named.
-    with pytest.raises(devgraph.DevgraphError, match="ALiBi.*eager model.generate"):
+    with pytest.raises(devgraph.DevgraphError, match=r"ALiBi.*eager model\.generate"):
         devgraph.wrap(tiny_model(name), "cpu")
 
 

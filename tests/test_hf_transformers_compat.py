@@ -54,5 +54,5 @@ def test_a_loop_that_never_calls_the_hook_raises_when_strict():
     graphed = devgraph.wrap(model, "cpu", batch_sizes=[2], max_cache_len=16, strict=True)
     model.get_compiled_call = lambda config: model.__call__
     ids, mask = prompts(2, seed=9)
-    with pytest.raises(devgraph.DevgraphError, match="decode hook|get_compiled_call"):
+    with pytest.raises(devgraph.DevgraphError, match=r"get_compiled_call"):
         graphed.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)

@@ -101,7 +101,7 @@ class GroupedMmRouting(Pass):
                     "instead. Use mode='full' (decode graphs, eager prefill), or bf16 weights, or "
                     "model.config._experts_implementation = 'batched_mm'"
                 )
-            x, w, offs = (list(node.args) + [node.kwargs.get("offs")])[:3]
+            x, w, offs = [*node.args, node.kwargs.get("offs")][:3]
             node.target = grouped_mm_op()
             node.args = (x, w, offs)
             node.kwargs = {}
