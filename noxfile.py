@@ -35,8 +35,10 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(name="tests-hf-newest")
 def tests_hf_newest(session: nox.Session) -> None:
-    """The Hugging Face tests on the newest transformers the ``hf`` extra admits (no pin: what
-    ``pip install 'devgraph[hf]'`` installs today), slow ones included."""
+    """The Hugging Face tests, slow ones included, on the newest transformers the hf extra admits.
+
+    No pin: what ``pip install 'devgraph[hf]'`` installs today (``tests`` pins constraints.txt's).
+    """
     session.install(*CONSTRAINTS, "torch==2.13.0")
     session.install("-e", ".[test,hf]")  # no constraints: transformers resolves to its newest release
     session.install("--upgrade", "--upgrade-strategy", "only-if-needed", "transformers>=5.0")
