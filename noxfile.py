@@ -1,4 +1,4 @@
-"""Sessions: tests (default), lint, typecheck, demo, tests-vllm, tests-sglang, tests-cuda (GPU machines only).
+"""Sessions: tests (default), tests-hf-newest, lint, typecheck, demo, tests-vllm, tests-sglang, tests-cuda (GPU machines only).
 
 Test environments pin torch through constraints.txt to the CPU wheel CI installs (2.13.0);
 the package itself supports torch 2.11+.
@@ -31,6 +31,21 @@ def tests(session: nox.Session) -> None:
     _install(session, "test,hf,progress")
     workers = os.environ.get("DEVGRAPH_TEST_WORKERS", "2")
     session.run("pytest", "-n", workers, "-q", "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session(name="tests-hf-newest")
+def tests_hf_newest(session: nox.Session) -> None:
+    """The Hugging Face tests, slow ones included, on the newest transformers the hf extra admits.
+
+    No pin: what ``pip install 'devgraph[hf]'`` installs today (``tests`` pins constraints.txt's).
+    """
+    session.install(*CONSTRAINTS, "torch==2.13.0")
+    session.install("-e", ".[test,hf]")  # no constraints: transformers resolves to its newest release
+    session.install("--upgrade", "--upgrade-strategy", "only-if-needed", "transformers>=5.0")
+    session.run("python", "-c", "import transformers; print('transformers', transformers.__version__)")
+    workers = os.environ.get("DEVGRAPH_TEST_WORKERS", "2")
+    hf_tests = sorted(str(p) for p in Path("tests").glob("test_hf_*.py"))
+    session.run("pytest", "-n", workers, "-q", "-p", "no:cacheprovider", *hf_tests, *session.posargs)
 
 
 @nox.session

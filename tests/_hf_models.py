@@ -1,9 +1,10 @@
 """Tiny random transformers causal LMs built from configs in code (no downloads), for the HF tests.
 
 ``ARCHITECTURES`` maps a name to ``(config class, model class, config overrides)``; each builds in
-well under a second. Among them: a mixture-of-experts model (``qwen2_moe``, ``mixtral``,
-``qwen3_moe``) and sliding-window attention (``mistral_sliding``, ``gemma2``, ``qwen2`` with mixed
-layer types).
+well under a second. Among them: mixture-of-experts models (``qwen2_moe``, ``mixtral``,
+``qwen3_moe``, ``deepseek_v3`` with latent attention and grouped routing) and sliding-window attention
+(``mistral_sliding``, ``gemma2``, ``gemma3_text``, ``qwen2`` with mixed layer types). ``REFUSED`` holds
+architectures the adapter refuses at wrap time, with the reason.
 """
 
 from __future__ import annotations
@@ -63,10 +64,60 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
         dict(_HEAD, **_MOE, shared_expert_intermediate_size=32),
     ),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(_HEAD, **_MOE)),
+    "deepseek_v3": (  # multi-head latent attention, grouped top-k routing, a dense first layer
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            _COMMON,
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+        ),
+    ),
+    "gemma3_text": (  # sliding and full layers, each with its own rotary embedding
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(_HEAD, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    ),
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(
+            hidden_size=64,
+            ffn_dim=128,
+            word_embed_proj_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+    ),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
         dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2),
+    ),
+}
+
+#: Architectures ``devgraph.wrap`` refuses (with the reason's key words), built the same way.
+REFUSED: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "bloom": (
+        "BloomConfig",
+        "BloomForCausalLM",
+        dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2),
     ),
 }
 
@@ -75,7 +126,7 @@ def tiny_model(name: str, dtype: torch.dtype = torch.float32, **overrides: Any) 
     """The architecture ``name``, seeded, in eval mode."""
     import transformers
 
-    config_name, model_name, base = ARCHITECTURES[name]
+    config_name, model_name, base = ARCHITECTURES[name] if name in ARCHITECTURES else REFUSED[name]
     config = getattr(transformers, config_name)(**{**base, **overrides})
     torch.manual_seed(0)
     return getattr(transformers, model_name)(config).to(dtype).eval()
@@ -86,3 +137,12 @@ def prompts(batch: int, seed: int, length: int = 7) -> tuple[torch.Tensor, torch
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (batch, length), generator=gen)
     return ids, torch.ones_like(ids)
+
+
+def full_length_static_cache(model: torch.nn.Module, max_cache_len: int) -> Any:
+    """An eager ``generate`` cache laid out as devgraph's: a full-length ``StaticLayer`` per layer,
+    sliding-window layers included (transformers' own static cache gives those a window-length one)."""
+    from transformers.cache_utils import Cache, StaticLayer
+
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    return Cache(layers=[StaticLayer(max_cache_len=max_cache_len) for _ in range(layers)])

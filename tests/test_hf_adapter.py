@@ -6,6 +6,8 @@ Tiny random decoders are built in code (no downloads). Every comparison is again
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -146,6 +148,25 @@ def test_prompt_overflowing_the_cache_falls_back_with_warning():
     assert graphed.stats.fallbacks == {"sequence_too_long": 1}
 
 
+@pytest.mark.parametrize("overflow", [0, 1], ids=["fills_the_cache", "one_slot_over"])
+def test_cache_length_boundary(overflow):
+    # prompt + max_new_tokens - 1 slots are written (the last token is never fed back): exactly
+    # max_cache_len is graphed, one more falls back.
+    model = tiny_model("llama")
+    ids, mask = prompts(1, seed=8)
+    new = 4
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=PROMPT_LEN + new - 1 - overflow)
+    call = dict(attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*sequence_too_long")  # asserted on the stats below
+        out = graphed.generate(ids, **call)
+    assert torch.equal(out, model.generate(ids, **call))
+    if overflow:
+        assert graphed.stats.fallbacks == {"sequence_too_long": 1} and graphed.stats.replays == 0
+    else:
+        assert graphed.stats.fallbacks == {} and graphed.stats.replays == new - 1
+
+
 def test_strict_raises_instead_of_falling_back():
     graphed = devgraph.wrap(
         tiny_model("llama"), "cpu", max_batch_size=1, max_cache_len=CACHE_LEN, strict=True
@@ -158,9 +179,10 @@ def test_call_runs_the_model_eagerly():
     model = tiny_model("qwen2")
     graphed = devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=CACHE_LEN)
     ids, _ = prompts(2, seed=10)
-    with torch.no_grad():
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"forward_not_graphed.*graphed\.generate"):
         assert torch.equal(graphed(ids).logits, model(ids).logits)
     assert not graphed.runner.captured
+    assert graphed.stats.fallbacks == {"forward_not_graphed": 1}
 
 
 def test_unknown_option_names_the_valid_ones():
@@ -186,3 +208,18 @@ def test_all_buckets_with_their_cache_fit_in_125_percent_of_the_largest_alone():
         return graphed.stats.pool_bytes + graphed.cache.nbytes
 
     assert graph_and_cache_bytes([1, 2, 4, 8]) <= 1.25 * graph_and_cache_bytes([8])
+
+
+def test_inputs_on_another_device_are_named():
+    graphed = devgraph.wrap(tiny_model("llama"), "cpu", batch_sizes=[1], max_cache_len=16)
+    ids = torch.zeros(1, 4, dtype=torch.long, device="meta")
+    with pytest.raises(
+        devgraph.DevgraphError, match=r"input_ids on meta.*model is on cpu.*\.to\(model\.device\)"
+    ):
+        graphed.generate(ids, max_new_tokens=2)
+
+
+def test_a_model_in_train_mode_is_warned_about_naming_eval():
+    model = tiny_model("llama").train()
+    with pytest.warns(UserWarning, match=r"train mode.*model\.eval\(\)"):
+        devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=16)

@@ -59,3 +59,15 @@ def test_piecewise_prefill_with_sliding_and_full_layers_matches_eager():
 def test_compile_options_without_a_piecewise_mode_are_refused():
     with pytest.raises(DevgraphError, match=r"capture_sizes.*mode='piecewise'"):
         devgraph.wrap(tiny_model("llama"), "cpu", capture_sizes=[16])
+
+
+def test_moe_fallback_op_is_refused_where_eager_would_not_run_grouped_mm(monkeypatch):
+    # transformers' traced experts op reads the routing offsets on the host: a piece would replay the
+    # routing of capture time. Where devgraph cannot put eager's torch._grouped_mm in its place, refuse.
+    import devgraph.adapters._hf_moe as moe
+
+    monkeypatch.setattr(moe, "eager_uses_grouped_mm", lambda model: False)
+    graphed = devgraph.wrap(tiny_model("mixtral"), "cpu", batch_sizes=[1], max_cache_len=16, mode="piecewise")
+    ids, mask = prompts(1, seed=3, length=5)
+    with pytest.raises(DevgraphError, match=r"transformers::grouped_mm_fallback.*offs\.tolist"):
+        graphed.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from devgraph.adapters._hf_compat import cache_kwarg
+
 __all__ = ["SharedStaticCache"]
 
 
@@ -55,7 +57,7 @@ class SharedStaticCache:
             return
         ids = torch.zeros(self.rows, 1, dtype=torch.long, device=model.device)
         with torch.no_grad():
-            model(input_ids=ids, past_key_values=self.base, use_cache=True, **extra_kwargs)
+            model(input_ids=ids, use_cache=True, **{cache_kwarg(model): self.base}, **extra_kwargs)
         self.reset()
 
     def release(self) -> None:

@@ -36,6 +36,7 @@ _EAGER_ARGUMENTS = {
     "negative_prompt_ids": "classifier-free guidance runs a second, unshared model pass",
     "synced_gpus": "synchronised multi-GPU generation",
     "past_key_values": "a cache you pass is not devgraph's static cache",
+    "cache": "a cache you pass is not devgraph's static cache",
     "cache_params": "a cache you pass is not devgraph's static cache",
     "inputs_embeds": "prompts given as embeddings",
 }

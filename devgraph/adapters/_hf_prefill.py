@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from devgraph.adapters._hf_cache import SharedStaticCache
+from devgraph.adapters._hf_compat import CACHE_KEYS, cache_kwarg, cache_of, causal_lm_output
 from devgraph.adapters._hf_step import mask_structure
 
 __all__ = ["PiecewisePrefill", "PrefillRow"]
@@ -35,6 +36,7 @@ class PrefillRow(nn.Module):
         self.model = model
         self.scratch = scratch
         self.mask_keys: tuple[str | None, ...] | None = None
+        self.cache_kwarg = cache_kwarg(model)
 
     def forward(
         self,
@@ -54,7 +56,7 @@ class PrefillRow(nn.Module):
             input_ids=input_ids[None],
             position_ids=position_ids[None],
             attention_mask=attention_mask,
-            past_key_values=cache,
+            **{self.cache_kwarg: cache},
             use_cache=True,
             return_dict=True,
         )
@@ -106,7 +108,7 @@ class PiecewisePrefill:
                 "input_ids",
                 "position_ids",
                 "attention_mask",
-                "past_key_values",
+                *CACHE_KEYS,
                 "use_cache",
                 "return_dict",
             )
@@ -124,8 +126,6 @@ class PiecewisePrefill:
         return None
 
     def __call__(self, kwargs: dict[str, Any]) -> Any:
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         ids = kwargs["input_ids"]
         batch, tokens = ids.shape
         keys, masks = mask_structure(kwargs["attention_mask"], tokens)  # type: ignore[misc]
@@ -144,4 +144,4 @@ class PiecewisePrefill:
                 big.values[r, :, :tokens].copy_(row.values[0, :, :tokens])
         for big in self.cache.base.layers:
             big.cumulative_length.fill_(tokens)  # in place: the captured decode steps hold it
-        return CausalLMOutputWithPast(logits=torch.stack(last), past_key_values=kwargs["past_key_values"])
+        return causal_lm_output(torch.stack(last), cache_of(kwargs))

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from devgraph.adapters._hf_cache import SharedStaticCache
+from devgraph.adapters._hf_compat import CACHE_KEYS, cache_kwarg, cache_of, causal_lm_output
 
 __all__ = ["DecodeRoute", "DecodeStep", "MAX_MASKS"]
 
@@ -30,7 +31,7 @@ __all__ = ["DecodeRoute", "DecodeStep", "MAX_MASKS"]
 MAX_MASKS = 3
 
 #: Decode-call arguments the step reproduces itself; any other argument set makes the call eager.
-_DECODE_KEYS = {"input_ids", "position_ids", "attention_mask", "past_key_values", "use_cache", "return_dict"}
+_DECODE_KEYS = {"input_ids", "position_ids", "attention_mask", *CACHE_KEYS, "use_cache", "return_dict"}
 _IGNORED_IF_DEFAULT = {"logits_to_keep": (None, 0, 1), "output_attentions": (None, False)}
 _IGNORED_IF_DEFAULT["output_hidden_states"] = (None, False)
 _IGNORED_IF_DEFAULT["cache_position"] = (None,)
@@ -50,6 +51,7 @@ class DecodeStep(nn.Module):
         self.cache = cache
         self.extra_kwargs = extra_kwargs
         self.mask_keys: tuple[str | None, ...] | None = None  # fixed by the first decode call
+        self.cache_kwarg = cache_kwarg(model)
 
     def forward(
         self,
@@ -69,7 +71,7 @@ class DecodeStep(nn.Module):
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
-            past_key_values=self.cache.view(input_ids.shape[0]),
+            **{self.cache_kwarg: self.cache.view(input_ids.shape[0])},
             use_cache=True,
             return_dict=True,
             **self.extra_kwargs,
@@ -106,11 +108,15 @@ class DecodeRoute:
         self.runner = runner
         self.on_eager = on_eager
         self.prefill = prefill  # a PiecewisePrefill (piecewise modes) or None: prefill runs eagerly
+        self.decode_calls = 0  # forwards of one token per row that reached this route (hf.py checks)
+        self.prefill_calls = 0  # forwards of several tokens per row that reached it
 
     def __call__(self, **kwargs: Any) -> Any:
         why = self._not_decode(kwargs)
         if why == "prefill":
+            self.prefill_calls += 1
             return self.run_prefill(kwargs)
+        self.decode_calls += 1
         if why is not None:
             self.on_eager(*why)
             return self.model(**kwargs)
@@ -127,13 +133,11 @@ class DecodeRoute:
         if not self.runner.captured:
             self._capture(kwargs["input_ids"], kwargs.get("position_ids"), named)
         logits = self.runner(input_ids=kwargs["input_ids"], position_ids=kwargs.get("position_ids"), **named)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        return CausalLMOutputWithPast(logits=logits, past_key_values=kwargs["past_key_values"])
+        return causal_lm_output(logits, cache_of(kwargs))
 
     def run_prefill(self, kwargs: dict[str, Any]) -> Any:
         """A forward of several tokens per row: from the pieces when there are some, else eagerly."""
-        if self.prefill is None or not self.step.cache.owns(kwargs.get("past_key_values")):
+        if self.prefill is None or not self.step.cache.owns(cache_of(kwargs)):
             return self.model(**kwargs)  # full mode: the prefill is eager by design, not a fallback
         self.prefill.fill_missing_mask(kwargs)
         why = self.prefill.can_serve(kwargs)
@@ -155,7 +159,7 @@ class DecodeRoute:
         ids = kwargs.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
             return "prefill"
-        if not self.step.cache.owns(kwargs.get("past_key_values")):
+        if not self.step.cache.owns(cache_of(kwargs)):
             return "prefill"
         extra = sorted(
             k

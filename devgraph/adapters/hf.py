@@ -43,7 +43,9 @@ from devgraph._contract import Device
 from devgraph._errors import DevgraphError
 from devgraph._graphed import GraphedModule
 from devgraph._plugins import device as _device
+from devgraph._source import user_stacklevel
 from devgraph.adapters._hf_cache import SharedStaticCache
+from devgraph.adapters._hf_compat import cache_kwarg
 from devgraph.adapters._hf_plan import eager_reason, read_generate_call
 from devgraph.adapters._hf_prefill import PiecewisePrefill
 from devgraph.adapters._hf_step import MAX_MASKS, DecodeRoute, DecodeStep
@@ -155,7 +157,22 @@ def _prefill_factory(dev: Device, hf: HFOptions, runner_config: RunnerConfig, op
         **options,
     }
     config = attrs.evolve(runner_config, mode="piecewise", batch_sizes=None, max_batch_size=None)
-    return lambda row: piecewise_runner(row, dev, config, **options)
+
+    def build(row: Any) -> Any:
+        from devgraph.adapters._hf_moe import GroupedMmRouting, eager_uses_grouped_mm
+
+        # Always last, whatever passes the caller chose: without it a mixture-of-experts piece would
+        # replay the routing of capture time (see _hf_moe).
+        routing = GroupedMmRouting(eager_uses_grouped_mm(row.model))
+        passes = options["passes"]
+        named = {**options, "passes": (*(() if passes is None else passes), routing)}
+        if passes is None:  # None: the built-in and contributed passes, then the routing rewrite
+            from devgraph.compile.passes import builtin_passes, contributed_passes
+
+            named["passes"] = (*builtin_passes(), *contributed_passes(dev), routing)
+        return piecewise_runner(row, dev, config, **named)
+
+    return build
 
 
 def _prefill_sizes(max_cache_len: int) -> tuple[int, ...]:
@@ -170,7 +187,8 @@ def _prefill_sizes(max_cache_len: int) -> tuple[int, ...]:
 class GraphedCausalLM(GraphedModule):
     """A causal LM whose ``generate()`` is transformers' own, with decode steps replayed from graphs.
 
-    Calling it runs the model eagerly (``graphed(input_ids)`` is ``model(input_ids)``); attributes it
+    Calling it runs the model eagerly (``graphed(input_ids)`` is ``model(input_ids)``, counted in
+    ``stats.fallbacks["forward_not_graphed"]`` with a one-time warning); attributes it
     does not define are the model's own. Graphs are captured on the first graphed decode step (or
     by ``capture()``); ``stats`` counts replays and eager fallbacks by reason.
     """
@@ -199,6 +217,12 @@ class GraphedCausalLM(GraphedModule):
         self._lock = threading.RLock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``model(*args, **kwargs)``, eagerly: only ``generate()`` is graphed (counted and warned once)."""
+        self.runner.note_fallback(
+            "forward_not_graphed",
+            "calling the wrapper runs the model's forward eagerly; only generate() replays graphs. Use "
+            "graphed.generate(...), or devgraph.wrap a module whose forward takes and returns tensors",
+        )
         return self.module(*args, **kwargs)
 
     def _drop_graphs(self) -> None:
@@ -239,6 +263,7 @@ class GraphedCausalLM(GraphedModule):
         """
         model = self.module
         call = read_generate_call(args, kwargs)
+        _check_inputs(call.named, model)
         why, config = eager_reason(model, call, self.runner.sizes[-1], self.options.max_cache_len)
         if why is not None:
             self.runner.note_fallback(*why)  # raises when strict; counts; warns once per reason
@@ -273,8 +298,38 @@ class GraphedCausalLM(GraphedModule):
                     setattr(named["generation_config"], name, value)
             else:
                 named.update(fields)
+            decodes, prefills = self._route.decode_calls, self._route.prefill_calls
             with _decode_route(model, self._route, fields["compile_config"]):
-                return model.generate(**named, past_key_values=self.cache.view(rows))
+                out = model.generate(**named, **{cache_kwarg(model): self.cache.view(rows)})
+            self._check_hook_reached(out, call.input_ids.shape[1], decodes, prefills)
+            return out
+
+    def _check_hook_reached(self, out: Any, prompt: int, decodes: int, prefills: int) -> None:
+        """Count (and warn once) a ``generate`` whose forwards never reached devgraph's hook.
+
+        transformers calls the route through ``get_compiled_call``; a release that stops doing so (or
+        renames what the route reads) would otherwise run every step eagerly with no sign of it.
+        """
+        sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+        if not isinstance(sequences, torch.Tensor) or sequences.dim() != 2:
+            return
+        from transformers import __version__
+
+        new = sequences.shape[1] - prompt
+        if new >= 2 and self._route.decode_calls == decodes:
+            self.runner.note_fallback(
+                "decode_hook_not_reached",
+                f"transformers {__version__} ran the decode steps without calling devgraph's hook "
+                "(model.get_compiled_call); every step ran eagerly. Use a transformers release this "
+                "devgraph supports (the range in its pyproject.toml), or report it",
+            )
+        if new >= 1 and self._route.prefill is not None and self._route.prefill_calls == prefills:
+            self.runner.note_fallback(
+                "prefill_hook_not_reached",
+                f"transformers {__version__} ran the prefill without calling devgraph's hook (a chunked "
+                "prefill through model.get_compiled_call); the prefill ran eagerly, not from the pieces. "
+                "Use a transformers release this devgraph supports, or mode='full'",
+            )
 
     def __repr__(self) -> str:
         return (
@@ -317,6 +372,18 @@ def _decode_route(model: Any, route: DecodeRoute, compile_config: Any) -> Iterat
 # -- model checks ----------------------------------------------------------------------------------
 
 
+def _check_inputs(named: dict[str, Any], model: Any) -> None:
+    """Refuse prompt tensors on another device than the model's, naming them and the fix."""
+    for key in ("inputs", "input_ids", "attention_mask"):
+        value = named.get(key)
+        if isinstance(value, torch.Tensor) and value.device != model.device:
+            key = "input_ids" if key == "inputs" else key
+            raise DevgraphError(
+                f"generate() got {key} on {value.device}, the model is on {model.device}; move them first: "
+                f"{key}.to(model.device)"
+            )
+
+
 def _check_model(model: Any, device: Device) -> int:
     """The number of cache layers; refuse, with the reason and the fix, models this adapter cannot serve."""
     name = type(model).__name__
@@ -341,13 +408,29 @@ def _check_model(model: Any, device: Device) -> int:
             f"{name} keeps a cache of its own kind (state-space or linear attention), not keys/values; "
             "the graphed decode step needs a static KV cache. Use eager model.generate() for this model."
         )
-    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    text_config = config.get_text_config(decoder=True)
+    if getattr(text_config, "model_type", None) == "bloom" or getattr(text_config, "alibi", False) is True:
+        raise DevgraphError(
+            f"{name} adds ALiBi position biases, which its forward builds from the 2-D attention mask; the "
+            "graphed decode step takes the 4-D masks transformers builds for a static cache, so every step "
+            "would run eagerly. Use eager model.generate() for this model, or a model with rotary or "
+            "learned positions"
+        )
+    layer_types, _ = get_layer_types_and_kwargs(text_config)
     for index, layer_type in enumerate(layer_types):
         if layer_type not in _ATTENTION_LAYER_TYPES:
             raise DevgraphError(
                 f"{name} layer {index} has layer type {layer_type!r}; the graphed decode step caches "
                 f"{list(_ATTENTION_LAYER_TYPES)} layers only. Use eager model.generate() for this model."
             )
+    if model.training:
+        import warnings
+
+        warnings.warn(
+            f"devgraph: {name} is in train mode (dropout is active, so eager and graphed generate differ from "
+            "run to run); call model.eval() before devgraph.wrap",
+            stacklevel=user_stacklevel(),
+        )
     param = next(model.parameters(), None)
     if param is not None and param.device.type != torch.device(device.torch_device).type:
         raise DevgraphError(
