@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any
 
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
@@ -70,7 +71,10 @@ class DevgraphDecodeGraphRunner(_UsesDevgraphBackend, DecodeCudaGraphRunner):
                 self.compile_bs,
             )
         self.compile_bs = []
+        start = time.perf_counter()
         super().capture()
+        seconds = time.perf_counter() - start
+        _stats.record(lambda s: setattr(s, "capture_s", s.capture_s + seconds))
 
     def can_run_graph(self, forward_batch: Any) -> bool:
         ok = super().can_run_graph(forward_batch)

@@ -23,7 +23,7 @@ class GraphStats:
     graph's updatable tasks new host arguments. ``eager_decode``: decode batches run eagerly
     because no graph of their size was captured, by batch size (``DevgraphDecodeGraphRunner``
     replays a graph only of a batch's exact size; see ``_runner``). Prefill is never captured and
-    not counted.
+    not counted. ``capture_s``: seconds the decode runner's ``capture()`` took (warm-ups included).
     """
 
     captured: list[int] = attrs.field(factory=list)
@@ -32,6 +32,7 @@ class GraphStats:
     padded_rows: int = 0
     task_updates: int = 0
     eager_decode: Counter = attrs.field(factory=Counter)
+    capture_s: float = 0.0
 
     def as_dict(self) -> dict:
         """A JSON-ready copy (bucket keys as strings)."""
@@ -42,6 +43,7 @@ class GraphStats:
             "padded_rows": self.padded_rows,
             "task_updates": self.task_updates,
             "eager_decode": {str(k): v for k, v in sorted(self.eager_decode.items())},
+            "capture_s": round(self.capture_s, 3),
         }
 
 
