@@ -162,7 +162,7 @@ def test_npu_runner_replay_uses_devgraph_attentions_own_lengths():
     backend = _capture(runner)
     lens = runner.load(4, 3, seed=7)
     got = backend.replay_with_input_update(
-        ShapeKey(4), seq_lens=lens[:3] + [0], attr_name="actual_seq_lengths_kv", attr_type=[]
+        ShapeKey(4), seq_lens=[*lens[:3], 0], attr_name="actual_seq_lengths_kv", attr_type=[]
     )
     torch.testing.assert_close(got.next_token_logits, runner.step(4, lens).next_token_logits)
     assert _stats.stats().task_updates == 1

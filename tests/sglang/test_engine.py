@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,22 +30,37 @@ REQUESTS, MAX_RUNNING, MAX_NEW_TOKENS = 32, 16, 150
 ARCHS = ("qwen3", "phi3", "qwen3_moe")
 
 
-def _run(model_dir: Path, tmp: Path, mode: str, *options: str) -> tuple[dict, dict, str]:
-    """Output JSON, the scheduler's devgraph counters ({} if it never wrote them) and stderr."""
-    out, stats = tmp / f"{mode}.json", tmp / f"{mode}-stats.json"
+def _start(model_dir: Path, tmp: Path, mode: str, *options: str) -> tuple[subprocess.Popen, Path]:
+    """The engine process, writing ``<mode>.json``, ``<mode>-stats.json`` and ``<mode>.log`` in ``tmp``."""
+    stats = tmp / f"{mode}-stats.json"
     env = dict(os.environ, SGLANG_PLATFORM="devgraph", DEVGRAPH_SGLANG_STATS=str(stats))
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "engine_run.py"), str(model_dir), str(out), mode, *options],
-        env=env,
-        cwd=tmp,
-        timeout=TIMEOUT_S,
-        capture_output=True,
-        text=True,
-    )
+    cmd = [sys.executable, str(HERE / "engine_run.py"), str(model_dir), str(tmp / f"{mode}.json"), mode]
+    with open(tmp / f"{mode}.log", "w") as log:  # a file, not a pipe: two engines run at once
+        proc = subprocess.Popen(
+            [*cmd, *options], env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return proc, tmp / mode
+
+
+def _finish(started: tuple[subprocess.Popen, Path]) -> tuple[dict, dict, str]:
+    """Output JSON ({} if the engine failed), the scheduler's devgraph counters ({} if it never
+    wrote them) and the engine's log."""
+    proc, base = started
+    out, stats = base.with_suffix(".json"), base.parent / f"{base.name}-stats.json"
+    try:
+        proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the engine and the scheduler processes it started
+        proc.wait()
+    stderr = base.with_suffix(".log").read_text()
     if proc.returncode != 0:
-        return {}, {}, proc.stderr
+        return {}, {}, stderr
     counters = json.loads(stats.read_text()) if stats.exists() else {}
-    return json.loads(out.read_text()), counters, proc.stderr
+    return json.loads(out.read_text()), counters, stderr
+
+
+def _run(model_dir: Path, tmp: Path, mode: str, *options: str) -> tuple[dict, dict, str]:
+    return _finish(_start(model_dir, tmp, mode, *options))
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -53,9 +69,11 @@ def runs(request, tmp_path_factory):
     model_dir = tiny_model.build(tmp / "model", request.param)
     options = ["--requests", str(REQUESTS), "--max-running", str(MAX_RUNNING)]
     options += ["--max-new-tokens", str(MAX_NEW_TOKENS)]
+    # Both engines at once: each is mostly single-threaded Python; a second core helps.
+    started = {mode: _start(model_dir, tmp, mode, *options) for mode in ("eager", "graphs")}
     results = {}
-    for mode in ("eager", "graphs"):
-        out, counters, stderr = _run(model_dir, tmp, mode, *options)
+    for mode, handle in started.items():
+        out, counters, stderr = _finish(handle)
         assert out, f"engine ({request.param}, {mode}) failed:\n{stderr[-6000:]}"
         results[mode] = out, counters
     return results
