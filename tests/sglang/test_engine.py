@@ -1,10 +1,11 @@
 """Level 3: a real ``sgl.Engine`` on CPU, token-identical with and without devgraph's decode graphs.
 
-Per architecture (dense with QK-norm, Phi3's fused projections, a mixture of experts): 32 greedy
-requests, up to 16 running, outputs of 75 to 150 tokens, so decode batches take every size from 16
+Per architecture (dense with QK-norm, Phi3's fused projections; bf16 random weights): 32 greedy
+requests, up to 16 running, outputs of 75 to 150 tokens, so decode batches take many sizes from 16
 down to 1 as requests finish and new ones join. Near-tied tokens flip on such runs when a graph step
 is not the eager step bit for bit (a compiled forward, a batch padded to a larger graph); a
-12-token run of three requests did not show it.
+12-token run of three requests did not show it. A mixture of experts cannot be captured on CPU at
+SGLang 0.5.23 (its native MoE reads expert counts on the host): the engine refuses at start.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import tiny_model
 HERE = Path(__file__).parent
 TIMEOUT_S = int(os.environ.get("DEVGRAPH_SGLANG_ENGINE_TIMEOUT", "900"))
 REQUESTS, MAX_RUNNING, MAX_NEW_TOKENS = 32, 16, 150
-ARCHS = ("qwen3", "phi3", "qwen3_moe")
+ARCHS = ("qwen3", "phi3")
 
 
 def _start(model_dir: Path, tmp: Path, mode: str, *options: str) -> tuple[subprocess.Popen, Path]:
@@ -35,7 +36,7 @@ def _start(model_dir: Path, tmp: Path, mode: str, *options: str) -> tuple[subpro
     stats = tmp / f"{mode}-stats.json"
     env = dict(os.environ, SGLANG_PLATFORM="devgraph", DEVGRAPH_SGLANG_STATS=str(stats))
     cmd = [sys.executable, str(HERE / "engine_run.py"), str(model_dir), str(tmp / f"{mode}.json"), mode]
-    with open(tmp / f"{mode}.log", "w") as log:  # a file, not a pipe: two engines run at once
+    with open(tmp / f"{mode}.log", "w") as log:  # a file, not a pipe that could fill up
         proc = subprocess.Popen(
             [*cmd, *options], env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -69,11 +70,9 @@ def runs(request, tmp_path_factory):
     model_dir = tiny_model.build(tmp / "model", request.param)
     options = ["--requests", str(REQUESTS), "--max-running", str(MAX_RUNNING)]
     options += ["--max-new-tokens", str(MAX_NEW_TOKENS)]
-    # Both engines at once: each is mostly single-threaded Python; a second core helps.
-    started = {mode: _start(model_dir, tmp, mode, *options) for mode in ("eager", "graphs")}
     results = {}
-    for mode, handle in started.items():
-        out, counters, stderr = _finish(handle)
+    for mode in ("eager", "graphs"):  # one engine at a time: CI machines have few cores
+        out, counters, stderr = _run(model_dir, tmp, mode, *options)
         assert out, f"engine ({request.param}, {mode}) failed:\n{stderr[-6000:]}"
         results[mode] = out, counters
     return results
@@ -125,3 +124,14 @@ def test_sliding_window_model_is_refused_at_engine_start(tmp_path):
     out, _, stderr = _run(model_dir, tmp_path, "eager", "--requests", "1", "--max-new-tokens", "2")
     assert not out  # the engine never started, so no request ran
     assert "DevgraphError" in stderr and "uses a sliding window of 31" in stderr
+
+
+def test_moe_decode_graphs_are_refused_at_engine_start_naming_the_host_sync(tmp_path):
+    # SGLang's CPU MoE without sgl_kernel (moe_forward_native) copies the tokens per expert to the
+    # host: a graph would freeze that routing, so devgraph's capture refuses it and the engine
+    # stops at start (the eager engine serves the same model; the identity test runs it dense).
+    model_dir = tiny_model.build(tmp_path / "model", "qwen3_moe")
+    out, _, log = _run(model_dir, tmp_path, "graphs", "--requests", "1", "--max-new-tokens", "2")
+    assert not out
+    assert "host synchronisation inside graph capture" in log
+    assert "fused_moe_native.py" in log and "Tensor.cpu" in log
