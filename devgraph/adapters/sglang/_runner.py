@@ -2,17 +2,16 @@
 
 ``DevgraphDecodeGraphRunner`` is SGLang's ``DecodeCudaGraphRunner`` (buckets, static buffers, capture
 largest first, slicing) with devgraph's backend, for the CPU reference, where a graph step must equal
-the eager step bit for bit. Two things differ from SGLang's runner, each of which moved near-tied
-greedy tokens on long outputs:
+the eager step bit for bit. Two things differ from SGLang's runner:
 
 * Nothing is ``torch.compile``'d. On ``cpu`` SGLang captures only with ``enable_torch_compile`` and
   then compiles every captured size's whole forward (it raises ``torch_compile_max_bs`` to the
   largest capture size whatever was passed); inductor's fused kernels round differently from the
-  eager ops, and compiling each size took most of the engine's start. The capture records the eager
-  ops instead.
-* A batch replays only a graph of its own size, never one padded to a larger bucket: CPU GEMMs
-  round a row differently depending on how many rows the matrix has, so a padded step is not the
-  eager step. A decode batch of a size with no graph runs eagerly, counted in
+  eager ops (near-tied greedy tokens flipped on long outputs), and compiling each size took most of
+  the engine's start. The capture records the eager ops instead.
+* A batch replays only a graph of its own size, never one padded to a larger bucket: float32 CPU
+  GEMMs round a row differently depending on how many rows the matrix has, so a padded step is not
+  the eager step. A decode batch of a size with no graph runs eagerly, counted in
   ``stats().eager_decode`` and warned about once, naming ``cuda_graph_bs_decode`` /
   ``max_running_requests`` (SGLang's default sizes on ``cpu`` cover every batch up to 16).
 
