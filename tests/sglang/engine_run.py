@@ -18,9 +18,13 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 
 import tiny_model
+
+#: Written to stderr once ``sgl.Engine(...)`` has returned (a test tells a refusal at start by its absence).
+STARTED = "engine_run: engine started"
 
 
 def prompts(n: int) -> list[str]:
@@ -81,6 +85,7 @@ def main() -> None:
         **engine_kwargs(args.mode, max_running=args.max_running, capture=capture),
     )
     started = time.perf_counter() - start
+    print(STARTED, file=sys.stderr, flush=True)
     try:
         start = time.perf_counter()
         outputs = engine.generate(

@@ -68,6 +68,8 @@ def _config(arch: str):
     if arch == "gemma2":
         return tf.Gemma2Config(
             head_dim=16,
+            hidden_act="gelu_pytorch_tanh",  # SGLang's Gemma 2 reads it; transformers 5 names it hidden_activation
+            hidden_activation="gelu_pytorch_tanh",
             sliding_window=32,
             attn_logit_softcapping=50.0,
             final_logit_softcapping=30.0,
