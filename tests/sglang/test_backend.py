@@ -155,6 +155,19 @@ def test_replay_with_input_update_gives_every_attention_task_the_lengths():
     torch.testing.assert_close(got.next_token_logits, runner.step(4, lens).next_token_logits)
 
 
+def test_npu_runner_replay_uses_devgraph_attentions_own_lengths():
+    # SGLang's NPUGraphRunner names the Ascend kernels' argument (actual_seq_lengths_kv) and pads
+    # with 0; devgraph's attention tasks take seq_lens_host, set for this batch outside the graph.
+    runner = StubRunner(HostLens())
+    backend = _capture(runner)
+    lens = runner.load(4, 3, seed=7)
+    got = backend.replay_with_input_update(
+        ShapeKey(4), seq_lens=[*lens[:3], 0], attr_name="actual_seq_lengths_kv", attr_type=[]
+    )
+    torch.testing.assert_close(got.next_token_logits, runner.step(4, lens).next_token_logits)
+    assert _stats.stats().task_updates == 1
+
+
 def test_backend_keeps_no_strong_reference_to_capture_outputs():
     # The pool owns output memory; the backend must hold only non-owning views of it.
     runner = StubRunner(HostLens())

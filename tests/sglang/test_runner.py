@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ pytest.importorskip("sglang.srt")
 
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
+from devgraph.adapters.sglang import _stats
 from devgraph.adapters.sglang._backend import DevgraphGraphBackend
 from devgraph.adapters.sglang._runner import (
     DevgraphDecodeGraphRunner,
@@ -70,3 +72,43 @@ def test_runners_put_devgraphs_capture_before_sglangs():
     for cls, base in ((DevgraphDecodeGraphRunner, DecodeCudaGraphRunner), (npu_runner, NPUGraphRunner)):
         mro = cls.__mro__
         assert mro.index(_UsesDevgraphBackend) < mro.index(base)
+
+
+def _decode_runner(monkeypatch, capture_bs, compile_bs=()) -> DevgraphDecodeGraphRunner:
+    """A DevgraphDecodeGraphRunner without SGLang's __init__; SGLang's own decisions stubbed."""
+    monkeypatch.setattr(DecodeCudaGraphRunner, "can_run_graph", lambda self, fb: fb.batch_size <= self.max_bs)
+    monkeypatch.setattr(DecodeCudaGraphRunner, "capture", lambda self: setattr(self, "captured", True))
+    runner = object.__new__(DevgraphDecodeGraphRunner)
+    runner.capture_bs, runner.max_bs, runner.compile_bs = list(capture_bs), max(capture_bs), list(compile_bs)
+    runner.model_runner = SimpleNamespace(device="cpu")
+    runner.backend = DevgraphGraphBackend(runner)
+    return runner
+
+
+@pytest.fixture
+def fresh_stats():
+    _stats.reset()
+    yield _stats.stats
+    _stats.reset()
+
+
+def test_cpu_decode_runner_captures_without_torch_compile(monkeypatch):
+    # SGLang compiles every captured size's forward on cpu (torch_compile_max_bs is raised to the
+    # largest size): inductor's kernels round differently from the eager step.
+    runner = _decode_runner(monkeypatch, [1, 2, 4], compile_bs=[1, 2, 4])
+    runner.capture()
+    assert runner.captured and runner.compile_bs == []
+
+
+def test_cpu_decode_runner_replays_only_exact_sizes_and_counts_the_rest(monkeypatch, caplog, fresh_stats):
+    runner = _decode_runner(monkeypatch, [1, 2, 4])
+    batch = lambda bs: SimpleNamespace(batch_size=bs)  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="devgraph.adapters.sglang._runner"):
+        assert [runner.can_run_graph(batch(bs)) for bs in (1, 2, 4)] == [True] * 3
+        # 3 would be padded to 4 by SGLang: a CPU GEMM rounds 3 rows of 4 unlike 3 rows alone.
+        assert [runner.can_run_graph(batch(bs)) for bs in (3, 3, 8, 6, 8)] == [False] * 5
+    assert dict(fresh_stats().eager_decode) == {3: 2, 8: 2, 6: 1}
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2  # once per reason
+    assert "larger than 4 requests" in warnings[1] and "--max-running-requests" in warnings[1]
+    assert "no captured graph" in warnings[0] and "--cuda-graph-bs-decode" in warnings[0]

@@ -13,8 +13,10 @@ with the new lengths before the replay, and must find that batch's table, not th
 intermediate the graph has yet to recompute. ``torch_native``'s decode reads a device value on the host
 and cannot be captured; this one can.
 
-Refused with ``DevgraphError`` (at the first decode): cross attention, sliding windows, and
-``qk_head_dim != v_head_dim``.
+Refused with ``DevgraphError`` when the engine starts (the backend is built after the model is
+loaded, and checks every ``RadixAttention`` layer of it), and again at decode for a layer it did not
+see: cross attention, sliding windows, attention logit soft-capping (``logit_cap``, Gemma 2, Grok;
+neither this decode nor ``torch_native``'s prefill applies it) and ``qk_head_dim != v_head_dim``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from devgraph import ops
@@ -47,6 +50,7 @@ class DevgraphAttnBackend(TorchNativeAttnBackend):
     """``torch_native`` for prefill; decode via ``devgraph.ops.paged_decode_attention`` with host lengths."""
 
     def __init__(self, model_runner: Any) -> None:
+        check_model(getattr(model_runner, "model", None))
         super().__init__(model_runner)
         self._seq_lens_host: list[int] = []
         self._graph_block_table: torch.Tensor | None = None  # [max_bs, max_context] static buffer
@@ -140,18 +144,40 @@ class DevgraphAttnBackend(TorchNativeAttnBackend):
 
     @staticmethod
     def _check_layer(layer: Any) -> None:
-        window = getattr(layer, "sliding_window_size", None)
-        problem = (
-            "cross attention"
-            if layer.is_cross_attention
-            else f"a sliding window of {window}"
-            if window is not None and window > -1
-            else f"qk_head_dim {layer.qk_head_dim} != v_head_dim {layer.v_head_dim}"
-            if layer.qk_head_dim != layer.v_head_dim
-            else None
-        )
+        problem = _unsupported(layer)
         if problem is not None:
             raise DevgraphError(
                 f"devgraph attention backend: layer {layer.layer_id} uses {problem}, which its paged "
                 "decode does not implement; use another --attention-backend for this model."
             )
+
+
+def check_model(model: Any) -> None:
+    """Refuses, at engine start, a model with an attention layer this backend would compute wrongly.
+
+    Raises:
+        DevgraphError: naming the first such layer and what it uses.
+    """
+    if model is None:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, RadixAttention) and (problem := _unsupported(module)) is not None:
+            raise DevgraphError(
+                f"devgraph attention backend: {name} (layer {module.layer_id}) uses {problem}, which "
+                "the devgraph backend does not implement (its decode would compute another function); "
+                "use another --attention-backend for this model."
+            )
+
+
+def _unsupported(layer: Any) -> str | None:
+    window = getattr(layer, "sliding_window_size", None)
+    cap = getattr(layer, "logit_cap", None) or 0.0
+    if layer.is_cross_attention:
+        return "cross attention"
+    if window is not None and window > -1:
+        return f"a sliding window of {window}"
+    if cap > 0:
+        return f"attention logit soft-capping (logit_cap {cap})"
+    if layer.qk_head_dim != layer.v_head_dim:
+        return f"qk_head_dim {layer.qk_head_dim} != v_head_dim {layer.v_head_dim}"
+    return None

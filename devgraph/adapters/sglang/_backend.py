@@ -196,11 +196,18 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
     ) -> Any:
         """Replay with new host arguments for the updatable tasks (SGLang's NPU backend signature).
 
-        ``cpu_update_input`` is torch_npu's shape: one mapping per updatable task in capture order,
-        or a single mapping that every task taking those names receives (SGLang's NPU runner passes
-        ``[{attr_name: seq_lens}]`` for all its attention layers). Without it,
-        ``{attr_name: seq_lens}`` is used. A tensor ``seq_lens`` is passed on as a host list.
+        With devgraph's attention backend the graph's tasks are its decode attention, which takes
+        its own argument names (``attr_name`` names an argument of SGLang's Ascend kernels, e.g.
+        ``actual_seq_lengths_kv``): the lengths it set for this batch outside the graph are used,
+        and the caller's are not. Otherwise ``cpu_update_input`` is torch_npu's shape: one mapping
+        per updatable task in capture order, or a single mapping that every task taking those names
+        receives (SGLang's NPU runner passes ``[{attr_name: seq_lens}]`` for all its attention
+        layers); without it, ``{attr_name: seq_lens}`` is used. A tensor ``seq_lens`` is passed on
+        as a host list.
         """
+        own = self._attention_host_args()
+        if own is not None:
+            return self._replay(shape_key, own)
         if cpu_update_input is None:
             if attr_name is None:
                 raise DevgraphError(

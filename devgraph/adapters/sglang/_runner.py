@@ -1,10 +1,23 @@
 """Decode graph runners that make ``DevgraphGraphBackend`` the backend that captures and replays.
 
-``DevgraphDecodeGraphRunner`` is SGLang's ``DecodeCudaGraphRunner`` (buckets, static buffers,
-padding, capture largest first, slicing) with devgraph's backend. On devices where SGLang's
-``resolve_decode_backend`` asks the platform (every out-of-tree device except ``npu``/``xpu``) it
-already gets devgraph's backend; where SGLang builds its in-tree backend first (``npu``), the runner
-swaps it for devgraph's before capture, without patching SGLang.
+``DevgraphDecodeGraphRunner`` is SGLang's ``DecodeCudaGraphRunner`` (buckets, static buffers, capture
+largest first, slicing) with devgraph's backend, for the CPU reference, where a graph step must equal
+the eager step bit for bit. Two things differ from SGLang's runner:
+
+* Nothing is ``torch.compile``'d. On ``cpu`` SGLang captures only with ``enable_torch_compile`` and
+  then compiles every captured size's whole forward (it raises ``torch_compile_max_bs`` to the
+  largest capture size whatever was passed); inductor's fused kernels round differently from the
+  eager ops (near-tied greedy tokens flipped on long outputs), and compiling each size took most of
+  the engine's start. The capture records the eager ops instead.
+* A batch replays only a graph of its own size, never one padded to a larger bucket: float32 CPU
+  GEMMs round a row differently depending on how many rows the matrix has, so a padded step is not
+  the eager step. A decode batch of a size with no graph runs eagerly, counted in
+  ``stats().eager_decode`` and warned about once, naming ``cuda_graph_bs_decode`` /
+  ``max_running_requests`` (SGLang's default sizes on ``cpu`` cover every batch up to 16).
+
+On devices where SGLang's ``resolve_decode_backend`` asks the platform (every out-of-tree device
+except ``npu``/``xpu``) the runner already gets devgraph's backend; where SGLang builds its in-tree
+backend first (``npu``), the runner swaps it for devgraph's before capture, without patching SGLang.
 
 ``npu_graph_runner_cls()`` builds the same runner over SGLang's ``NPUGraphRunner``, whose replay calls
 ``backend.replay_with_input_update(...)``: devgraph's backend maps that onto
@@ -15,10 +28,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any
 
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
+from devgraph.adapters.sglang import _stats
 from devgraph.adapters.sglang._backend import DevgraphGraphBackend
 
 logger = logging.getLogger(__name__)
@@ -42,7 +57,54 @@ class _UsesDevgraphBackend:
 
 
 class DevgraphDecodeGraphRunner(_UsesDevgraphBackend, DecodeCudaGraphRunner):
-    """SGLang's decode graph runner, captured and replayed by devgraph."""
+    """SGLang's decode graph runner, captured and replayed by devgraph: no compile, exact sizes only."""
+
+    _warned: frozenset[str] = frozenset()
+
+    def capture(self) -> None:
+        if self.compile_bs:
+            logger.info(
+                "devgraph: capturing decode sizes %s without torch.compile (SGLang would compile %s): "
+                "graph steps then equal eager steps bit for bit",
+                self.capture_bs,
+                self.compile_bs,
+            )
+        self.compile_bs = []
+        start = time.perf_counter()
+        super().capture()
+        seconds = time.perf_counter() - start
+        _stats.record(lambda s: setattr(s, "capture_s", s.capture_s + seconds))
+
+    def can_run_graph(self, forward_batch: Any) -> bool:
+        ok = super().can_run_graph(forward_batch)
+        bs = forward_batch.batch_size
+        if ok and bs in self.capture_bs:
+            return True
+        if bs > self.max_bs:
+            self._eager_decode(
+                bs,
+                "above",
+                f"devgraph: decode batches larger than {self.max_bs} requests (the largest captured size) "
+                f"run eagerly (first: {bs}); capture every size up to --max-running-requests with "
+                "--cuda-graph-bs-decode, or lower --max-running-requests to the largest captured size. "
+                "Counted in devgraph.adapters.sglang.stats().eager_decode.",
+            )
+        elif ok:
+            self._eager_decode(
+                bs,
+                "between",
+                f"devgraph: decode batches of a size with no captured graph run eagerly (first: {bs}; "
+                f"captured: {self.capture_bs}); devgraph replays only a graph of the batch's exact size "
+                "here (padding changes how CPU GEMMs round). Add the sizes to --cuda-graph-bs-decode. "
+                "Counted in devgraph.adapters.sglang.stats().eager_decode.",
+            )
+        return False
+
+    def _eager_decode(self, bs: int, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned = self._warned | {kind}
+            logger.warning(message)
+        _stats.record(lambda s: s.eager_decode.update([bs]))
 
     def _record_in_graph_metadata_prep_done(self) -> None:
         # SGLang plants an external event here, asking torch's device module whether a capture is

@@ -20,8 +20,10 @@ class GraphStats:
     ``captured``: bucket sizes captured, in capture order (largest first). ``replays``: replays per
     bucket. ``padded_replays``: replays whose real batch was smaller than the bucket.
     ``padded_rows``: rows of padding replayed in all. ``task_updates``: replays that gave the
-    graph's updatable tasks new host arguments. Batches SGLang runs eagerly (above the largest
-    bucket, prefill) never reach the backend and are not counted here.
+    graph's updatable tasks new host arguments. ``eager_decode``: decode batches run eagerly
+    because no graph of their size was captured, by batch size (``DevgraphDecodeGraphRunner``
+    replays a graph only of a batch's exact size; see ``_runner``). Prefill is never captured and
+    not counted. ``capture_s``: seconds the decode runner's ``capture()`` took (warm-ups included).
     """
 
     captured: list[int] = attrs.field(factory=list)
@@ -29,6 +31,8 @@ class GraphStats:
     padded_replays: int = 0
     padded_rows: int = 0
     task_updates: int = 0
+    eager_decode: Counter = attrs.field(factory=Counter)
+    capture_s: float = 0.0
 
     def as_dict(self) -> dict:
         """A JSON-ready copy (bucket keys as strings)."""
@@ -38,6 +42,8 @@ class GraphStats:
             "padded_replays": self.padded_replays,
             "padded_rows": self.padded_rows,
             "task_updates": self.task_updates,
+            "eager_decode": {str(k): v for k, v in sorted(self.eager_decode.items())},
+            "capture_s": round(self.capture_s, 3),
         }
 
 
