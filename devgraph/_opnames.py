@@ -66,8 +66,23 @@ def resolve_auto_update_ops(names: Sequence[str] | str, declared: Sequence[str] 
 
 
 # Namespaces whose Python kernels run whole (torch's own, and devgraph's ops, whose kernels are pure
-# functions of their arguments, host arguments included, which task update changes).
-_WHOLE_NAMESPACES = frozenset({"aten", "prims", "prim", "devgraph"})
+# functions of their arguments, host arguments included, which task update changes). Any other op
+# whose Python kernel torch itself defined (torch.library.custom_op in a ``torch.*`` module, such as
+# ``_c10d_functional::_wrap_tensor_autograd``, which returns a tensor subclass) also runs whole.
+_WHOLE_NAMESPACES = frozenset(
+    {"aten", "prims", "prim", "rngprims", "devgraph", "c10d", "c10d_functional", "_c10d_functional",
+     "_c10d_functional_autograd", "_dtensor", "inductor", "debug_mode_ops"}
+)
+
+
+def _defined_by_torch(qualname: str) -> bool:
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:  # pragma: no cover - a torch without custom_op: only namespaces decide
+        return False
+    opdef = OPDEFS.get(qualname)
+    module = getattr(getattr(opdef, "_init_fn", None), "__module__", "") or ""
+    return module == "torch" or module.startswith("torch.")
 _PYTHON_KERNELS: dict[tuple[Any, str], bool] = {}
 
 
@@ -89,7 +104,9 @@ def has_python_kernel(func: Any, dispatch_key: str) -> bool:
         overload = func._overloadname
         name = rest if overload == "default" else f"{rest}.{overload}"
         registered: set[str] = getattr(torch.library, "_impls", set())
-        known = _PYTHON_KERNELS[key] = ns not in _WHOLE_NAMESPACES and any(
-            f"{ns}/{name}/{k}" in registered for k in (dispatch_key, "CompositeExplicitAutograd")
+        known = _PYTHON_KERNELS[key] = (
+            ns not in _WHOLE_NAMESPACES
+            and not _defined_by_torch(f"{ns}::{rest}")
+            and any(f"{ns}/{name}/{k}" in registered for k in (dispatch_key, "CompositeExplicitAutograd"))
         )
     return known
