@@ -36,6 +36,7 @@ pieces (``PiecewiseModule.replay``) instead of one graph.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -215,7 +216,9 @@ class GraphRunner(BucketedRunner):
             return outputs.clone() if self.config.clone_outputs else outputs
         leaves, spec = tree_flatten(outputs)
         cut = []
-        for leaf, dim in zip(leaves, self._out_dims):
+        # A bucket's own size is never cut (its outputs may differ in structure from other buckets').
+        dims = self._out_dims if batch != size else itertools.repeat(None)
+        for leaf, dim in zip(leaves, dims):
             if isinstance(leaf, torch.Tensor):
                 if dim is not None and batch != size:
                     leaf = leaf.narrow(dim, 0, batch)
