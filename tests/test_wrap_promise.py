@@ -191,6 +191,19 @@ def test_a_model_that_mixes_rows_is_served_exactly(model):
     assert graphed.stats.replays == 1 and graphed.stats.fallbacks == {"padding_changes_result": 1}
 
 
+class SpecialCasesOne(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if x.shape[0] == 1 else x * 3
+
+
+def test_a_branch_at_a_size_never_padded_keeps_padding():
+    model = SpecialCasesOne()
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[1, 4])
+    for n in (1, 3, 2):  # 1 runs in bucket 1 and is never padded: 2 and 3 pad to 4 exactly
+        torch.testing.assert_close(graphed(_x(n)), model(_x(n)))
+    assert graphed.stats.replays == 3
+
+
 def test_piecewise_pads_no_tokens_for_a_model_that_mixes_them():
     model = Centres()
     graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[4])

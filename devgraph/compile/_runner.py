@@ -316,7 +316,9 @@ class PiecewiseRunner(BucketedRunner):
             self._rank_check.agree_on_call(size)
         if size is not None and size != call.batch and self._exact_only is not None:
             # Padding would change the result: the compiled pieces at the call's own size, uncaptured.
-            self.note_fallback(PADDING_CATEGORY, f"{self._exact_only}; sizes {list(self.plan.sizes)} still replay")
+            self.note_fallback(
+                PADDING_CATEGORY, f"{self._exact_only}; sizes {list(self.plan.sizes)} still replay"
+            )
             out = module(*self._inputs(call, None), host=self.padded_host_args(call.host, call.batch))
             return self._assemble(out, call.batch, call.batch)
         if size is None:

@@ -32,7 +32,6 @@ from devgraph.runner._calls import (
 )
 from devgraph.runner._config import RunnerConfig, RunnerStats
 from devgraph.runner._ranks import RankCheck, capture_context, check_capture
-from devgraph.runner._rows import CATEGORY as PADDING_CATEGORY
 from devgraph.runner._rows import PaddingVerdict, check_padding
 from devgraph.runner._state import ModuleState, WeightWatch, capture_warnings
 from devgraph.runner._util import gc_frozen, progress, size_ranges
@@ -369,9 +368,14 @@ class BucketedRunner:
             )
 
     def _check_padding(self, example: Call, sizes: list[int]) -> PaddingVerdict | None:
-        """Whether calls padded up to the smallest and the largest of ``sizes`` (> 1) give the real
-        rows what eager gives them (``devgraph.runner._rows``); sets ``_exact_only`` when not."""
-        padded = sorted({min((s for s in sizes if s > 1), default=1), max(sizes, default=1)} - {1})
+        """Whether calls padded up to the smallest and the largest of ``sizes`` that any call is
+        padded to give the real rows what eager gives them (``devgraph.runner._rows``: ``r`` rows,
+        the example's batch kept between the next smaller size and ``size - 1``); sets
+        ``_exact_only`` when not."""
+        ordered = sorted(set(sizes))
+        below = dict(zip(ordered, [0, *ordered[:-1]]))
+        padded = [s for s in ordered if s - 1 > below[s]]
+        padded = sorted({padded[0], padded[-1]}) if padded else []
 
         def run(batched: dict[str, torch.Tensor], host: dict[str, list[Any]]) -> Any:
             values: dict[str, Any] = {**batched, **example.static, **example.consts, **host}
@@ -380,8 +384,10 @@ class BucketedRunner:
 
         verdict = None
         for size in reversed(padded):
+            r = min(max(example.batch, below[size] + 1), size - 1)
             try:
-                found = check_padding(run, example, size, self.config)
+                with gc_frozen():  # as the warm-ups and captures run
+                    found = check_padding(run, example, size, r, self.config)
             except Exception as exc:
                 found = PaddingVerdict(
                     None,

@@ -110,7 +110,19 @@ def _flat_arguments(bound: inspect.BoundArguments) -> dict[str, Any]:
 
 #: types whose values compare and hash by value and cannot change: keyed as ``(type, value)``.
 _PLAIN = frozenset(
-    {int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
+    {
+        int,
+        float,
+        bool,
+        complex,
+        str,
+        bytes,
+        type(None),
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+    }
 )
 #: compared by identity: code and classes (what they compute is not data the call passes).
 _BY_IDENTITY = (
@@ -167,7 +179,9 @@ def _value_key(v: Any, depth: int) -> Any:
         return (t, tuple((f.name, _value_key(getattr(v, f.name), depth + 1)) for f in dataclasses.fields(v)))
     if t.__hash__ is object.__hash__ or t.__hash__ is None:  # identity hash or none: compare its state
         state = getattr(v, "__dict__", None)
-        slots = [s for k in t.__mro__ for s in getattr(k, "__slots__", ()) if s not in ("__dict__", "__weakref__")]
+        slots = [
+            s for k in t.__mro__ for s in getattr(k, "__slots__", ()) if s not in ("__dict__", "__weakref__")
+        ]
         if state is None and not slots:
             if t.__hash__ is None:
                 raise Unsupported(

@@ -61,16 +61,17 @@ def check_padding(
     run: Callable[[dict[str, torch.Tensor], dict[str, list[Any]]], Any],
     example: Call,
     size: int,
+    r: int,
     config: RunnerConfig,
 ) -> PaddingVerdict:
-    """Compare the model's outputs for ``r = min(example.batch, size - 1)`` real rows with those rows
-    padded to ``size`` (``run(batched, host)`` runs the model eagerly on those arguments).
+    """Compare the model's outputs for ``r`` real rows (the example call's, repeated when it has
+    fewer) with those rows padded to ``size`` (``run(batched, host)`` runs the model eagerly).
 
     Raises whatever the model raises on such rows.
     """
-    r = min(example.batch, size - 1)
-    real = {n: x.narrow(config.batch_dim(n), 0, r) for n, x in example.batched.items()}
-    host = {n: list(v[:r]) for n, v in example.host.items()}
+    pick = torch.arange(r) % example.batch
+    real = {n: x.index_select(config.batch_dim(n), pick.to(x.device)) for n, x in example.batched.items()}
+    host = {n: [v[i] for i in pick.tolist()] for n, v in example.host.items()}
 
     def padded(copy_first: bool) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
         tensors = {}
@@ -83,10 +84,13 @@ def check_padding(
             else:
                 fill = torch.full(shape, config.pad_value(n), dtype=x.dtype, device=x.device)
             tensors[n] = torch.cat([x, fill], d)
-        lists = {n: v + ([v[0]] if copy_first else [config.pad_value(n)]) * (size - r) for n, v in host.items()}
+        lists = {
+            n: v + ([v[0]] if copy_first else [config.pad_value(n)]) * (size - r) for n, v in host.items()
+        }
         return tensors, lists
 
-    exact = _clone(run({n: x.clone() for n, x in real.items()}, {n: list(v) for n, v in host.items()}))
+    exact = _clone(run(real, {n: list(v) for n, v in host.items()}))
+    real = {n: x.clone() for n, x in real.items()}  # what the model may have written is not reused
     with_pad = _clone(run(*padded(False)))
     with_copies = _clone(run(*padded(True)))
     flat_c, spec_c = tree_flatten(exact)
@@ -117,7 +121,12 @@ def check_padding(
             real_a, real_b = a, b
         else:
             differ = [k for k in range(a.dim()) if a.dim() == c.dim() and a.shape[k] != c.shape[k]]
-            if a.dim() != c.dim() or len(differ) != 1 or a.shape[differ[0]] != size or c.shape[differ[0]] != r:
+            if (
+                a.dim() != c.dim()
+                or len(differ) != 1
+                or a.shape[differ[0]] != size
+                or c.shape[differ[0]] != r
+            ):
                 return PaddingVerdict(
                     None,
                     f"{what} has shape {list(c.shape)} for {r} rows and {list(a.shape)} for {rows}: it is not "

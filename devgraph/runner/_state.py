@@ -162,7 +162,9 @@ def capture_warnings(fn: Any, warned: set[str]) -> None:
         for prefix, m in fn.named_modules()
         if m._forward_hooks or m._forward_pre_hooks
     ]
-    if getattr(nn_module, "_global_forward_hooks", None) or getattr(nn_module, "_global_forward_pre_hooks", None):
+    if getattr(nn_module, "_global_forward_hooks", None) or getattr(
+        nn_module, "_global_forward_pre_hooks", None
+    ):
         hooked.append("(global module hooks)")
     if hooked and "hooks" not in warned:
         warned.add("hooks")
