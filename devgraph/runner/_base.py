@@ -34,6 +34,7 @@ from devgraph.runner._config import RunnerConfig, RunnerStats
 from devgraph.runner._ranks import RankCheck, capture_context, check_capture
 from devgraph.runner._rows import PaddingVerdict, check_padding
 from devgraph.runner._state import ModuleState, WeightWatch, capture_warnings
+from devgraph.runner._state import registrations as _registrations
 from devgraph.runner._util import gc_frozen, progress, size_ranges
 
 __all__ = ["BucketedRunner", "SharedCapture", "WeightAddresses"]
@@ -291,9 +292,10 @@ class BucketedRunner:
         try:
             if call.batch == 0:
                 raise Unsupported("empty_batch", "the call has 0 rows; there is nothing to replay")
-            replaced = self._watch.replaced()
-            if replaced is not None:
-                self._recapture(replaced)
+            if self._watch.seen != _registrations[0]:  # something registered a weight somewhere: look
+                replaced = self._watch.replaced()
+                if replaced is not None:
+                    self._recapture(replaced)
             if not self.captured:
                 self._capture_all_or_nothing(call)
             return self._serve(call)
@@ -456,14 +458,25 @@ class BucketedRunner:
 
     def _check_template(self, call: Call, what: str) -> None:
         assert self._template is not None
-        if self._ambient is not None and _ambient(self.device.torch_device.type) != self._ambient:
+        ambient = self._ambient
+        if ambient is not None and not (
+            # the common case in two cheap calls: captured and called without autocast on any device
+            (not ambient[0] and _any_autocast is not None and not _any_autocast())
+            and torch.get_default_dtype() is ambient[2]
+        ):
             now = _ambient(self.device.torch_device.type)
+            if now == ambient:
+                self._check_call_template(call, what)
+                return
             raise Unsupported(
                 "autocast_or_dtype_mismatch",
                 f"the call runs with autocast/default dtype {_ambient_words(now)}, the graphs were captured "
                 f"with {_ambient_words(self._ambient)}; call under the same torch.autocast and "
                 "torch.set_default_dtype as the capture",
             )
+        self._check_call_template(call, what)
+
+    def _check_call_template(self, call: Call, what: str) -> None:
         if self._template_check is None:
             self._template_check = TemplateCheck(self._template, self._reader.batch_dims)
         if self._template_check.matches(call):
@@ -551,6 +564,10 @@ class BucketedRunner:
                 self.stats.pool_bytes / 2**20,
                 tail,
             )
+
+
+#: whether autocast is on for any device type (one cheap call; None on a torch without it)
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
 def _ambient(device_type: str) -> tuple[Any, ...]:

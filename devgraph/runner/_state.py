@@ -24,13 +24,13 @@ from devgraph._source import user_stacklevel
 __all__ = ["ModuleState", "WeightWatch", "capture_warnings"]
 
 # Bumped by every parameter, buffer or submodule registration in the process (any module).
-_generation = [0]
+registrations = [0]
 _installed = False
 _install_lock = threading.Lock()
 
 
 def _bump(*_: Any) -> None:
-    _generation[0] += 1
+    registrations[0] += 1
 
 
 def _install_hooks() -> None:
@@ -68,35 +68,36 @@ class WeightWatch:
     """
 
     def __init__(self) -> None:
-        self._seen = -1
+        self.seen = -1
         self._slots: list[tuple[dict[str, Any], str, str, int, int | None]] = []
 
     def remember(self, fn: Any) -> None:
         self._slots = []
         if not isinstance(fn, torch.nn.Module):
-            self._seen = -1
+            self.seen = -1
             return
         _install_hooks()
-        self._seen = _generation[0]
+        self.seen = registrations[0]
         for table, key, what, value in _slots(fn):
             ptr = value.data_ptr() if isinstance(value, torch.Tensor) else None
             self._slots.append((table, key, what, id(value), ptr))
 
     def clear(self) -> None:
         self._slots = []
-        self._seen = -1
+        self.seen = -1
 
     def replaced(self) -> str | None:
         """The first slot whose value was replaced (a description), or None; O(1) when no module
         anywhere registered anything since the last look."""
-        if self._seen == _generation[0] or not self._slots:
+        now = registrations[0]
+        if self.seen == now or not self._slots:
+            self.seen = now
             return None
-        now = _generation[0]
         for table, key, what, ident, ptr in self._slots:
             value = table.get(key)
             if value is None or id(value) != ident or (ptr is not None and value.data_ptr() != ptr):
                 return what
-        self._seen = now
+        self.seen = now
         return None
 
 
