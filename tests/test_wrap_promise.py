@@ -204,8 +204,16 @@ def test_a_branch_at_a_size_never_padded_keeps_padding():
     assert graphed.stats.replays == 3
 
 
-def test_piecewise_pads_no_tokens_for_a_model_that_mixes_them():
-    model = Centres()
+class AttendsToAll(torch.nn.Module):
+    """Non-causal attention over the tokens (rows): padded tokens would be attended to."""
+
+    def forward(self, x):
+        q = x.unsqueeze(0)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q).squeeze(0) + 1
+
+
+@pytest.mark.parametrize("model", [Centres(), AttendsToAll()], ids=["mean", "attention"])
+def test_piecewise_pads_no_tokens_for_a_model_that_mixes_them(model):
     graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[4])
     out = _quiet_fallbacks(graphed, _x(3))
     torch.testing.assert_close(out, model(_x(3)))
