@@ -436,3 +436,12 @@ def test_a_binding_plan_that_differs_from_a_full_bind_is_not_kept():
     second = reader.read((), {"args": t})
     assert list(first.batched) == list(second.batched) == ["args"]
     assert second.batched["args"] is t
+
+
+def test_a_parameter_assigned_after_capture_is_followed_in_piecewise_mode():
+    model = Lin().eval()
+    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[4])
+    torch.testing.assert_close(graphed(_x(4)), model(_x(4)))
+    model.lin.weight = torch.nn.Parameter(torch.randn(4, 4))
+    torch.testing.assert_close(_quiet(graphed, _x(4)), model(_x(4)))
+    assert graphed.stats.recaptures == 1
