@@ -92,8 +92,9 @@ def test_in_place_weight_copies_keep_the_graphs():
 def test_param_data_replaced_is_refused_in_debug_mode():
     model = Lin().eval()
     graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4], debug=True)
-    graphed(_x())
-    model.lin.weight.data = torch.randn(4, 4)
+    for _ in range(3):  # the watch has settled: it looks again only after a registration
+        graphed(_x())
+    model.lin.weight.data = torch.randn(4, 4)  # no registration: only debug mode sees this
     with pytest.raises(DevgraphError, match=r"parameter 'lin.weight'.*capture"):
         graphed(_x())
 
@@ -445,3 +446,19 @@ def test_a_parameter_assigned_after_capture_is_followed_in_piecewise_mode():
     model.lin.weight = torch.nn.Parameter(torch.randn(4, 4))
     torch.testing.assert_close(_quiet(graphed, _x(4)), model(_x(4)))
     assert graphed.stats.recaptures == 1
+
+
+def test_the_weight_watch_trusts_a_registration_count_two_looks_found():
+    from devgraph.runner._state import WeightWatch, registrations
+
+    model = Lin()
+    watch = WeightWatch()
+    watch.remember(model)
+    old = model.lin.weight
+    registrations[0] += 1  # a registration hook ran; the new value is not stored yet (another thread)
+    assert watch.replaced() is None and watch.seen != registrations[0]
+    model.lin._parameters["weight"] = torch.nn.Parameter(torch.randn(4, 4))  # ...now it is
+    assert watch.replaced() == "parameter 'lin.weight'"
+    model.lin._parameters["weight"] = old
+    assert watch.replaced() is None and watch.replaced() is None
+    assert watch.seen == registrations[0]

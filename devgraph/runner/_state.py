@@ -65,19 +65,24 @@ class WeightWatch:
 
     Holds the model's own slot dicts and, per slot, the id and address of what it held: never the
     tensors themselves, so a replaced weight's memory is freed as it would be without devgraph.
+
+    ``seen`` (the registration count up to which nothing was replaced) advances only to a count that
+    two looks in a row found: torch runs the registration hook before it stores the new value, so a
+    look racing with a replacement on another thread is followed by one more.
     """
 
     def __init__(self) -> None:
         self.seen = -1
+        self._pending = -1
         self._slots: list[tuple[dict[str, Any], str, str, int, int | None]] = []
 
     def remember(self, fn: Any) -> None:
         self._slots = []
+        self.seen = -1
         if not isinstance(fn, torch.nn.Module):
-            self.seen = -1
             return
         _install_hooks()
-        self.seen = registrations[0]
+        self._pending = registrations[0]
         for table, key, what, value in _slots(fn):
             ptr = value.data_ptr() if isinstance(value, torch.Tensor) else None
             self._slots.append((table, key, what, id(value), ptr))
@@ -90,14 +95,18 @@ class WeightWatch:
         """The first slot whose value was replaced (a description), or None; O(1) when no module
         anywhere registered anything since the last look."""
         now = registrations[0]
-        if self.seen == now or not self._slots:
+        if self.seen == now:
+            return None
+        if not self._slots:
             self.seen = now
             return None
         for table, key, what, ident, ptr in self._slots:
             value = table.get(key)
             if value is None or id(value) != ident or (ptr is not None and value.data_ptr() != ptr):
                 return what
-        self.seen = now
+        if now == self._pending:
+            self.seen = now
+        self._pending = now
         return None
 
 
