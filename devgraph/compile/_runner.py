@@ -222,7 +222,6 @@ class PiecewiseRunner(BucketedRunner):
         cfg = self.config
         # The trace marks the token dim dynamic; Dynamo specialises sizes 0 and 1, so trace with >= 2.
         trace_size = max(2, max(self.sizes))
-        self._check_padding(example, self.sizes)
         self._alloc_buffers(example, trace_size)
 
         def invoke(tensors: dict[str, torch.Tensor], traced: bool) -> Any:
@@ -269,6 +268,7 @@ class PiecewiseRunner(BucketedRunner):
             summary=f"captured {module.captured_pieces} pieces x {len(self.plan.sizes)} sizes ({{sizes}})",
             tail=f"; {self.stats.splitting_ops} splitting ops run eagerly in between",
             desc=f"devgraph piecewise capture ({self.device})",
+            example=example,
         )
 
     def _run_sizes(self) -> list[int] | None:

@@ -170,6 +170,7 @@ class BucketedRunner:
         self._watch = WeightWatch()
         # Why calls padded up to a bucket would differ from eager (None: padding is exact).
         self._exact_only: str | None = None
+        self._padding_verdict: PaddingVerdict | None = None
         # Autocast and default dtype at capture (``_ambient``): part of every call's template.
         self._ambient: tuple[Any, ...] | None = None
         self._warned: set[str] = set()
@@ -322,6 +323,7 @@ class BucketedRunner:
         self._weights.clear()
         self._watch.clear()
         self._exact_only = None
+        self._padding_verdict = None
         self._ambient = None
         self.stats.captured_sizes = ()
         self.stats.pool_bytes = 0
@@ -388,8 +390,7 @@ class BucketedRunner:
         for size in reversed(padded):
             r = min(max(example.batch, below[size] + 1), size - 1)
             try:
-                with gc_frozen():  # as the warm-ups and captures run
-                    found = check_padding(run, example, size, r, self.config)
+                found = check_padding(run, example, size, r, self.config)
             except Exception as exc:
                 found = PaddingVerdict(
                     None,
@@ -503,13 +504,23 @@ class BucketedRunner:
     # -- the capture loop ----------------------------------------------------------------------
 
     def _capture_each(
-        self, sizes: list[int], prepare: Prepare, *, remedy: str, summary: str, tail: str = "", desc: str
+        self,
+        sizes: list[int],
+        prepare: Prepare,
+        *,
+        remedy: str,
+        summary: str,
+        tail: str = "",
+        desc: str,
+        example: Call | None = None,
     ) -> None:
         """Capture ``sizes`` largest first into one pool on one side stream.
 
         For each size: buffers filled with padding (what warm-up and capture see), the side
         stream made to wait for that fill, ``warmup_iters`` eager runs on it, then the capture; a
-        ``CaptureError`` gains the size and ``remedy``. Sets the capture stats and logs one line:
+        ``CaptureError`` gains the size and ``remedy``. With an ``example``, first the padding check
+        (``_check_padding``; after the ranks agreed on ``sizes``, so every rank runs the model as
+        often) sets ``_padding_verdict``. Sets the capture stats and logs one line:
         ``summary`` (``{sizes}`` filled in), device, seconds, pool growth, ``tail``. The caller's ``_capture`` runs inside
         ``_capture_all_or_nothing``, which drops everything when a size fails.
         """
@@ -526,6 +537,8 @@ class BucketedRunner:
         start = time.perf_counter()
         with gc_frozen(), capture_context(self.config):
             before = self.device.memory_stats().reserved  # after the collection: dead pools are gone
+            if example is not None:
+                self._padding_verdict = self._check_padding(example, sizes)
             for size in progress(sorted(sizes, reverse=True), desc):
                 self._fill_padding()
                 before_run = self._buffer_versions()

@@ -89,8 +89,8 @@ def check_padding(
         }
         return tensors, lists
 
-    exact = _clone(run(real, {n: list(v) for n, v in host.items()}))
-    real = {n: x.clone() for n, x in real.items()}  # what the model may have written is not reused
+    # Each run gets its own copies: a model may write its inputs.
+    exact = _clone(run({n: x.clone() for n, x in real.items()}, {n: list(v) for n, v in host.items()}))
     with_pad = _clone(run(*padded(False)))
     with_copies = _clone(run(*padded(True)))
     flat_c, spec_c = tree_flatten(exact)

@@ -112,7 +112,6 @@ class GraphRunner(BucketedRunner):
         super()._drop()
 
     def _capture(self, example: Call) -> None:
-        verdict = self._check_padding(example, self.sizes)
         self._alloc_buffers(example, self.sizes[-1])
 
         def prepare(size: int) -> tuple[Callable[[], Any], Callable[[MemoryPool, Stream], None]]:
@@ -140,8 +139,9 @@ class GraphRunner(BucketedRunner):
             "or run the offending op eagerly (mode='piecewise')",
             summary=f"captured {len(self.sizes)} graphs (batch sizes {{sizes}})",
             desc=f"devgraph capture ({self.device})",
+            example=example,
         )
-        self._out_dims = self._decide_out_dims(verdict)
+        self._out_dims = self._decide_out_dims(self._padding_verdict)
         self._remember_weights(example)
 
     def _decide_out_dims(self, verdict: Any) -> list[int | None]:
