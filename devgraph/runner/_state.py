@@ -82,7 +82,9 @@ class WeightWatch:
         if not isinstance(fn, torch.nn.Module):
             return
         _install_hooks()
-        self._pending = registrations[0]
+        # Recording the slots is a look: trusted at once (a capture racing with a replacement on
+        # another thread is the caller's race).
+        self.seen = self._pending = registrations[0]
         for table, key, what, value in _slots(fn):
             ptr = value.data_ptr() if isinstance(value, torch.Tensor) else None
             self._slots.append((table, key, what, id(value), ptr))
