@@ -94,6 +94,12 @@ class GraphedModule:
     def apply(self, fn: Any) -> Any:
         return self._module_method("apply", fn)
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``module.load_state_dict(...)``. Loaded in place (the default) the graphs keep serving the
+        new values; with ``assign=True`` the weights are new tensors at new addresses, so the graphs
+        are dropped and the next call captures again."""
+        return self._module_method("load_state_dict", state_dict, strict=strict, assign=assign)
+
     def _module_method(self, name: str, *args: Any, to_device: Any = None, **kwargs: Any) -> Any:
         """Run ``module.<name>(...)``; drop the graphs when it changed what they captured; return
         the wrapper where the module returned itself."""

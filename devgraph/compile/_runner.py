@@ -35,6 +35,7 @@ from devgraph.runner import GraphRunner, RunnerConfig, RunnerStats, choose_bucke
 from devgraph.runner._base import BucketedRunner, SharedCapture
 from devgraph.runner._calls import Call, Unsupported
 from devgraph.runner._config import positive_int, positive_ints
+from devgraph.runner._rows import CATEGORY as PADDING_CATEGORY
 from devgraph.runner._util import size_ranges
 
 __all__ = ["PiecewiseRunner", "PiecewiseStats", "piecewise_runner"]
@@ -267,6 +268,7 @@ class PiecewiseRunner(BucketedRunner):
             summary=f"captured {module.captured_pieces} pieces x {len(self.plan.sizes)} sizes ({{sizes}})",
             tail=f"; {self.stats.splitting_ops} splitting ops run eagerly in between",
             desc=f"devgraph piecewise capture ({self.device})",
+            example=example,
         )
 
     def _run_sizes(self) -> list[int] | None:
@@ -318,6 +320,13 @@ class PiecewiseRunner(BucketedRunner):
         size = choose_bucket(call.batch, self.plan.sizes) if self.plan.sizes else None
         if self._rank_check is not None:
             self._rank_check.agree_on_call(size)
+        if size is not None and size != call.batch and self._exact_only is not None:
+            # Padding would change the result: the compiled pieces at the call's own size, uncaptured.
+            self.note_fallback(
+                PADDING_CATEGORY, f"{self._exact_only}; sizes {list(self.plan.sizes)} still replay"
+            )
+            out = module(*self._inputs(call, None), host=self.padded_host_args(call.host, call.batch))
+            return self._assemble(out, call.batch, call.batch)
         if size is None:
             # Larger than every captured size (or nothing captured): the compiled pieces, uncaptured.
             self._note_uncaptured(call.batch)

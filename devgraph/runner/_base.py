@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -31,6 +32,9 @@ from devgraph.runner._calls import (
 )
 from devgraph.runner._config import RunnerConfig, RunnerStats
 from devgraph.runner._ranks import RankCheck, capture_context, check_capture
+from devgraph.runner._rows import PaddingVerdict, check_padding
+from devgraph.runner._state import ModuleState, WeightWatch, capture_warnings
+from devgraph.runner._state import registrations as _registrations
 from devgraph.runner._util import gc_frozen, progress, size_ranges
 
 __all__ = ["BucketedRunner", "SharedCapture", "WeightAddresses"]
@@ -82,19 +86,26 @@ class WeightAddresses:
     """
 
     def __init__(self) -> None:
-        self._at: dict[str, tuple[torch.Tensor, int]] = {}
+        self._at: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
 
     def remember(self, fn: Any, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Record the addresses of ``tensors`` (``{description: tensor}``) and of ``fn``'s weights."""
-        self._at = {what: (t, t.data_ptr()) for what, t in (tensors or {}).items()}
-        self._at.update({what: (t, t.data_ptr()) for what, t in _named_weights(fn).items()})
+        """Record the addresses of ``tensors`` (``{description: tensor}``) and of ``fn``'s weights,
+        holding the tensors weakly (a replaced weight is freed as it would be without devgraph)."""
+        self._at = {what: (weakref.ref(t), t.data_ptr()) for what, t in (tensors or {}).items()}
+        self._at.update({what: (weakref.ref(t), t.data_ptr()) for what, t in _named_weights(fn).items()})
 
     def clear(self) -> None:
         self._at = {}
 
     def check(self, fn: Any) -> None:
         """Raise ``DevgraphError`` naming a tensor that moved, or a weight replaced, since capture."""
-        for what, (tensor, ptr) in self._at.items():
+        for what, (ref, ptr) in self._at.items():
+            tensor = ref()
+            if tensor is None:
+                raise DevgraphError(
+                    f"{what} was freed since capture; the graphs would read freed memory. Keep it alive, "
+                    "or call .capture() again after replacing it."
+                )
             if tensor.data_ptr() != ptr:
                 raise DevgraphError(
                     f"{what} no longer lives at its capture address ({ptr:#x} -> {tensor.data_ptr():#x}); "
@@ -155,6 +166,13 @@ class BucketedRunner:
         self._template: dict[str, Any] | None = None
         self._template_check: TemplateCheck | None = None
         self._weights = WeightAddresses()
+        # Whether a weight, buffer or submodule was replaced since capture (checked every call).
+        self._watch = WeightWatch()
+        # Why calls padded up to a bucket would differ from eager (None: padding is exact).
+        self._exact_only: str | None = None
+        self._padding_verdict: PaddingVerdict | None = None
+        # Autocast and default dtype at capture (``_ambient``): part of every call's template.
+        self._ambient: tuple[Any, ...] | None = None
         self._warned: set[str] = set()
         self._lock = threading.RLock()
         # The thread whose outputs are views of graph memory (see ``_claim``); None: nobody's yet.
@@ -275,6 +293,10 @@ class BucketedRunner:
         try:
             if call.batch == 0:
                 raise Unsupported("empty_batch", "the call has 0 rows; there is nothing to replay")
+            if self._watch.seen != _registrations[0]:  # something registered a weight somewhere: look
+                replaced = self._watch.replaced()
+                if replaced is not None:
+                    self._recapture(replaced)
             if not self.captured:
                 self._capture_all_or_nothing(call)
             return self._serve(call)
@@ -299,17 +321,87 @@ class BucketedRunner:
         self._template = None
         self._template_check = None
         self._weights.clear()
+        self._watch.clear()
+        self._exact_only = None
+        self._padding_verdict = None
+        self._ambient = None
         self.stats.captured_sizes = ()
         self.stats.pool_bytes = 0
         self.stats.capture_seconds = 0.0
 
     def _capture_all_or_nothing(self, example: Call) -> None:
+        capture_warnings(self.fn, self._warned)
+        state = ModuleState(self.fn)  # what warm-ups and capture change, put back after
         try:
             self._capture(example)
         except BaseException:
             # A half-captured runner would replay some sizes and not others: drop it all.
             self._drop()
+            state.restore()
             raise
+        restored, replaced, changed = state.restore()
+        if replaced or changed:
+            self._drop()
+            what = [f"buffer {n!r} (rebound to a new tensor)" for n in replaced]
+            what += [f"attribute {c}" for c in changed]
+            raise DevgraphError(
+                f"the model's forward changes {', '.join(what)}: a graph freezes such state at capture, so "
+                "replays would not change it as eager calls do (put back to its value before capture). Keep "
+                "per-call state in tensors updated in place (e.g. self.pos.add_(1) on a buffer), or pass it "
+                "as an argument"
+            )
+        if restored:
+            logger.info(
+                "devgraph: warm-ups and capture wrote buffers %s; their values before capture are restored",
+                ", ".join(restored[:8]),
+            )
+        self._ambient = _ambient(self.device.torch_device.type)
+        self._watch.remember(self.fn)
+
+    def _recapture(self, replaced: str) -> None:
+        """A weight was replaced since capture: drop the graphs (the caller captures again), warn once."""
+        self._drop()
+        self.stats.recaptures += 1
+        if "recapture" not in self._warned:
+            self._warned.add("recapture")
+            warnings.warn(
+                f"devgraph: {replaced} was replaced since capture; capturing again (stats.recaptures counts "
+                "this). To keep the graphs, load new weights in place: param.copy_(new), or "
+                "load_state_dict(sd) without assign=True",
+                stacklevel=user_stacklevel(),
+            )
+
+    def _check_padding(self, example: Call, sizes: list[int]) -> PaddingVerdict | None:
+        """Whether calls padded up to the smallest and the largest of ``sizes`` that any call is
+        padded to give the real rows what eager gives them (``devgraph.runner._rows``: ``r`` rows,
+        the example's batch kept between the next smaller size and ``size - 1``); sets
+        ``_exact_only`` when not."""
+        ordered = sorted(set(sizes))
+        below = dict(zip(ordered, [0, *ordered[:-1]]))
+        padded = [s for s in ordered if s - 1 > below[s]]
+        padded = sorted({padded[0], padded[-1]}) if padded else []
+
+        def run(batched: dict[str, torch.Tensor], host: dict[str, list[Any]]) -> Any:
+            values: dict[str, Any] = {**batched, **example.static, **example.consts, **host}
+            args, kwargs = example.bind(self._signature, values)
+            return self.fn(*args, **kwargs)
+
+        verdict = None
+        for size in reversed(padded):
+            r = min(max(example.batch, below[size] + 1), size - 1)
+            try:
+                found = check_padding(run, example, size, r, self.config)
+            except Exception as exc:
+                found = PaddingVerdict(
+                    None,
+                    f"could not check that padding to {size} keeps rows exact: the model raised "
+                    f"{type(exc).__name__}: {exc}",
+                )
+            if found.exact_only is not None:
+                self._exact_only = found.exact_only
+                return found
+            verdict = verdict or found
+        return verdict
 
     def _fallback(self, why: Unsupported, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.note_fallback(why.category, why.detail)
@@ -367,6 +459,25 @@ class BucketedRunner:
 
     def _check_template(self, call: Call, what: str) -> None:
         assert self._template is not None
+        ambient = self._ambient
+        if ambient is not None and not (
+            # the common case in two cheap calls: captured and called without autocast on any device
+            (not ambient[0] and _any_autocast is not None and not _any_autocast())
+            and torch.get_default_dtype() is ambient[2]
+        ):
+            now = _ambient(self.device.torch_device.type)
+            if now == ambient:
+                self._check_call_template(call, what)
+                return
+            raise Unsupported(
+                "autocast_or_dtype_mismatch",
+                f"the call runs with autocast/default dtype {_ambient_words(now)}, the graphs were captured "
+                f"with {_ambient_words(self._ambient)}; call under the same torch.autocast and "
+                "torch.set_default_dtype as the capture",
+            )
+        self._check_call_template(call, what)
+
+    def _check_call_template(self, call: Call, what: str) -> None:
         if self._template_check is None:
             self._template_check = TemplateCheck(self._template, self._reader.batch_dims)
         if self._template_check.matches(call):
@@ -393,13 +504,23 @@ class BucketedRunner:
     # -- the capture loop ----------------------------------------------------------------------
 
     def _capture_each(
-        self, sizes: list[int], prepare: Prepare, *, remedy: str, summary: str, tail: str = "", desc: str
+        self,
+        sizes: list[int],
+        prepare: Prepare,
+        *,
+        remedy: str,
+        summary: str,
+        tail: str = "",
+        desc: str,
+        example: Call | None = None,
     ) -> None:
         """Capture ``sizes`` largest first into one pool on one side stream.
 
         For each size: buffers filled with padding (what warm-up and capture see), the side
         stream made to wait for that fill, ``warmup_iters`` eager runs on it, then the capture; a
-        ``CaptureError`` gains the size and ``remedy``. Sets the capture stats and logs one line:
+        ``CaptureError`` gains the size and ``remedy``. With an ``example``, first the padding check
+        (``_check_padding``; after the ranks agreed on ``sizes``, so every rank runs the model as
+        often) sets ``_padding_verdict``. Sets the capture stats and logs one line:
         ``summary`` (``{sizes}`` filled in), device, seconds, pool growth, ``tail``. The caller's ``_capture`` runs inside
         ``_capture_all_or_nothing``, which drops everything when a size fails.
         """
@@ -416,6 +537,8 @@ class BucketedRunner:
         start = time.perf_counter()
         with gc_frozen(), capture_context(self.config):
             before = self.device.memory_stats().reserved  # after the collection: dead pools are gone
+            if example is not None:
+                self._padding_verdict = self._check_padding(example, sizes)
             for size in progress(sorted(sizes, reverse=True), desc):
                 self._fill_padding()
                 before_run = self._buffer_versions()
@@ -454,3 +577,23 @@ class BucketedRunner:
                 self.stats.pool_bytes / 2**20,
                 tail,
             )
+
+
+#: whether autocast is on for any device type (one cheap call; None on a torch without it)
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _ambient(device_type: str) -> tuple[Any, ...]:
+    """What a call's results depend on besides its arguments: autocast (on, dtype) for the device
+    type, and the default dtype."""
+    try:
+        on = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type) if on else None
+    except RuntimeError:  # a device type autocast does not know
+        on, dtype = False, None
+    return on, dtype, torch.get_default_dtype()
+
+
+def _ambient_words(state: tuple[Any, ...]) -> str:
+    on, dtype, default = state
+    return f"(autocast {'on, ' + str(dtype) if on else 'off'}, default dtype {default})"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import inspect
 import sys
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -105,12 +108,90 @@ def _flat_arguments(bound: inspect.BoundArguments) -> dict[str, Any]:
     return flat
 
 
+#: types whose values compare and hash by value and cannot change: keyed as ``(type, value)``.
+_PLAIN = frozenset(
+    {
+        int,
+        float,
+        bool,
+        complex,
+        str,
+        bytes,
+        type(None),
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+    }
+)
+#: compared by identity: code and classes (what they compute is not data the call passes).
+_BY_IDENTITY = (
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+    type,
+    enum.Enum,
+    torch.nn.Module,
+)
+
+
 def _const_key(v: Any) -> Any:
-    try:
-        hash(v)
-        return v
-    except TypeError:
-        return repr(v)
+    """What a constant argument is compared by between the captured call and a later one: its type
+    and value (``1.0`` and ``1`` differ), containers item by item, NumPy arrays by their bytes,
+    dataclasses and plain objects by their fields (a mutated object no longer matches).
+
+    Raises:
+        Unsupported: a constant holding a tensor, or one that cannot be compared by value.
+    """
+    t = type(v)
+    if t in _PLAIN:
+        return (t, v)
+    return _value_key(v, 0)
+
+
+def _value_key(v: Any, depth: int) -> Any:
+    t = type(v)
+    if t in _PLAIN:
+        return (t, v)
+    if isinstance(v, torch.Tensor):
+        raise Unsupported(
+            "unsupported_call",
+            "a constant argument holds a tensor (inside a dataclass or object); pass tensors as separate "
+            "arguments",
+        )
+    if depth > 32:
+        raise Unsupported("unsupported_call", f"a constant {t.__name__} is nested too deeply to compare")
+    if t in (tuple, list) or (isinstance(v, tuple) and hasattr(v, "_fields")):
+        return (t, tuple(_value_key(e, depth + 1) for e in v))
+    if isinstance(v, dict):
+        return (t, tuple((_value_key(k, depth + 1), _value_key(e, depth + 1)) for k, e in v.items()))
+    if isinstance(v, (set, frozenset)):
+        return (t, frozenset(_value_key(e, depth + 1) for e in v))
+    if isinstance(v, _BY_IDENTITY):
+        return (t, id(v), v)
+    if t.__module__ == "numpy":
+        if hasattr(v, "tobytes") and hasattr(v, "shape") and getattr(v, "dtype", None) is not None:
+            if v.dtype.hasobject:
+                return (t, v.shape, _value_key(v.tolist(), depth + 1))
+            return (t, v.dtype.str, v.shape, v.tobytes())
+    if dataclasses.is_dataclass(v):
+        return (t, tuple((f.name, _value_key(getattr(v, f.name), depth + 1)) for f in dataclasses.fields(v)))
+    if t.__hash__ is object.__hash__ or t.__hash__ is None:  # identity hash or none: compare its state
+        state = getattr(v, "__dict__", None)
+        slots = [
+            s for k in t.__mro__ for s in getattr(k, "__slots__", ()) if s not in ("__dict__", "__weakref__")
+        ]
+        if state is None and not slots:
+            if t.__hash__ is None:
+                raise Unsupported(
+                    "unsupported_call", f"a constant {t.__name__} cannot be compared between calls"
+                )
+            return (t, id(v), v)  # no state at all (a sentinel object()): identity is its value
+        fields = dict(state or {})
+        fields.update((s, getattr(v, s)) for s in slots if hasattr(v, s))
+        return (t, id(v), _value_key(fields, depth + 1))
+    return (t, v)  # its own hash and equality: a value type
 
 
 def read_call(
@@ -352,6 +433,8 @@ def template_mismatch(captured: dict[str, Any], call: dict[str, Any]) -> str | N
         if want != got:
             if want[0] == "static":
                 return f"static argument {name!r} is not the captured tensor"
+            if want[0] == "const" == got[0]:
+                return f"argument {name!r} is {_words(got[1])} at capture it was {_words(want[1])}"
             return f"argument {name!r} is {got[1:]} at capture it was {want[1:]}"
     return None
 
@@ -364,3 +447,12 @@ def signature_of(fn: Callable[..., Any]) -> inspect.Signature:
         fn = fn._orig_mod
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     return inspect.signature(target)
+
+
+def _words(key: Any) -> str:
+    """A constant's key (``_const_key``) for an error message: ``1.0 (float)``."""
+    if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], type):
+        return f"{key[1]!r} ({key[0].__name__})"
+    if isinstance(key, tuple) and key and isinstance(key[0], type):
+        return f"a {key[0].__name__} with other contents"
+    return repr(key)

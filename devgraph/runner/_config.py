@@ -194,6 +194,8 @@ class RunnerStats:
     capture_seconds: float = 0.0
     pool_bytes: int = 0
     captured_sizes: tuple[int, ...] = ()
+    #: captures dropped because a weight, buffer or submodule was replaced since (then captured again)
+    recaptures: int = 0
 
 
 def make_config(

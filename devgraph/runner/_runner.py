@@ -36,6 +36,7 @@ pieces (``PiecewiseModule.replay``) instead of one graph.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,7 @@ from devgraph.runner._base import BucketedRunner, SharedCapture
 from devgraph.runner._buckets import choose_bucket, normalise_batch_sizes
 from devgraph.runner._calls import Call, Unsupported
 from devgraph.runner._config import RunnerConfig, RunnerStats
+from devgraph.runner._rows import CATEGORY as PADDING_CATEGORY
 
 __all__ = ["GraphRunner"]
 
@@ -137,9 +139,34 @@ class GraphRunner(BucketedRunner):
             "or run the offending op eagerly (mode='piecewise')",
             summary=f"captured {len(self.sizes)} graphs (batch sizes {{sizes}})",
             desc=f"devgraph capture ({self.device})",
+            example=example,
         )
-        self._out_dims = _output_batch_dims(self._outputs)
+        self._out_dims = self._decide_out_dims(self._padding_verdict)
         self._remember_weights(example)
+
+    def _decide_out_dims(self, verdict: Any) -> list[int | None]:
+        """Per output leaf, the dim cut to a call's rows: what the padding check found (one dim that
+        grows with the rows, or none), if every captured bucket agrees; else padded calls run eagerly."""
+        dims = _output_batch_dims(self._outputs)
+        if verdict is None or verdict.out_dims is None:
+            if dims is None:
+                dims = []
+                self._exact_only = self._exact_only or "the output's structure differs between buckets"
+            return dims
+        for size, out in self._outputs.items():
+            leaves = tree_flatten(out)[0]
+            largest = tree_flatten(self._outputs[self.sizes[-1]])[0]
+            ok = len(leaves) == len(verdict.out_dims) and all(
+                (d is None and (not isinstance(leaf, torch.Tensor) or leaf.shape == top.shape))
+                or (d is not None and isinstance(leaf, torch.Tensor) and leaf.shape[d] == size)
+                for leaf, top, d in zip(leaves, largest, verdict.out_dims)
+            )
+            if not ok:
+                self._exact_only = self._exact_only or (
+                    f"the outputs at bucket {size} are not the largest bucket's cut along the batch dim"
+                )
+                return dims or []
+        return list(verdict.out_dims)
 
     def _args_for(
         self, call: Call, size: int, host: dict[str, list[Any]]
@@ -171,6 +198,8 @@ class GraphRunner(BucketedRunner):
             raise Unsupported(
                 "batch_too_large", f"batch {call.batch} is outside the captured buckets (1..{self.sizes[-1]})"
             )
+        if self._exact_only is not None and size != call.batch:
+            raise Unsupported(PADDING_CATEGORY, f"{self._exact_only}; batch sizes {self.sizes} still replay")
         self._load(call, size)
         host_args = self.padded_host_args(call.host, size) if self.config.host_args else None
         if self.config.debug:
@@ -187,7 +216,9 @@ class GraphRunner(BucketedRunner):
             return outputs.clone() if self.config.clone_outputs else outputs
         leaves, spec = tree_flatten(outputs)
         cut = []
-        for leaf, dim in zip(leaves, self._out_dims):
+        # A bucket's own size is never cut (its outputs may differ in structure from other buckets').
+        dims = self._out_dims if batch != size else itertools.repeat(None)
+        for leaf, dim in zip(leaves, dims):
             if isinstance(leaf, torch.Tensor):
                 if dim is not None and batch != size:
                     leaf = leaf.narrow(dim, 0, batch)
@@ -197,14 +228,17 @@ class GraphRunner(BucketedRunner):
         return tree_unflatten(cut, spec)
 
 
-def _output_batch_dims(outputs: dict[int, Any]) -> list[int | None]:
-    """Per output leaf, the dim that grows with the bucket (None: not batched).
+def _output_batch_dims(outputs: dict[int, Any]) -> list[int | None] | None:
+    """Per output leaf, the dim that grows with the bucket (None: not batched); None when the
+    outputs' structure differs between buckets.
 
     With two or more buckets it is the dim whose size equals the bucket size in each of them; with
     one bucket, the first dim equal to that size.
     """
     sizes = sorted(outputs)
     flat = {s: tree_flatten(outputs[s])[0] for s in sizes}
+    if len({len(leaves) for leaves in flat.values()}) > 1:
+        return None
     dims: list[int | None] = []
     for i, leaf in enumerate(flat[sizes[0]]):
         found = None

@@ -1,0 +1,146 @@
+"""Whether a call padded up to a bucket gives its real rows what eager gives them.
+
+A runner pads a batch of 3 to the captured bucket 4 and cuts the outputs back to 3 rows. That is
+exact only when rows are independent (no batch norm in training mode, no reduction over the batch,
+no branch on the batch size, no attention across padded tokens) and every output is either cut
+along one batch dim or the same whatever the padding. ``check_padding`` finds out at capture, with
+three eager runs of the model on the example call's rows: exactly ``r`` rows, ``r`` rows padded to
+the bucket with the pad values, and padded with copies of the first row. Outputs whose real rows
+differ, or that cannot be cut (a flattened ``[B*H]`` output, one list entry per row, a Python value
+that depends on the batch size), make the runner serve only calls whose size is a bucket exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from devgraph.runner._calls import Call
+from devgraph.runner._config import RunnerConfig
+
+__all__ = ["PaddingVerdict", "check_padding"]
+
+#: what a runner answers for padded calls that cannot be served exactly (the fallback category).
+CATEGORY = "padding_changes_result"
+
+
+@attrs.frozen
+class PaddingVerdict:
+    """``out_dims``: per output leaf, the dim cut to the real rows (None: returned whole);
+    ``exact_only``: why padded calls must run eagerly (None: padding is safe)."""
+
+    out_dims: list[int | None] | None
+    exact_only: str | None
+
+
+def _clone(out: Any) -> Any:
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, out)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        low = a.dtype in (torch.float16, torch.bfloat16)
+        return torch.allclose(a, b, rtol=2e-2 if low else 1e-3, atol=1e-3 if low else 1e-5, equal_nan=True)
+    return torch.equal(a, b)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+
+
+def check_padding(
+    run: Callable[[dict[str, torch.Tensor], dict[str, list[Any]]], Any],
+    example: Call,
+    size: int,
+    r: int,
+    config: RunnerConfig,
+) -> PaddingVerdict:
+    """Compare the model's outputs for ``r`` real rows (the example call's, repeated when it has
+    fewer) with those rows padded to ``size`` (``run(batched, host)`` runs the model eagerly).
+
+    Raises whatever the model raises on such rows.
+    """
+    pick = torch.arange(r) % example.batch
+    real = {n: x.index_select(config.batch_dim(n), pick.to(x.device)) for n, x in example.batched.items()}
+    host = {n: [v[i] for i in pick.tolist()] for n, v in example.host.items()}
+
+    def padded(copy_first: bool) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
+        tensors = {}
+        for n, x in real.items():
+            d = config.batch_dim(n)
+            shape = list(x.shape)
+            shape[d] = size - r
+            if copy_first:
+                fill = x.narrow(d, 0, 1).expand(shape)
+            else:
+                fill = torch.full(shape, config.pad_value(n), dtype=x.dtype, device=x.device)
+            tensors[n] = torch.cat([x, fill], d)
+        lists = {
+            n: v + ([v[0]] if copy_first else [config.pad_value(n)]) * (size - r) for n, v in host.items()
+        }
+        return tensors, lists
+
+    # Each run gets its own copies: a model may write its inputs.
+    exact = _clone(run({n: x.clone() for n, x in real.items()}, {n: list(v) for n, v in host.items()}))
+    with_pad = _clone(run(*padded(False)))
+    with_copies = _clone(run(*padded(True)))
+    flat_c, spec_c = tree_flatten(exact)
+    flat_a, spec_a = tree_flatten(with_pad)
+    flat_b, spec_b = tree_flatten(with_copies)
+    rows = f"{r} rows padded to {size}"
+    if spec_a != spec_c or spec_b != spec_c:
+        return PaddingVerdict(
+            None,
+            f"the output's structure depends on the batch size ({len(flat_c)} leaves for {r} rows, "
+            f"{len(flat_a)} for {size}): an output with one entry per row cannot be cut to the real rows. "
+            "Return batched tensors ([batch, ...])",
+        )
+    dims: list[int | None] = []
+    for i, (a, b, c) in enumerate(zip(flat_a, flat_b, flat_c)):
+        what = f"output leaf {i}"
+        if not (isinstance(a, torch.Tensor) and isinstance(c, torch.Tensor)):
+            if not (_same(a, c) and _same(b, c)):
+                return PaddingVerdict(
+                    None,
+                    f"{what} is {c!r} for {r} rows but {a!r} for {rows}: a value that depends on the batch "
+                    "size cannot be cut to the real rows. Compute it outside the model",
+                )
+            dims.append(None)
+            continue
+        if a.shape == c.shape:
+            d = None
+            real_a, real_b = a, b
+        else:
+            differ = [k for k in range(a.dim()) if a.dim() == c.dim() and a.shape[k] != c.shape[k]]
+            if (
+                a.dim() != c.dim()
+                or len(differ) != 1
+                or a.shape[differ[0]] != size
+                or c.shape[differ[0]] != r
+            ):
+                return PaddingVerdict(
+                    None,
+                    f"{what} has shape {list(c.shape)} for {r} rows and {list(a.shape)} for {rows}: it is not "
+                    "cut along one batch dim (a flattened [batch*n] output?). Return [batch, ...] outputs",
+                )
+            d = differ[0]
+            real_a, real_b = a.narrow(d, 0, r), b.narrow(d, 0, r)
+        if not (_close(real_a, c) and _close(real_b, c)):
+            kind = "real rows" if d is not None else "value (it has no batch dim)"
+            return PaddingVerdict(
+                None,
+                f"{what}'s {kind} change when {rows}: the model mixes rows (batch norm in training mode, a "
+                "reduction over the batch, a branch on the batch size, attention across padded tokens). "
+                "Rows must be independent for padding; call model.eval() or make rows independent",
+            )
+        dims.append(d)
+    return PaddingVerdict(dims, None)
