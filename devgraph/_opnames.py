@@ -70,8 +70,20 @@ def resolve_auto_update_ops(names: Sequence[str] | str, declared: Sequence[str] 
 # whose Python kernel torch itself defined (torch.library.custom_op in a ``torch.*`` module, such as
 # ``_c10d_functional::_wrap_tensor_autograd``, which returns a tensor subclass) also runs whole.
 _WHOLE_NAMESPACES = frozenset(
-    {"aten", "prims", "prim", "rngprims", "devgraph", "c10d", "c10d_functional", "_c10d_functional",
-     "_c10d_functional_autograd", "_dtensor", "inductor", "debug_mode_ops"}
+    {
+        "aten",
+        "prims",
+        "prim",
+        "rngprims",
+        "devgraph",
+        "c10d",
+        "c10d_functional",
+        "_c10d_functional",
+        "_c10d_functional_autograd",
+        "_dtensor",
+        "inductor",
+        "debug_mode_ops",
+    }
 )
 
 
@@ -83,6 +95,8 @@ def _defined_by_torch(qualname: str) -> bool:
     opdef = OPDEFS.get(qualname)
     module = getattr(getattr(opdef, "_init_fn", None), "__module__", "") or ""
     return module == "torch" or module.startswith("torch.")
+
+
 _PYTHON_KERNELS: dict[tuple[Any, str], bool] = {}
 
 

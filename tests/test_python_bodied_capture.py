@@ -72,7 +72,7 @@ def test_updatable_op_inside_a_python_bodied_op_is_a_task(any_device):
 def test_host_sync_inside_a_python_bodied_op_is_refused(any_device):
     x = torch.ones(4, device=any_device.torch_device)
     graph = any_device.graph()
-    with pytest.raises(CaptureError, match="_local_scalar_dense|item"):
+    with pytest.raises(CaptureError, match=r"_local_scalar_dense|item"):
         with graph.capture():
             syncing_body(x)
 
