@@ -19,6 +19,7 @@ import torch
 import devgraph
 from devgraph import DevgraphError
 from devgraph.runner._calls import CallReader, Unsupported
+from devgraph.runner import GraphRunner
 from devgraph.runner._config import RunnerConfig
 
 
@@ -190,6 +191,27 @@ def test_a_model_that_mixes_rows_is_served_exactly(model):
     torch.testing.assert_close(out, model(_x(3)))
     torch.testing.assert_close(graphed(_x(4)), model(_x(4)))  # a bucket's own size still replays
     assert graphed.stats.replays == 1 and graphed.stats.fallbacks == {"padding_changes_result": 1}
+
+
+def test_check_padding_false_skips_the_checks_eager_runs():
+    # The Hugging Face decode step vouches for its rows this way: the checks' extra eager steps
+    # would move its cache's write positions past a short cache (the forwards seen by a wrapper).
+    seen = {}
+    for check in (True, False):
+        config = RunnerConfig(batch_sizes=[2, 4], check_padding=check)
+        _quiet(GraphRunner(_Counting(seen, check), devgraph.device("cpu"), config), _x(3))
+    # warm-ups (2 each) and captures (1 each) of 2 buckets: 6; the check adds 3 runs per checked bucket
+    assert seen[False] == 6 and seen[True] > seen[False]
+
+
+class _Counting(torch.nn.Module):
+    def __init__(self, seen, key):
+        super().__init__()
+        self.seen, self.key = seen, key
+
+    def forward(self, x):
+        self.seen[self.key] = self.seen.get(self.key, 0) + 1
+        return x * 2
 
 
 class SpecialCasesOne(torch.nn.Module):

@@ -138,6 +138,10 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
         batch_sizes=batch_sizes,
         max_batch_size=max_batch_size,
         pad_values={f"mask{i}": True for i in range(MAX_MASKS)},  # padded rows see every slot: finite
+        # Each row of the decode step reads and writes only its own cache row, and the logits are per
+        # row (tests cross buckets): no padding check, whose extra eager steps would also move the
+        # cache's write positions past a short cache.
+        check_padding=False,
         **{k: v for k, v in options.items() if k in RUNNER_OPTIONS},
     )
     prefill = None

@@ -537,7 +537,7 @@ class BucketedRunner:
         start = time.perf_counter()
         with gc_frozen(), capture_context(self.config):
             before = self.device.memory_stats().reserved  # after the collection: dead pools are gone
-            if example is not None:
+            if example is not None and self.config.check_padding:
                 self._padding_verdict = self._check_padding(example, sizes)
             for size in progress(sorted(sizes, reverse=True), desc):
                 self._fill_padding()

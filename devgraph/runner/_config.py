@@ -102,6 +102,11 @@ class RunnerConfig:
         check_ranks: ``"capture"`` (default): the ranks agree on their capture sizes once, at
             capture (``RankMismatchError`` otherwise); ``"every_call"``: also on the size each call
             replays (one small all-gather, and a host sync on a device, per call).
+        check_padding: run the padding check at capture (``devgraph.runner._rows``: a few eager runs
+            per checked bucket that find models whose rows mix or whose outputs are not per row, and
+            then serve only exact bucket sizes). False: the caller vouches that rows are independent
+            and every output is cut along its batch dim; the Hugging Face adapter's decode step does
+            (each row reads and writes only its own cache row; its tests cross buckets).
         capture_context: a callable returning a context manager that the runner enters around the
             capture of every size (warm-ups included), for collectives that need set-up around
             graph capture: an engine's process-group capture context, e.g. vLLM's
@@ -123,6 +128,7 @@ class RunnerConfig:
     process_group: Any = attrs.field(default="auto", eq=False)
     check_ranks: str = "capture"
     capture_context: Any = attrs.field(default=None, eq=False)
+    check_padding: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.mode not in ("full", "piecewise", "full_and_piecewise"):
