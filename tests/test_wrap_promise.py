@@ -18,8 +18,8 @@ import torch
 
 import devgraph
 from devgraph import DevgraphError
-from devgraph.runner._calls import CallReader, Unsupported
 from devgraph.runner import GraphRunner
+from devgraph.runner._calls import CallReader, Unsupported
 from devgraph.runner._config import RunnerConfig
 
 
