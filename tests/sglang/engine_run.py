@@ -1,14 +1,15 @@
 """Runs a real ``sgl.Engine`` on CPU under the devgraph platform and writes its outputs as JSON.
 
 ``python engine_run.py MODEL_DIR OUT.json graphs|eager [--requests N] [--max-new-tokens N]
-[--max-running N] [--capture 1,2,3]``: the same engine configuration both ways
+[--max-running N] [--capture 1,2,3] [--page-size N]``: the same engine configuration both ways
 (``SGLANG_PLATFORM=devgraph``, the ``devgraph`` attention backend, the model's saved weights);
 ``graphs`` captures decode graphs through devgraph, ``eager`` runs every step eagerly. On device
 ``cpu`` SGLang 0.5.23 captures decode graphs only with ``enable_torch_compile``;
 ``torch_compile_max_bs=0`` compiles no bucket's forward (see the README's SGLang section). The output
 JSON holds the output ids per request, the engine start time and the generation time. Run as a
-script (SGLang starts its scheduler in subprocesses) by ``test_engine.py`` and
-``benchmarks/sglang_start.py``, under a timeout.
+script (SGLang starts its scheduler in subprocesses) by ``test_engine.py``, ``test_engine_npu.py`` and
+``benchmarks/sglang_start.py``, under a timeout. With ``DEVGRAPH_SGLANG_NPU_SIM=1`` every process of
+the engine runs on devgraph.testing's torch_npu simulator (devgraph's NPU backend on CPU tensors).
 """
 
 from __future__ import annotations
@@ -22,6 +23,24 @@ import sys
 import time
 
 import tiny_model
+
+#: Set to 1 to run every process of the engine on devgraph.testing's torch_npu simulator (see below).
+NPU_SIM_ENV = "DEVGRAPH_SGLANG_NPU_SIM"
+
+if os.environ.get(NPU_SIM_ENV) == "1":
+    # SGLang starts its scheduler and detokenizer with multiprocessing's spawn, which runs this
+    # module's top level again in each of them (as ``__mp_main__``) before the process's target:
+    # every process then holds the simulator in sys.modules (for its whole life, so the block is
+    # never left) before SGLang loads the devgraph platform. devgraph.device() is then devgraph's
+    # NPU backend on CPU tensors: the engine runs on device "cpu" and captures NPU graphs. Left at
+    # exit (a process SGLang ends normally): its queued device work must finish (a hang raises).
+    import atexit
+
+    from devgraph.testing import simulated_torch_npu
+
+    _NPU_SIM = simulated_torch_npu()
+    _NPU_SIM.__enter__()
+    atexit.register(_NPU_SIM.__exit__, None, None, None)
 
 #: Written to stderr once ``sgl.Engine(...)`` has returned (a test tells a refusal at start by its absence).
 STARTED = "engine_run: engine started"
@@ -38,10 +57,11 @@ def max_new_tokens(n: int, longest: int) -> list[int]:
     return [longest - (i * 37) % (longest // 2 + 1) for i in range(n)]
 
 
-def engine_kwargs(mode: str, *, max_running: int, capture: list[int] | None) -> dict:
+def engine_kwargs(mode: str, *, max_running: int, capture: list[int] | None, page_size: int = 1) -> dict:
     """The ``sgl.Engine`` arguments of one mode (the graph settings are the only difference)."""
     kwargs = dict(
         device="cpu",
+        page_size=page_size,
         attention_backend="devgraph",
         mem_fraction_static=0.05,
         max_total_tokens=8192,
@@ -73,6 +93,7 @@ def main() -> None:
     parser.add_argument(
         "--capture", default=None, help="decode capture sizes, e.g. 1,2,4 (default: SGLang's)"
     )
+    parser.add_argument("--page-size", type=int, default=1, help="KV cache page (block) size")
     args = parser.parse_args()
     if os.environ.get("SGLANG_PLATFORM") != "devgraph":
         raise SystemExit("run with SGLANG_PLATFORM=devgraph")
@@ -82,7 +103,7 @@ def main() -> None:
     start = time.perf_counter()
     engine = sgl.Engine(
         model_path=args.model_dir,
-        **engine_kwargs(args.mode, max_running=args.max_running, capture=capture),
+        **engine_kwargs(args.mode, max_running=args.max_running, capture=capture, page_size=args.page_size),
     )
     started = time.perf_counter() - start
     print(STARTED, file=sys.stderr, flush=True)

@@ -156,6 +156,28 @@ def test_selected_platform_is_out_of_tree_with_devgraph_runner_and_backend(monke
     assert platform.get_default_attention_backend() == "devgraph"
 
 
+def test_npu_backend_on_cpu_tensors_gets_the_cpu_platform_with_npu_graphs_and_sglangs_npu_runner(monkeypatch):
+    # devgraph.testing's torch_npu simulator: devgraph's NPU backend, tensors on torch's cpu. SGLang
+    # must run on "cpu" (there is no torch.npu), capturing NpuGraphs with SGLang's NPU runner.
+    from sglang.srt.platforms import _load_platform_class
+
+    from devgraph.adapters.sglang._backend import devgraph_device_for
+    from devgraph.adapters.sglang._platform import DevgraphCpuPlatform
+    from devgraph.adapters.sglang._runner import DevgraphDecodeGraphRunner, npu_graph_runner_cls
+    from devgraph.testing import simulated_torch_npu
+
+    monkeypatch.setenv("SGLANG_PLATFORM", "devgraph")
+    monkeypatch.delenv("DEVGRAPH_BACKEND", raising=False)
+    with simulated_torch_npu():
+        platform = _load_platform_class(activate())()
+        assert type(platform) is DevgraphCpuPlatform
+        assert devgraph_device_for("cpu").name == "npu"
+        assert platform.get_graph_runner_cls() is npu_graph_runner_cls()
+        monkeypatch.setenv("DEVGRAPH_BACKEND", "cpu")  # the CPU reference, simulator or not
+        assert devgraph_device_for("cpu").name == "cpu"
+        assert platform.get_graph_runner_cls() is DevgraphDecodeGraphRunner
+
+
 def _resolved_platform(env: dict[str, str]) -> dict:
     code = (
         "import json; from sglang.srt.platforms import current_platform as p; "

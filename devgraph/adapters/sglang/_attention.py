@@ -2,8 +2,10 @@
 
 Prefill (extend) runs SGLang's ``torch_native`` path eagerly (prefill is never captured at SGLang
 0.5.23 on an out-of-tree platform). Decode goes through ``devgraph.ops.paged_decode_attention`` over
-SGLang's token-indexed KV pool (one token per block: ``page_size`` 1), with the request's row of
-``req_to_token`` as the block table, and the lengths as a *host list*, the way an NPU kernel takes
+SGLang's token-indexed KV pool viewed as blocks of ``page_size`` tokens (SGLang's ``--page-size``;
+devgraph's NPU kernel needs a multiple of 16, as Ascend's paged attention does), with every
+``page_size``-th slot of the request's row of ``req_to_token``, divided by ``page_size``, as the block
+table (SGLang allocates whole pages, so a page's slots are consecutive), and the lengths as a *host list*, the way an NPU kernel takes
 ``actual_seq_lengths_kv``. In a captured graph that list is frozen unless the task is updated; the
 backend keeps the current batch's (padded) lengths, set outside the graph in
 ``init_forward_metadata_out_graph``, and ``devgraph_host_args()`` hands them to
@@ -52,6 +54,8 @@ class DevgraphAttnBackend(TorchNativeAttnBackend):
     def __init__(self, model_runner: Any) -> None:
         check_model(getattr(model_runner, "model", None))
         super().__init__(model_runner)
+        #: Tokens per block of the paged cache: SGLang's page size (its allocator hands out whole pages).
+        self.page_size = int(getattr(model_runner, "page_size", None) or 1)
         self._seq_lens_host: list[int] = []
         self._graph_block_table: torch.Tensor | None = None  # [max_bs, max_context] static buffer
         self._block_table: torch.Tensor | None = None  # this graph batch's rows of it
@@ -73,8 +77,15 @@ class DevgraphAttnBackend(TorchNativeAttnBackend):
             return
         rows = forward_batch.req_pool_indices.shape[0]
         table = self._graph_block_table[:rows]
-        torch.index_select(self.req_to_token_pool.req_to_token, 0, forward_batch.req_pool_indices, out=table)
+        table.copy_(self._block_rows(forward_batch.req_pool_indices))
         self._block_table = table
+
+    def _block_rows(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """The block table of these requests: the slot of each page's first token, in pages."""
+        slots = self.req_to_token_pool.req_to_token.index_select(0, req_pool_indices)
+        if self.page_size == 1:
+            return slots
+        return slots[:, :: self.page_size] // self.page_size
 
     def _set_host_lens(self, forward_batch: Any) -> None:
         if not forward_batch.forward_mode.is_decode():
@@ -92,8 +103,9 @@ class DevgraphAttnBackend(TorchNativeAttnBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         req_to_token = self.req_to_token_pool.req_to_token
+        blocks = -(-req_to_token.shape[1] // self.page_size)
         self._graph_block_table = torch.zeros(
-            (max_bs, req_to_token.shape[1]), dtype=req_to_token.dtype, device=req_to_token.device
+            (max_bs, blocks), dtype=req_to_token.dtype, device=req_to_token.device
         )
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -122,14 +134,15 @@ class DevgraphAttnBackend(TorchNativeAttnBackend):
             )
         key_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         value_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        kv_heads = layer.tp_k_head_num
-        # One token per block: SGLang's pool is token-indexed and req_to_token maps a request's
-        # positions to its slots, which is exactly a block table of block size 1.
-        key_cache = key_buffer.view(key_buffer.shape[0], 1, kv_heads, dim)
-        value_cache = value_buffer.view(value_buffer.shape[0], 1, kv_heads, dim)
+        kv_heads, page = layer.tp_k_head_num, self.page_size
+        # SGLang's pool is token-indexed and allocated in whole pages (its size a multiple of the
+        # page size), and req_to_token maps a request's positions to its slots: page p of a request
+        # is block req_to_token[p * page_size] // page_size of the pool viewed in blocks.
+        key_cache = key_buffer.view(key_buffer.shape[0] // page, page, kv_heads, dim)
+        value_cache = value_buffer.view(value_buffer.shape[0] // page, page, kv_heads, dim)
         block_table = self._block_table
         if block_table is None or block_table.shape[0] != q.shape[0]:  # an eager batch
-            block_table = self.req_to_token_pool.req_to_token.index_select(0, forward_batch.req_pool_indices)
+            block_table = self._block_rows(forward_batch.req_pool_indices)
         _attend(
             q.view(-1, heads, dim),
             key_cache,

@@ -63,11 +63,20 @@ SHARED_POOL = _SharedPool()
 def devgraph_device_for(torch_device: str | torch.device) -> Device:
     """The devgraph device for SGLang's device string (``"cpu"``, ``"npu"``, ``"cuda:1"``).
 
+    devgraph's chosen device (``devgraph.device()``: ``DEVGRAPH_BACKEND`` to force one) when its
+    tensors live on that torch device, else the backend named by the device type. The chosen
+    device can be another backend than the type's: devgraph's NPU backend on devgraph.testing's
+    torch_npu simulator keeps its tensors on ``cpu``, so an engine on ``cpu`` captures NPU graphs.
+
     Raises:
         DevgraphError / BackendUnavailable: no devgraph backend serves that device here.
     """
     dev = torch.device(torch_device)
-    return devgraph.device(dev.type, dev.index or 0)
+    index = dev.index or 0
+    chosen = devgraph.device()
+    if chosen.torch_device.type == dev.type and chosen.index == index:
+        return chosen
+    return devgraph.device(dev.type, index)
 
 
 def _weak_outputs(out: Any) -> Any:
@@ -166,7 +175,13 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
         self._graphs[shape_key] = graph
         self._outputs[shape_key] = _weak_outputs(out)
         size = getattr(shape_key, "size", shape_key)
-        _stats.record(lambda s: s.captured.append(size))
+        info = {"graph": type(graph).__name__, "tasks": [group.op for group in graph.tasks]}
+
+        def update(s: _stats.GraphStats) -> None:
+            s.captured.append(size)
+            s.graphs[size] = info
+
+        _stats.record(update)
         logger.debug(
             "devgraph: captured %s on %s in %.3f s (%d updatable tasks)",
             shape_key,

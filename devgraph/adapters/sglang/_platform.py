@@ -1,8 +1,9 @@
 """The devgraph SGLang platforms: SGLang's device mixin for the device, devgraph's graph machinery.
 
 ``DevgraphCpuPlatform`` runs SGLang on torch's CPU device with graphs from devgraph's CPU reference
-backend (correctness, not speed); ``DevgraphNpuPlatform`` runs on Ascend with devgraph's NPU
-backend. Both are out-of-tree (``PlatformEnum.OOT``), declare ``graph_capture`` (decode graphs;
+backend (correctness, not speed), or from its NPU backend on devgraph.testing's torch_npu simulator;
+``DevgraphNpuPlatform`` runs on Ascend with devgraph's NPU backend. The decode graph runner follows
+the devgraph backend that captures (``_runner.graph_runner_cls``). Both are out-of-tree (``PlatformEnum.OOT``), declare ``graph_capture`` (decode graphs;
 no piecewise: SGLang 0.5.23 has no platform hook for prefill graphs) and default to the ``devgraph``
 attention backend, whose decode attention is a devgraph op updated by task update at every replay.
 """
@@ -37,9 +38,12 @@ class _DevgraphPlatform(SRTPlatform):
         return ATTENTION_BACKEND
 
     def get_graph_runner_cls(self) -> type:
-        from devgraph.adapters.sglang._runner import DevgraphDecodeGraphRunner
+        # By the devgraph device that captures (not SGLang's device): NPU graphs get SGLang's NPU
+        # runner, also on CPU tensors (devgraph's NPU backend on devgraph.testing's simulator).
+        from devgraph.adapters.sglang._backend import devgraph_device_for
+        from devgraph.adapters.sglang._runner import graph_runner_cls
 
-        return DevgraphDecodeGraphRunner
+        return graph_runner_cls(devgraph_device_for(self.device_name))
 
     def get_full_graph_backend_cls(self) -> type:
         from devgraph.adapters.sglang._backend import DevgraphGraphBackend
@@ -53,7 +57,11 @@ class _DevgraphPlatform(SRTPlatform):
 
 
 class DevgraphCpuPlatform(CpuDeviceMixin, _DevgraphPlatform):
-    """SGLang on torch's CPU device, graphs captured by devgraph's CPU reference backend."""
+    """SGLang on torch's CPU device, graphs captured by devgraph's CPU reference backend.
+
+    Or by devgraph's NPU backend, when that is devgraph's device and its tensors are CPU tensors
+    (devgraph.testing's torch_npu simulator): the decode runner is then ``DevgraphNPUGraphRunner``.
+    """
 
     _enum = PlatformEnum.OOT
     device_name = "cpu"
@@ -73,8 +81,3 @@ class DevgraphNpuPlatform(NPUDeviceMixin, _DevgraphPlatform):
     _enum = PlatformEnum.OOT
     device_name = "npu"
     device_type = "npu"
-
-    def get_graph_runner_cls(self) -> type:
-        from devgraph.adapters.sglang._runner import npu_graph_runner_cls
-
-        return npu_graph_runner_cls()

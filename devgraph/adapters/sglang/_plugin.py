@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 #: The value of ``SGLANG_PLATFORM`` that selects devgraph (the entry point's name).
 PLATFORM_NAME = "devgraph"
 
+#: The devgraph SGLang platform per torch device type the chosen devgraph device's tensors live on.
 _PLATFORMS = {
     "cpu": "devgraph.adapters.sglang._platform:DevgraphCpuPlatform",
     "npu": "devgraph.adapters.sglang._platform:DevgraphNpuPlatform",
@@ -24,7 +25,11 @@ _PLATFORMS = {
 def activate() -> str | None:
     """The devgraph platform class path when ``SGLANG_PLATFORM=devgraph``, else None.
 
-    The devgraph backend is ``devgraph.device()``'s choice (``DEVGRAPH_BACKEND`` to force one).
+    The devgraph backend is ``devgraph.device()``'s choice (``DEVGRAPH_BACKEND`` to force one); the
+    platform is the one of the torch device its tensors live on (SGLang's ``device``), so devgraph's
+    NPU backend on devgraph.testing's torch_npu simulator (CPU tensors) gets the ``cpu`` platform,
+    whose graphs are then NPU graphs (``_backend.devgraph_device_for``).
+
     Raises:
         DevgraphError: devgraph was selected but its device has no SGLang platform here.
     """
@@ -33,15 +38,17 @@ def activate() -> str | None:
     import devgraph
     from devgraph._errors import DevgraphError
 
-    name = devgraph.device().name
-    if name not in _PLATFORMS:
+    chosen = devgraph.device()
+    kind = chosen.torch_device.type
+    if kind not in _PLATFORMS:
         raise DevgraphError(
-            f"SGLANG_PLATFORM=devgraph: devgraph picked backend {name!r}, which has no SGLang platform "
-            f"in devgraph (supported: {sorted(_PLATFORMS)}); set DEVGRAPH_BACKEND to one of them, or "
-            "unset SGLANG_PLATFORM to use SGLang's own platform."
+            f"SGLANG_PLATFORM=devgraph: devgraph picked backend {chosen.name!r} (torch device {kind!r}), "
+            f"which has no SGLang platform in devgraph (supported devices: {sorted(_PLATFORMS)}); set "
+            "DEVGRAPH_BACKEND to a backend on one of them, or unset SGLANG_PLATFORM to use SGLang's own "
+            "platform."
         )
-    logger.info("devgraph SGLang platform: backend %s", name)
-    return _PLATFORMS[name]
+    logger.info("devgraph SGLang platform: backend %s on torch device %s", chosen.name, kind)
+    return _PLATFORMS[kind]
 
 
 def register() -> None:

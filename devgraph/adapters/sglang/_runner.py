@@ -33,6 +33,7 @@ from typing import Any
 
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
+from devgraph._contract import Device
 from devgraph.adapters.sglang import _stats
 from devgraph.adapters.sglang._backend import DevgraphGraphBackend
 
@@ -40,9 +41,18 @@ logger = logging.getLogger(__name__)
 
 
 class _UsesDevgraphBackend:
-    """Mixin for SGLang decode runners: capture with devgraph's backend whatever SGLang built."""
+    """Mixin for SGLang decode runners: capture with devgraph's backend whatever SGLang built.
+
+    Nothing is ``torch.compile``'d, whatever runner precedes it: SGLang's decode runner compiles each
+    captured size's forward (inductor rounds unlike the eager ops, see the module docstring), and its
+    NPU runner would compile with torchair's ``npugraph_ex``, which captures ACL graphs of its own
+    inside devgraph's capture. The capture records the eager ops.
+    """
 
     backend: Any  # set by SGLang's runner __init__ (resolve_decode_backend) before capture()
+    compile_bs: list[int]
+    capture_bs: list[int]
+    device_module: Any
 
     def capture(self) -> None:
         if not isinstance(self.backend, DevgraphGraphBackend):
@@ -53,16 +63,7 @@ class _UsesDevgraphBackend:
             )
             self.backend.cleanup()
             self.backend = DevgraphGraphBackend(self)
-        super().capture()  # type: ignore[misc]  # the SGLang runner this mixin precedes
-
-
-class DevgraphDecodeGraphRunner(_UsesDevgraphBackend, DecodeCudaGraphRunner):
-    """SGLang's decode graph runner, captured and replayed by devgraph: no compile, exact sizes only."""
-
-    _warned: frozenset[str] = frozenset()
-
-    def capture(self) -> None:
-        if self.compile_bs:
+        if getattr(self, "compile_bs", None):
             logger.info(
                 "devgraph: capturing decode sizes %s without torch.compile (SGLang would compile %s): "
                 "graph steps then equal eager steps bit for bit",
@@ -70,10 +71,26 @@ class DevgraphDecodeGraphRunner(_UsesDevgraphBackend, DecodeCudaGraphRunner):
                 self.compile_bs,
             )
         self.compile_bs = []
+        runner = type(self).__name__
+        _stats.record(lambda s: setattr(s, "runner", runner))
         start = time.perf_counter()
-        super().capture()
+        super().capture()  # type: ignore[misc]  # the SGLang runner this mixin precedes
         seconds = time.perf_counter() - start
         _stats.record(lambda s: setattr(s, "capture_s", s.capture_s + seconds))
+
+    def _record_in_graph_metadata_prep_done(self) -> None:
+        # SGLang plants an external event here, asking torch's device module whether a capture is
+        # running. torch.cpu (SGLang's device module on cpu, also under devgraph's NPU backend on the
+        # torch_npu simulator) has neither stream capture nor external events: nothing to plant.
+        if not hasattr(self.device_module, "is_current_stream_capturing"):
+            return
+        super()._record_in_graph_metadata_prep_done()  # type: ignore[misc]
+
+
+class DevgraphDecodeGraphRunner(_UsesDevgraphBackend, DecodeCudaGraphRunner):
+    """SGLang's decode graph runner, captured and replayed by devgraph: no compile, exact sizes only."""
+
+    _warned: frozenset[str] = frozenset()
 
     def can_run_graph(self, forward_batch: Any) -> bool:
         ok = super().can_run_graph(forward_batch)
@@ -106,12 +123,17 @@ class DevgraphDecodeGraphRunner(_UsesDevgraphBackend, DecodeCudaGraphRunner):
             logger.warning(message)
         _stats.record(lambda s: s.eager_decode.update([bs]))
 
-    def _record_in_graph_metadata_prep_done(self) -> None:
-        # SGLang plants an external event here, asking torch's device module whether a capture is
-        # running. torch.cpu has neither stream capture nor external events: nothing to plant.
-        if not hasattr(self.device_module, "is_current_stream_capturing"):
-            return
-        super()._record_in_graph_metadata_prep_done()
+
+def graph_runner_cls(device: Device) -> type:
+    """The SGLang decode runner for graphs of the devgraph ``device``.
+
+    ``DevgraphNPUGraphRunner`` for devgraph's NPU backend (SGLang's Ascend runner, which hands the
+    attention's host lengths to every replay), also when its tensors are CPU tensors (devgraph.testing's
+    torch_npu simulator); ``DevgraphDecodeGraphRunner`` for every other backend.
+    """
+    if device.name == "npu":
+        return npu_graph_runner_cls()
+    return DevgraphDecodeGraphRunner
 
 
 @functools.cache

@@ -24,6 +24,9 @@ class GraphStats:
     because no graph of their size was captured, by batch size (``DevgraphDecodeGraphRunner``
     replays a graph only of a batch's exact size; see ``_runner``). Prefill is never captured and
     not counted. ``capture_s``: seconds the decode runner's ``capture()`` took (warm-ups included).
+    ``runner``: the class of the decode runner that captured. ``graphs``: per captured size, the
+    devgraph graph type and its updatable tasks (``{"graph": "NpuGraph", "tasks":
+    ["devgraph::paged_decode_attention", ...]}``).
     """
 
     captured: list[int] = attrs.field(factory=list)
@@ -33,6 +36,8 @@ class GraphStats:
     task_updates: int = 0
     eager_decode: Counter = attrs.field(factory=Counter)
     capture_s: float = 0.0
+    runner: str = ""
+    graphs: dict = attrs.field(factory=dict)
 
     def as_dict(self) -> dict:
         """A JSON-ready copy (bucket keys as strings)."""
@@ -44,6 +49,8 @@ class GraphStats:
             "task_updates": self.task_updates,
             "eager_decode": {str(k): v for k, v in sorted(self.eager_decode.items())},
             "capture_s": round(self.capture_s, 3),
+            "runner": self.runner,
+            "graphs": {str(k): dict(v) for k, v in self.graphs.items()},
         }
 
 
