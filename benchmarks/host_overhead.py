@@ -78,7 +78,7 @@ def stub_replay(graphs: Iterator[devgraph.Graph]) -> int:
     for graph in graphs:
         graph._replay = _noop  # type: ignore[method-assign]
         graph._needs_reissue = _no_reissue  # type: ignore[method-assign]
-        for hook in ("_replay_with_host_args", "_settle_host_args"):
+        for hook in ("_replay_with_host_args", "_note_host_args", "_settle_host_args"):
             setattr(graph, hook, types.MethodType(getattr(DeviceMetadataGraph, hook), graph))
         n += 1
     return n

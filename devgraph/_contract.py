@@ -242,7 +242,12 @@ class Graph(abc.ABC):
         "reset": ("_reset",),
         "tasks": ("_settle_host_args",),
         "task_group": ("_task_group_begin", "_task_group_end", "_prepare_task_call"),
-        "task_update": ("_check_update_allowed", "_task_update_begin", "_task_update_end", "_task_update_abort"),
+        "task_update": (
+            "_check_update_allowed",
+            "_task_update_begin",
+            "_task_update_end",
+            "_task_update_abort",
+        ),
         "update": ("_check_update_allowed", "_update_tasks", "_needs_reissue"),
         "enable_debug_mode": ("_enable_debug_mode",),
         "debug_dump": ("_debug_dump",),
@@ -534,15 +539,16 @@ class Graph(abc.ABC):
     def _settle_host_args(self) -> None:
         """Record on the tasks any host arguments the backend kept aside (``tasks`` and ``update``
         call it under the graph's lock; default: none are kept aside)."""
+        return None
 
     def _check_update_allowed(self, what: str) -> None:
         """Refuse ``what`` (an update, a task update, a replay with host arguments) before the graph's
         lock is taken, e.g. one nested in another update this thread holds (default: allowed)."""
+        return None
 
     def _call_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
         """How ``call_opaque`` runs ``fn(*args)`` (default: as is; stream capture records it)."""
         return fn(*args)
-
 
     def _prepare_task_call(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -187,7 +187,8 @@ class DeviceMetadataGraph(Graph):
                 if any(self._needs_reissue(t) for t in auto)
                 else frozenset(n for t in auto for n in t.argument_names)
             )
-            plan = self.__dict__["_host_only"] = (self._tasks, names, {})
+            pending: dict[str, Any] = {}
+            plan = self.__dict__["_host_only"] = (self._tasks, names, pending)
         if plan[1] is None or not host_args.keys() <= plan[1]:
             return False
         plan[2].update(host_args)
