@@ -42,6 +42,7 @@ import logging
 import platform
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ import torch
 from _common import DEFAULT_OUT, logger, report_header, write_json
 
 import devgraph
+from devgraph.backends.cuda._device import DeviceMetadataGraph
 from devgraph.compile._ops import host_values
 from devgraph.testing.models import DecoderConfig, KVBlockManager, make_decoder
 
@@ -70,11 +72,14 @@ def _no_reissue(group: Any) -> bool:
 
 
 def stub_replay(graphs: Iterator[devgraph.Graph]) -> int:
-    """Make each graph's replay do nothing, and its task updates need no re-issue (as on CUDA)."""
+    """Make each graph's replay do nothing, and its task updates need no re-issue: CUDA's hooks
+    (``DeviceMetadataGraph``: ``replay(host_args)`` notes the values, re-issues nothing)."""
     n = 0
     for graph in graphs:
         graph._replay = _noop  # type: ignore[method-assign]
         graph._needs_reissue = _no_reissue  # type: ignore[method-assign]
+        for hook in ("_replay_with_host_args", "_note_host_args", "_settle_host_args"):
+            setattr(graph, hook, types.MethodType(getattr(DeviceMetadataGraph, hook), graph))
         n += 1
     return n
 

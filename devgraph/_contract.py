@@ -15,7 +15,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, final
 
 import attrs
 
@@ -227,7 +227,44 @@ class Graph(abc.ABC):
     * Host syncs inside the block raise ``CaptureError``.
     * ``update()`` and ``replay()`` of one graph are serialised by a per-graph lock, so a worker
       thread may update while another thread replays; ``replay(host_args)`` does both atomically.
+
+    The public methods hold the state machine and the locks and are final: a backend overrides the
+    private hooks instead, one per decision (``_FINAL_HOOKS`` maps each public name to its hooks). A
+    subclass that overrides a public method is refused when the class is defined (``TypeError``).
     """
+
+    #: Each public name and the hooks a backend overrides instead (``__init_subclass__`` enforces it).
+    _FINAL_HOOKS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "capture": ("_begin_capture", "_end_capture", "_abort_capture", "_translate_capture_error"),
+        "is_captured": (),
+        "pool": (),
+        "replay": ("_replay", "_replay_with_host_args"),
+        "reset": ("_reset",),
+        "tasks": ("_settle_host_args",),
+        "task_group": ("_task_group_begin", "_task_group_end", "_prepare_task_call"),
+        "task_update": (
+            "_check_update_allowed",
+            "_task_update_begin",
+            "_task_update_end",
+            "_task_update_abort",
+        ),
+        "update": ("_check_update_allowed", "_update_tasks", "_needs_reissue"),
+        "enable_debug_mode": ("_enable_debug_mode",),
+        "debug_dump": ("_debug_dump",),
+        "call_opaque": ("_call_opaque",),
+    }
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, hooks in Graph._FINAL_HOOKS.items():
+            if name in cls.__dict__:
+                instead = (
+                    f"override {' / '.join(hooks)} instead" if hooks else "it has no hook: leave it to Graph"
+                )
+                raise TypeError(
+                    f"{cls.__module__}.{cls.__qualname__} overrides Graph.{name}, which is final (the public "
+                    f"methods hold the graph's state machine and locks); {instead}"
+                )
 
     def __init__(self, device: Device, keep_graph: bool = False) -> None:
         self.device = device
@@ -237,13 +274,12 @@ class Graph(abc.ABC):
         self._tasks: list[TaskGroup] = []
         self._lock = threading.RLock()
         self._open_group: TaskGroup | None = None
-        # See ``_note_host_args``: (the task list it describes, names the tasks take, pending values).
-        self._host_only: tuple[list[TaskGroup], frozenset[str] | None, dict[str, Any]] | None = None
         #: the ``capture_error_mode`` of the capture in progress or done (``CAPTURE_ERROR_MODES``).
         self.capture_error_mode = "default"
 
     # -- capture -----------------------------------------------------------------------------
 
+    @final
     @contextlib.contextmanager
     def capture(
         self,
@@ -317,10 +353,12 @@ class Graph(abc.ABC):
         else:
             self._abort_capture()
 
+    @final
     def is_captured(self) -> bool:
         """True once a capture has completed (until ``reset()``)."""
         return self._state == "captured"
 
+    @final
     def pool(self) -> MemoryPool:
         """The pool this graph captured into (pass it to other captures to share memory)."""
         if self._pool is None:
@@ -329,8 +367,11 @@ class Graph(abc.ABC):
 
     # -- replay ------------------------------------------------------------------------------
 
+    @final
     def replay(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None) -> None:
         """Re-run the captured work; with ``host_args``, ``update(host_args)`` first, atomically."""
+        if host_args is not None:
+            self._check_update_allowed("replay(host_args)")
         with self._lock:  # a reset() on another thread cannot slip between the check and the replay
             if self._state != "captured":
                 raise DevgraphError(
@@ -339,45 +380,12 @@ class Graph(abc.ABC):
                     if self._state == "new"
                     else "replay() inside the graph's own capture block"
                 )
-            if host_args is not None and not self._note_host_args(host_args):
-                self.update(host_args)
-            self._replay()
+            if host_args is None:
+                self._replay()
+            else:
+                self._replay_with_host_args(host_args)
 
-    def _note_host_args(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> bool:
-        """Take ``host_args`` without touching each task, when no task needs a re-issue; True if taken.
-
-        On a backend whose updatable ops read their changing values from device tensors (CUDA:
-        ``_needs_reissue`` is False for them), an update only records the host values on the tasks;
-        per-task work at every replay would be pure host overhead. Such a graph keeps the values in
-        one pending mapping instead, recorded on the tasks when ``tasks`` or ``update`` next looks
-        at them. A name no task takes, or a graph with a task that needs a re-issue (the CPU
-        reference, NPU), goes through ``update``, which validates and re-issues as before.
-        """
-        if not isinstance(host_args, Mapping):
-            return False
-        plan = self._host_only
-        if plan is None or plan[0] is not self._tasks:  # first replay since capture
-            auto = [t for t in self._tasks if t.is_auto]
-            names = (
-                None
-                if any(self._needs_reissue(t) for t in auto)
-                else frozenset(n for t in auto for n in t.argument_names)
-            )
-            plan = self._host_only = (self._tasks, names, {})
-        if plan[1] is None or not host_args.keys() <= plan[1]:
-            return False
-        plan[2].update(host_args)
-        return True
-
-    def _record_pending_host_args(self) -> None:
-        """Record the values ``_note_host_args`` kept on the tasks that take them."""
-        plan = self._host_only
-        if plan is not None and plan[0] is self._tasks and plan[2]:
-            pending = dict(plan[2])
-            plan[2].clear()
-            for group, kwargs in apply_host_args(self._tasks, pending):
-                group.remember(kwargs)
-
+    @final
     def reset(self) -> None:
         """Drop the captured work (and its hold on pool memory) so the graph can be captured again."""
         if self._state == "capturing":
@@ -392,12 +400,14 @@ class Graph(abc.ABC):
     # -- task update -------------------------------------------------------------------------
 
     @property
+    @final
     def tasks(self) -> tuple[TaskGroup, ...]:
         """The updatable tasks captured so far, in capture order."""
         with self._lock:
-            self._record_pending_host_args()
+            self._settle_host_args()
             return tuple(self._tasks)
 
+    @final
     @contextlib.contextmanager
     def task_group(self, op: str = "<explicit>") -> Iterator[TaskGroup]:
         """Capture the work issued in the block as one updatable task.
@@ -423,9 +433,11 @@ class Graph(abc.ABC):
             self._task_group_end(group)
             self._tasks.append(group)
 
+    @final
     @contextlib.contextmanager
     def task_update(self, group: TaskGroup) -> Iterator[None]:
         """Re-issue the work of ``group`` with new host arguments (issue the same ops in the block)."""
+        self._check_update_allowed("task_update()")  # before the lock: see the hook
         with self._lock:  # checked under the lock: a reset() on another thread cannot slip in
             if self._state != "captured":
                 raise DevgraphError("task_update() needs a captured graph")
@@ -439,6 +451,7 @@ class Graph(abc.ABC):
                 raise
             self._task_update_end(group)
 
+    @final
     def update(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Give the updatable tasks new host arguments before the next replay.
 
@@ -450,21 +463,16 @@ class Graph(abc.ABC):
             DevgraphError: a name no task takes, a sequence of the wrong length, or an explicit task
                 group (re-issue those with ``task_update``).
         """
+        self._check_update_allowed("update()")
         with self._lock:
             if self._state != "captured":
                 raise DevgraphError("update() needs a captured graph")
-            self._record_pending_host_args()
-            for group, kwargs in apply_host_args(self._tasks, host_args):
-                if not self._needs_reissue(group):
-                    group.remember(kwargs)
-                    continue
-                call = group.call_with(kwargs)
-                with self.task_update(group):
-                    call()
-                group.remember(kwargs)
+            self._settle_host_args()
+            self._update_tasks(host_args)
 
     # -- debugging (torch.accelerator.Graph's enable_debug_mode / debug_dump) -------------------
 
+    @final
     def enable_debug_mode(self) -> None:
         """Keep what ``debug_dump`` needs; call it before ``capture``.
 
@@ -473,6 +481,7 @@ class Graph(abc.ABC):
         """
         self._enable_debug_mode()
 
+    @final
     def debug_dump(self, path: str) -> None:
         """Write the captured graph to ``path`` in the runtime's own format (backend-specific).
 
@@ -495,6 +504,7 @@ class Graph(abc.ABC):
     def _debug_dump(self, path: str) -> None:
         raise self._no_debug()
 
+    @final
     def call_opaque(self, fn: Callable[..., Any], *args: Any, name: str = "opaque") -> Any:
         """Run ``fn(*args)`` as one unit of captured work.
 
@@ -502,9 +512,43 @@ class Graph(abc.ABC):
         backend, which records dispatcher calls, records ``fn`` as one opaque task replayed on the
         same tensors (for code that bypasses the dispatcher, like inductor's CPU kernels).
         """
-        return fn(*args)
+        return self._call_opaque(fn, args, name)
 
-    # -- backend hooks -------------------------------------------------------------------------
+    # -- backend hooks: one per decision, what a backend overrides (see _FINAL_HOOKS) ---------------
+
+    def _replay_with_host_args(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """How ``replay(host_args)`` runs, under the graph's lock on a captured graph (default, the
+        reference's: ``update(host_args)``, then ``_replay()``). CUDA only notes values its kernels
+        read from device tensors; NPU queues the replay and re-issues on its update stream meanwhile."""
+        self.update(host_args)
+        self._replay()
+
+    def _update_tasks(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """How ``update(host_args)`` gives the tasks new host arguments, under the graph's lock on a
+        captured graph (default: each task that ``_needs_reissue`` is re-issued through
+        ``task_update``; the others only record the values)."""
+        for group, kwargs in apply_host_args(self._tasks, host_args):
+            if not self._needs_reissue(group):
+                group.remember(kwargs)
+                continue
+            call = group.call_with(kwargs)
+            with self.task_update(group):
+                call()
+            group.remember(kwargs)
+
+    def _settle_host_args(self) -> None:
+        """Record on the tasks any host arguments the backend kept aside (``tasks`` and ``update``
+        call it under the graph's lock; default: none are kept aside)."""
+        return None
+
+    def _check_update_allowed(self, what: str) -> None:
+        """Refuse ``what`` (an update, a task update, a replay with host arguments) before the graph's
+        lock is taken, e.g. one nested in another update this thread holds (default: allowed)."""
+        return None
+
+    def _call_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
+        """How ``call_opaque`` runs ``fn(*args)`` (default: as is; stream capture records it)."""
+        return fn(*args)
 
     def _prepare_task_call(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -9,6 +9,12 @@ The reference backend runs work synchronously, so a stream wait that does nothin
 from one that works there. ``DeferredWrites`` makes streams asynchronous the way a device queue is
 -- a stream's last write lands only once something orders it -- and still passes every check;
 ``WaitIgnored`` is that backend with a stream wait that does nothing.
+
+``Graph``'s public methods are final: a backend overrides private hooks, and a class body that
+overrides a public method is refused (``TypeError``). A few properties (the state machine, the locks,
+the host-sync guard) live in those public methods, so the backends breaking them replace the method
+after the class is made (``_replaces_final``), the one way past that refusal: the conformance suite
+must catch such a backend too.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from devgraph._tasks import TaskGroup
 from devgraph.backends.cpu._device import CpuDevice, CpuEvent, CpuGraph, CpuStream
 from devgraph.backends.cpu._pool import Block, CpuPool
 from devgraph.backends.cpu._recorder import written_tensors
+from devgraph.backends.cuda._device import DeviceMetadataGraph
 
 __all__ = ["BROKEN", "CorrectDevice", "DeferredWrites"]
 
@@ -41,6 +48,15 @@ class CorrectDevice(CpuDevice):
 
     def graph(self, keep_graph: bool = False) -> Graph:
         return self.graph_class(self, keep_graph)
+
+
+def _replaces_final(cls: type[Graph]) -> type[Graph]:
+    """Install each ``final_<name>`` method of ``cls`` as ``<name>``, after the class is made: how a
+    backend can still replace a final public method of ``Graph`` (a class body doing it is refused)."""
+    for attr, value in list(vars(cls).items()):
+        if attr.startswith("final_"):
+            setattr(cls, attr.removeprefix("final_"), value)
+    return cls
 
 
 class _SpyGraph(CpuGraph):
@@ -180,9 +196,10 @@ class HoldsTaskArguments(CorrectDevice):
     graph_class = _HoldsTaskArgumentsGraph
 
 
+@_replaces_final
 class _RecapturesGraph(CpuGraph):
     @contextlib.contextmanager
-    def capture(self, *args: Any, **kwargs: Any) -> Iterator[Graph]:
+    def final_capture(self, *args: Any, **kwargs: Any) -> Iterator[Graph]:
         if self._state == "captured":
             self._state = "new"  # silently drops the captured work instead of asking for reset()
         with super().capture(*args, **kwargs) as graph:
@@ -195,8 +212,9 @@ class RecaptureWithoutReset(CorrectDevice):
     graph_class = _RecapturesGraph
 
 
+@_replaces_final
 class _ResetKeepsPoolGraph(CpuGraph):
-    def reset(self) -> None:
+    def final_reset(self) -> None:
         """Its own reset, which never tells the pool the graph let go of it."""
         with self._lock:
             self._reset()
@@ -257,10 +275,10 @@ class ReplaySnapshotsInputs(CorrectDevice):
 
 
 class _HostArgsLiveGraph(CpuGraph):
-    def call_opaque(self, fn: Callable[..., Any], *args: Any, name: str = "opaque") -> Any:
+    def _call_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
         # Records a closure over the caller's own argument objects: a list the caller changes in
         # place after capture is read, changed, at every replay.
-        return super().call_opaque(lambda: fn(*args), name=name)
+        return super()._call_opaque(lambda: fn(*args), (), name)
 
 
 class HostArgsLive(CorrectDevice):
@@ -280,6 +298,18 @@ class UpdateIgnored(CorrectDevice):
     graph_class = _UpdateIgnoredGraph
 
 
+class _NotesHostArgsGraph(DeviceMetadataGraph, CpuGraph):
+    def _needs_reissue(self, group: TaskGroup) -> bool:
+        return False  # CUDA's hooks, though this kernel reads the host list
+
+
+class HostArgsOnlyNoted(CorrectDevice):
+    """Takes CUDA's ``replay(host_args)`` hook (note the values, replay) for a kernel that reads them
+    from the host: the replay runs with the captured lengths."""
+
+    graph_class = _NotesHostArgsGraph
+
+
 # -- host syncs --------------------------------------------------------------------------------------
 
 
@@ -296,9 +326,10 @@ class _AutoTasks(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@_replaces_final
 class _NoSyncGuardGraph(CpuGraph):
     @contextlib.contextmanager
-    def capture(
+    def final_capture(
         self,
         stream: Stream | None = None,
         pool: MemoryPool | None = None,
@@ -329,7 +360,7 @@ class _NoSyncGuardGraph(CpuGraph):
 
 
 class NoHostSyncGuard(CorrectDevice):
-    """Overrides ``capture`` and leaves out the host-sync guard: ``.item()`` records a frozen value."""
+    """Replaces ``capture`` and leaves out the host-sync guard: ``.item()`` records a frozen value."""
 
     graph_class = _NoSyncGuardGraph
 
@@ -344,8 +375,9 @@ class CapturesNotSerialised(CorrectDevice):
         return threading.RLock()
 
 
+@_replaces_final
 class _UncheckedReplayGraph(CpuGraph):
-    def replay(self, host_args: Any = None) -> None:
+    def final_replay(self, host_args: Any = None) -> None:
         with self._lock:
             if host_args is not None:
                 self.update(host_args)
@@ -365,8 +397,9 @@ class WeakRefCopies(CorrectDevice):
         return tensor.clone()
 
 
+@_replaces_final
 class _UnlockedReplayGraph(CpuGraph):
-    def replay(self, host_args: Any = None) -> None:
+    def final_replay(self, host_args: Any = None) -> None:
         if self._state != "captured":
             raise DevgraphError("replay() of a graph that was never captured")
         if host_args is not None:
@@ -507,6 +540,7 @@ BROKEN: dict[type[CorrectDevice], str] = {
     ReplaySnapshotsInputs: "check_input_rebinding_by_copy",
     HostArgsLive: "check_host_args_frozen",
     UpdateIgnored: "check_task_update",
+    HostArgsOnlyNoted: "check_task_update",
     NoHostSyncGuard: "check_capture_error_on_host_sync",
     CapturesNotSerialised: "check_captures_serialised_per_device",
     ReplayWithoutLock: "check_update_and_replay_serialised",

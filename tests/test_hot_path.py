@@ -17,6 +17,7 @@ import devgraph
 import devgraph.ops as ops
 from devgraph import DevgraphError
 from devgraph.backends.cpu._device import CpuDevice, CpuGraph
+from devgraph.backends.cuda._device import DeviceMetadataGraph
 from devgraph.runner._calls import CallReader
 from devgraph.runner._config import RunnerConfig
 
@@ -194,8 +195,9 @@ def test_remembered_binding_serves_graphed_calls_with_other_values():
 # -- task updates with nothing to re-issue (the CUDA path) -------------------------------------------
 
 
-class _DeviceReadsLengths(CpuGraph):
-    """A CPU graph declaring what CUDA declares: its updatable op reads lengths from device memory."""
+class _DeviceReadsLengths(DeviceMetadataGraph, CpuGraph):
+    """A CPU graph declaring what CUDA declares: its updatable op reads lengths from device memory
+    (CUDA's ``replay(host_args)`` hook, ``DeviceMetadataGraph``)."""
 
     def _needs_reissue(self, group) -> bool:
         return False

@@ -347,6 +347,45 @@ def test_nested_task_updates_of_two_graphs_are_refused_not_deadlocked(eager):
     assert len(outcome) == 1 and "task updates cannot nest" in outcome[0]
 
 
+def test_nested_update_is_refused_before_it_waits_on_the_other_graphs_lock(eager):
+    """Thread A holds the update stream (a task update of ``first``) and nests an update of ``second``
+    while thread B holds ``second``'s lock and waits for the update stream: A is refused before it
+    takes that lock (``NpuGraph._check_update_allowed``), else each thread waits on the other."""
+    first, second = Decoder(eager), Decoder(eager)
+    a_updating, b_holds = threading.Event(), threading.Event()
+    outcome = []
+
+    def a():
+        with first.graph.task_update(first.graph.tasks[0]):
+            a_updating.set()
+            b_holds.wait(timeout=10)
+            time.sleep(0.1)  # B is waiting for the update stream now
+            try:
+                second.graph.update({"seq_lens_host": SECOND})
+            except DevgraphError as exc:
+                outcome.append(str(exc))
+            first.graph.tasks[0].call_with({"seq_lens_host": FIRST})()
+
+    def b():
+        a_updating.wait(timeout=10)
+        with second.graph._lock:  # what update() holds while it waits for the update stream
+            b_holds.set()
+            second.graph.update({"seq_lens_host": FIRST})
+
+    threads = [
+        threading.Thread(target=contextvars.copy_context().run, args=(f,), daemon=True) for f in (a, b)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert not any(thread.is_alive() for thread in threads), "a nested update deadlocked"
+    assert len(outcome) == 1 and "task updates cannot nest" in outcome[0]
+    second.graph.replay()
+    eager.synchronize()
+    _close(second.acc, second.expected(FIRST))
+
+
 def test_failed_update_restores_the_previous_arguments(eager):
     # Regression: update() re-issued layer 0 with the new lengths, then layer 1 failed, and the graph
     # replayed layer 0 new and layer 1 old: a silent mix of two steps.

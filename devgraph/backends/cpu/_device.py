@@ -137,7 +137,7 @@ class CpuGraph(Graph):
         recorder.__exit__(None, None, None)
         del self._update  # the captured segment stays in place
 
-    def call_opaque(self, fn: Callable[..., Any], *args: Any, name: str = "opaque") -> Any:
+    def _call_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
         """Run ``fn(*args)`` and, when capturing, record it as one task replayed on the same tensors.
 
         For code that calls kernels without going through the dispatcher (inductor's CPU code), which

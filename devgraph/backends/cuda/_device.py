@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ import torch
 from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph._source import user_source_line
-from devgraph._tasks import TaskGroup
+from devgraph._tasks import TaskGroup, apply_host_args
 
 __all__ = [
     "DEVICE_METADATA_OPS",
@@ -47,6 +48,7 @@ __all__ = [
     "CudaGraph",
     "CudaPool",
     "CudaStream",
+    "DeviceMetadataGraph",
 ]
 
 logger = logging.getLogger("devgraph.cuda")
@@ -156,7 +158,53 @@ class CudaPool(MemoryPool):
         self.handle = torch.cuda.graph_pool_handle()
 
 
-class CudaGraph(Graph):
+class DeviceMetadataGraph(Graph):
+    """A graph whose updatable ops read their changing values from device tensors (``_needs_reissue``
+    is False for them): ``replay(host_args)`` only notes the host values.
+
+    Per-task work at every replay would be pure host overhead there, so a replay whose host arguments
+    only name values of such tasks keeps them in one pending mapping, recorded on the tasks when
+    ``tasks`` or ``update`` next looks at them (``_settle_host_args``). A name no task takes, or a
+    graph with a task that needs a re-issue, goes through ``update``, which validates and re-issues.
+    """
+
+    def _replay_with_host_args(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        if not self._note_host_args(host_args):
+            self.update(host_args)
+        self._replay()
+
+    def _note_host_args(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> bool:
+        """Take ``host_args`` without touching each task, when no task needs a re-issue; True if taken."""
+        if not isinstance(host_args, Mapping):
+            return False
+        # (the task list it describes, names the tasks take, pending values); made on first use.
+        plan: tuple[list[TaskGroup], frozenset[str] | None, dict[str, Any]] | None
+        plan = self.__dict__.get("_host_only")
+        if plan is None or plan[0] is not self._tasks:  # first replay since capture
+            auto = [t for t in self._tasks if t.is_auto]
+            names = (
+                None
+                if any(self._needs_reissue(t) for t in auto)
+                else frozenset(n for t in auto for n in t.argument_names)
+            )
+            pending: dict[str, Any] = {}
+            plan = self.__dict__["_host_only"] = (self._tasks, names, pending)
+        if plan[1] is None or not host_args.keys() <= plan[1]:
+            return False
+        plan[2].update(host_args)
+        return True
+
+    def _settle_host_args(self) -> None:
+        """Record the values ``_note_host_args`` kept on the tasks that take them."""
+        plan = self.__dict__.get("_host_only")
+        if plan is not None and plan[0] is self._tasks and plan[2]:
+            pending = dict(plan[2])
+            plan[2].clear()
+            for group, kwargs in apply_host_args(self._tasks, pending):
+                group.remember(kwargs)
+
+
+class CudaGraph(DeviceMetadataGraph):
     """A devgraph graph over ``torch.cuda.CUDAGraph`` (see the module docstring for task update)."""
 
     def __init__(self, device: CudaDevice, keep_graph: bool = False) -> None:

@@ -284,8 +284,8 @@ class NpuGraph(Graph):
         self._release_stale(self._npu.current_stream(self.device.index))
         self._launch()
 
-    def replay(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None) -> None:
-        """Re-run the captured work; with ``host_args`` the updated tasks get them first.
+    def _replay_with_host_args(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Replay with ``host_args``: the updated tasks get them first.
 
         With ``device.update_order == "overlap"`` (the default) the replay is queued first and the
         tasks are re-issued on the update stream while it runs, as vllm-ascend does: each updated
@@ -293,54 +293,43 @@ class NpuGraph(Graph):
         re-issues every task, then replays; so does a call updating a task whose event an
         ``update()`` since the last replay already recorded (overlapping would race with it).
         """
-        order = self.device.update_order  # type: ignore[attr-defined]
-        if host_args is None or order == "serial" or self._state != "captured":
-            super().replay(host_args)  # its checks and messages for a graph that is not captured
+        if self.device.update_order == "serial":  # type: ignore[attr-defined]
+            super()._replay_with_host_args(host_args)
             return
-        _refuse_nested("replay(host_args)")
-        with self._lock:
-            if self._state != "captured":  # reset by another thread since the check above
-                super().replay(host_args)
-                return
-            self._check_poisoned()
-            pairs = list(apply_host_args(self._tasks, host_args))  # every check before anything is queued
-            updating = {group.index for group, _ in pairs}
-            if updating & self._released:
-                # An event already recorded (an update() since the last replay) would let the
-                # replay run that task before this update rewrites it: update first, then replay.
-                self.update(host_args)
-                self._replay()
-                return
-            with self._updating() as update_stream:
-                self._release_stale(self._npu.current_stream(self.device.index), updating)
-                self._launch()
-                try:
-                    self._reissue_all(pairs, update_stream)
-                except BaseException:
-                    # The replay in flight must not wait forever on the tasks left un-updated.
-                    for group, _ in pairs:
-                        if group.index not in self._released:
-                            group.handle[1].record(update_stream)
-                    raise
-                finally:
-                    self._released = set()  # the replay in flight consumed these releases
+        self._check_poisoned()
+        pairs = list(apply_host_args(self._tasks, host_args))  # every check before anything is queued
+        updating = {group.index for group, _ in pairs}
+        if updating & self._released:
+            # An event already recorded (an update() since the last replay) would let the
+            # replay run that task before this update rewrites it: update first, then replay.
+            self.update(host_args)
+            self._replay()
+            return
+        with self._updating() as update_stream:
+            self._release_stale(self._npu.current_stream(self.device.index), updating)
+            self._launch()
+            try:
+                self._reissue_all(pairs, update_stream)
+            except BaseException:
+                # The replay in flight must not wait forever on the tasks left un-updated.
+                for group, _ in pairs:
+                    if group.index not in self._released:
+                        group.handle[1].record(update_stream)
+                raise
+            finally:
+                self._released = set()  # the replay in flight consumed these releases
 
-    def update(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+    def _update_tasks(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Re-issue the updatable tasks with ``host_args`` before the next replay, all or nothing:
         if one re-issue fails, the tasks already re-issued get their previous arguments back."""
-        _refuse_nested("update()")
-        with self._lock:
-            if self._state != "captured":
-                raise DevgraphError("update() needs a captured graph")
-            pairs = list(apply_host_args(self._tasks, host_args))
-            with self._updating() as update_stream:
-                self._reissue_all(pairs, update_stream)
+        pairs = list(apply_host_args(self._tasks, host_args))
+        with self._updating() as update_stream:
+            self._reissue_all(pairs, update_stream)
 
-    @contextlib.contextmanager
-    def task_update(self, group: TaskGroup) -> Iterator[None]:
-        _refuse_nested("task_update()")  # before the graph lock: nesting across graphs must not deadlock
-        with super().task_update(group):
-            yield
+    def _check_update_allowed(self, what: str) -> None:
+        """Refuse an update nested in another one on this thread, before the graph lock is taken:
+        nesting across graphs must not deadlock (one update stream per device)."""
+        _refuse_nested(what)
 
     @contextlib.contextmanager
     def _updating(self) -> Iterator[Any]:
@@ -488,7 +477,7 @@ class NpuGraph(Graph):
         _handlers.spec_names(actual, handler)  # refuse a spec that would update the wrong argument
         return actual, tuple(args), kwargs, lambda result: handler.postprocess_result(result, kwargs)
 
-    def call_opaque(self, fn: Any, *args: Any, name: str = "opaque") -> Any:
+    def _call_opaque(self, fn: Any, args: tuple[Any, ...], name: str) -> Any:
         """Run ``fn(*args)``; stream capture records what it launches.
 
         The simulator's graphs record dispatcher calls instead, so they are handed ``fn`` to record
