@@ -140,13 +140,21 @@ def fallback_reasons() -> dict[str, set[str]]:
                 name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
                 if name in ("Unsupported", "note_fallback", "on_eager") and node.args:
                     add(_string_of(node.args[0], consts, aliases), path)
-                if name == "count" and len(node.args) == 2 and _string_of(node.args[0], consts, aliases) == "eager":
+                if (
+                    name == "count"
+                    and len(node.args) == 2
+                    and _string_of(node.args[0], consts, aliases) == "eager"
+                ):
                     add(_string_of(node.args[1], consts, aliases), path)
             elif isinstance(node, ast.Subscript) and getattr(node.value, "attr", None) == "fallbacks":
                 add(_string_of(node.slice, consts, aliases), path)
             elif isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple) and node.value.elts:
                 pair = node.value.elts[0] if isinstance(node.value.elts[0], ast.Tuple) else node.value
-                if isinstance(pair, ast.Tuple) and len(pair.elts) == 2 and isinstance(pair.elts[1], (ast.Constant, ast.JoinedStr)):
+                if (
+                    isinstance(pair, ast.Tuple)
+                    and len(pair.elts) == 2
+                    and isinstance(pair.elts[1], (ast.Constant, ast.JoinedStr))
+                ):
                     reason = _string_of(pair.elts[0], consts, aliases)
                     message = pair.elts[1]
                     if isinstance(message, ast.JoinedStr) or " " in str(message.value):
@@ -167,7 +175,11 @@ def test_troubleshooting_page_explains_every_fallback_reason():
         reasons
     )
     assert {"over_capture_size", "use_cache", "assistant_model", "prefill_not_piecewise"} <= set(reasons)
-    missing = {r: sorted(files) for r, files in reasons.items() if f"`{r}`" not in page and f"`eager.{r}`" not in page}
+    missing = {
+        r: sorted(files)
+        for r, files in reasons.items()
+        if f"`{r}`" not in page and f"`eager.{r}`" not in page
+    }
     assert not missing, f"add these fallback reasons to docs/troubleshooting.md: {missing}"
 
 
