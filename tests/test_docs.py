@@ -64,12 +64,18 @@ PAGES_WITH_CODE = [p for p in PAGES if any(skip is None for _, _, skip in _block
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_rel)
 def test_python_blocks_of_page_run(page):
     namespace = {"__name__": f"docs:{_rel(page)}"}
-    for line, code, skip in _blocks(page):
-        if skip is not None:
-            continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the pages' own warnings (e.g. a one-time fallback) are fine
-            exec(compile(code, f"{_rel(page)}:{line}", "exec"), namespace)
+    try:
+        for line, code, skip in _blocks(page):
+            if skip is not None:
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the pages' own warnings (e.g. a one-time fallback) are fine
+                exec(compile(code, f"{_rel(page)}:{line}", "exec"), namespace)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():  # a page that failed before its own clean-up
+            dist.destroy_process_group()
 
 
 def test_skipped_blocks_are_the_expected_few_and_name_a_reason():
