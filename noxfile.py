@@ -1,4 +1,4 @@
-"""Sessions: tests (default), tests-hf-newest, lint, typecheck, demo, tests-vllm, tests-sglang, tests-cuda (GPU machines only).
+"""Sessions: tests (default), tests-hf-newest, lint, typecheck, demo, docs, tests-vllm, tests-sglang, tests-cuda (GPU machines only).
 
 Test environments pin torch through constraints.txt to the CPU wheel CI installs (2.13.0);
 the package itself supports torch 2.11+.
@@ -69,6 +69,18 @@ def demo(session: nox.Session) -> None:
     _install(session, "progress")
     session.install("numpy")  # torch warns at import without it
     session.run("devgraph", "demo", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation: every Python block of README.md and docs/ runs, then the site builds with
+    warnings as errors (``mkdocs build --strict``; API reference from the docstrings) into site/.
+
+    Needs PyPI to install, nothing else: the theme bundles its assets and fetches no fonts.
+    """
+    _install(session, "docs,test,hf,progress")
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "tests/test_docs.py")
+    session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(name="tests-cuda", venv_backend="none")

@@ -1,4 +1,4 @@
-"""README's vLLM recipe, run as written on the tiny model with the environment the README names."""
+"""The vLLM recipe of docs/vllm.md, run as written on the tiny model with the environment the page names."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 
 from _engine import engine_env, run_python
 
-README = Path(__file__).parents[2] / "README.md"
+PAGE = Path(__file__).parents[2] / "docs" / "vllm.md"
 
 
 def _recipe() -> str:
-    text = README.read_text()
+    text = PAGE.read_text()
     marker = text.index("<!-- recipe.py")
     return re.search(r"```python\n(.*?)```", text[marker:], re.S).group(1)
 
