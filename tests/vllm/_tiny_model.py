@@ -105,7 +105,10 @@ def build_tiny_gemma2(path: Path, seed: int = 0) -> Path:
 
     The window is shorter than every sequence the engine tests grow past a few steps, and the cap
     (10) is well below the scores this random model produces (tens), so both change the tokens.
+    The embeddings are scaled down (Gemma2 ties them to the output and scales them up by
+    ``sqrt(hidden)``; at full size the output repeats the current token whatever attention does).
     """
+    import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     common = dict(_COMMON, tie_word_embeddings=True)  # vLLM's Gemma2 always ties them
@@ -117,4 +120,15 @@ def build_tiny_gemma2(path: Path, seed: int = 0) -> Path:
         final_logit_softcapping=30.0,
         query_pre_attn_scalar=32,
     )
-    return _save(Gemma2ForCausalLM, config, path, seed)
+    torch.manual_seed(seed)
+    model = Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.dim() > 1 else p.fill_(1.0)
+        model.model.embed_tokens.weight.mul_(EMBED_SCALE)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+EMBED_SCALE = 0.1
