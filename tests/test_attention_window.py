@@ -69,7 +69,9 @@ SETTINGS = [(0, 0.0), (1, 0.0), (3, 0.0), (4, 0.0), (6, 0.0), (20, 0.0), (0, 1.5
 
 def _cpu(q, k, v, table, lens, window, cap):
     seq = torch.tensor(lens, dtype=torch.int32)
-    return ops.paged_decode_attention(q, k, v, table, seq, lens, 0.4, sliding_window=window, logits_soft_cap=cap)
+    return ops.paged_decode_attention(
+        q, k, v, table, seq, lens, 0.4, sliding_window=window, logits_soft_cap=cap
+    )
 
 
 def _cuda(q, k, v, table, lens, window, cap):
@@ -124,7 +126,9 @@ def test_captured_graph_replays_task_updated_lengths_with_the_window_and_cap():
     seq = torch.tensor(LENS, dtype=torch.int32)
     graph = devgraph.device("cpu").graph()
     with graph.capture(auto_update_ops=[OP]):
-        out = ops.paged_decode_attention(q, k, v, table, seq, LENS, 0.4, sliding_window=6, logits_soft_cap=1.5)
+        out = ops.paged_decode_attention(
+            q, k, v, table, seq, LENS, 0.4, sliding_window=6, logits_soft_cap=1.5
+        )
     (task,) = graph.tasks
     assert task.host_args["sliding_window"] == 6 and task.host_args["logits_soft_cap"] == 1.5
     new = [16, 7, 3, 10, 2]
@@ -151,7 +155,8 @@ def test_unsupported_arguments_per_device_kernel():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "arg"), [(dict(sliding_window=-1), "sliding_window"), (dict(logits_soft_cap=-2.0), "logits_soft_cap")]
+    ("kwargs", "arg"),
+    [(dict(sliding_window=-1), "sliding_window"), (dict(logits_soft_cap=-2.0), "logits_soft_cap")],
 )
 def test_bad_window_or_cap_is_refused_by_name(kwargs, arg):
     q, k, v, table = _case()

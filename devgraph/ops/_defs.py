@@ -271,11 +271,27 @@ def _fake_split_qkv_rms_norm_rope(
 
 
 def _fake_paged_decode_attention(
-    query, key_cache, value_cache, block_table, seq_lens, seq_lens_host, scale, out, sliding_window=0,
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    seq_lens,
+    seq_lens_host,
+    scale,
+    out,
+    sliding_window=0,
     logits_soft_cap=0.0,
 ):
     check_paged_decode_attention(
-        query, key_cache, value_cache, block_table, seq_lens, seq_lens_host, scale, out, sliding_window,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        seq_lens_host,
+        scale,
+        out,
+        sliding_window,
         logits_soft_cap,
     )
 

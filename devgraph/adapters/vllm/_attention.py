@@ -176,7 +176,9 @@ class DevgraphAttentionImpl(AttentionImpl):
                 "for this model"
             )
         if sliding_window is not None and sliding_window <= 0:
-            raise DevgraphError(f"the devgraph attention backend: sliding_window={sliding_window} is not a window")
+            raise DevgraphError(
+                f"the devgraph attention backend: sliding_window={sliding_window} is not a window"
+            )
         #: the query sees itself and the ``sliding_window - 1`` tokens before it (0: no window).
         self.sliding_window = int(sliding_window or 0)
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
@@ -273,7 +275,9 @@ class DevgraphAttentionImpl(AttentionImpl):
                 allowed = allowed & (keys_at > positions - window)
             output[start:end].copy_(self._attend(q, k, v, allowed))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+    ) -> torch.Tensor:
         """Attention of ``q[Q, Hq, D]`` over ``k, v[S, Hkv, D]`` where ``allowed[Q, S]``, in float32."""
         if not self.logits_soft_cap:
             out = torch.nn.functional.scaled_dot_product_attention(

@@ -69,18 +69,7 @@ class DevgraphPlatformMixin:
         super().check_and_update_config(vllm_config)  # type: ignore[misc]
         if cc.cudagraph_mode == CUDAGraphMode.NONE:
             return
-        limits = _model_attention_limits(cls, vllm_config)
-        if limits and cc.cudagraph_mode.has_full_cudagraphs() and _freezes_host_arguments(cls):
-            # The platform's own attention would have its host arguments frozen by a FULL graph, and
-            # devgraph's kernel on this device cannot compute these features: refuse, never a
-            # different answer.
-            raise DevgraphError(
-                f"{DEVGRAPH_VLLM_ENV}=1 with cudagraph_mode={cc.cudagraph_mode.name}: FULL graphs on "
-                f"devgraph device {cls.devgraph_device_name!r} need devgraph's attention, whose kernel on "
-                f"that device does not do {' or '.join(limits)}, which this model uses. Set "
-                "compilation_config={'cudagraph_mode': 'PIECEWISE'} for this model, or unset "
-                f"{DEVGRAPH_VLLM_ENV}"
-            )
+        _refuse_attention_limits(cls, vllm_config)
         if _devgraph_attention(cls, vllm_config) and cc.cudagraph_mode.requires_piecewise_compilation():
             # A FULL graph records what vLLM's opaque attention op launches, but a task update needs
             # the attention called directly (its op is then an updatable task of the graph): the
@@ -288,6 +277,26 @@ def _model_attention_limits(cls: Any, vllm_config: Any) -> list[str]:
     except DevgraphError:
         return []  # no kernel on this device: devgraph's attention is not used there
     return attention_limits(vllm_config.model_config, gaps)
+
+
+def _refuse_attention_limits(cls: Any, vllm_config: Any) -> None:
+    """FULL graphs on a device whose devgraph attention kernel lacks a feature the model uses: refused.
+
+    The platform's own attention would have its host arguments frozen by a FULL graph, and devgraph's
+    kernel there cannot compute the feature: refuse at engine start, never a different answer.
+    """
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is None or not mode.has_full_cudagraphs() or not _freezes_host_arguments(cls):
+        return
+    limits = _model_attention_limits(cls, vllm_config)
+    if limits:
+        raise DevgraphError(
+            f"{DEVGRAPH_VLLM_ENV}=1 with cudagraph_mode={mode.name}: FULL graphs on devgraph device "
+            f"{cls.devgraph_device_name!r} need devgraph's attention, whose kernel on that device does "
+            f"not do {' or '.join(limits)}, which this model uses. Set "
+            "compilation_config={'cudagraph_mode': 'PIECEWISE'} for this model, or unset "
+            f"{DEVGRAPH_VLLM_ENV}"
+        )
 
 
 def _direct_devgraph_attention(cls: Any, vllm_config: Any) -> bool:
