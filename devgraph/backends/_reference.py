@@ -141,16 +141,25 @@ def split_qkv_rms_norm_rope(
 
 
 def _attend(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    logits_soft_cap: float = 0.0,
 ):
     """Decode attention of ``query[..., Hq, D]`` over ``keys/values[..., S, Hkv, D]`` (GQA), float32.
 
     ``mask[..., S]`` (True = attend) may be None. A query with nothing to attend to gets zeros.
+    ``logits_soft_cap`` > 0 caps the scaled scores, ``cap * tanh(score / cap)``, before masking and
+    softmax (Gemma2's attention soft-capping, as vLLM's attention backends apply it).
     """
     hq, d = query.shape[-2], query.shape[-1]
     hkv = keys.shape[-2]
     q = query.float().reshape(*query.shape[:-2], hkv, hq // hkv, d)  # [..., Hkv, G, D]
     scores = torch.einsum("...hgd,...shd->...hgs", q, keys.float()) * scale
+    if logits_soft_cap > 0:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     if mask is not None:
         allowed = mask[..., None, None, :]  # broadcast over Hkv and G
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -170,11 +179,17 @@ def paged_decode_attention_host_lens(
     seq_lens_host: Sequence[int],
     scale: float,
     out: torch.Tensor,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> None:
     """Paged decode attention reading the lengths from a host list (NPU semantics); writes ``out``.
 
     Only the blocks each sequence uses are gathered. Inside a captured graph the list is frozen,
     so replays keep the capture-time lengths unless the task is updated (DESIGN.md, point 3).
+    ``sliding_window`` > 0: the query (the token at position ``length - 1``) attends to the last
+    ``sliding_window`` tokens only, itself included (vLLM's and Hugging Face's convention); blocks
+    wholly before the window are not read (an engine may have freed them). ``logits_soft_cap``: see
+    ``_attend``.
     """
     block_size = key_cache.shape[1]
     capacity = block_table.shape[1] * block_size
@@ -188,10 +203,13 @@ def paged_decode_attention_host_lens(
         if length <= 0:
             out[b].zero_()
             continue
-        blocks = block_table[b, : -(-length // block_size)]
-        keys = key_cache.index_select(0, blocks).flatten(0, 1)[:length]  # [L, Hkv, D]
-        values = value_cache.index_select(0, blocks).flatten(0, 1)[:length]
-        out[b].copy_(_attend(query[b], keys, values, scale, None))
+        start = max(0, length - sliding_window) if sliding_window > 0 else 0
+        first = start // block_size
+        blocks = block_table[b, first : -(-length // block_size)]
+        keys = key_cache.index_select(0, blocks).flatten(0, 1)  # [positions first * block_size.., Hkv, D]
+        values = value_cache.index_select(0, blocks).flatten(0, 1)
+        lo, hi = start - first * block_size, length - first * block_size
+        out[b].copy_(_attend(query[b], keys[lo:hi], values[lo:hi], scale, None, logits_soft_cap))
 
 
 def gather_block_table(
@@ -219,18 +237,25 @@ def paged_decode_attention_device_lens(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> None:
     """Paged decode attention reading the lengths from a device tensor (CUDA semantics); writes ``out``.
 
     Gathers every block of the table (``max_blocks * block_size`` positions per sequence) and masks
     positions at or beyond ``seq_lens[b]``: fixed shapes, no host reads, so it is capture-safe and a
     replay sees whatever lengths were last copied into ``seq_lens``. Table entries past a sequence's
-    length may hold any value (padding); they are clamped into range and masked.
+    length may hold any value (padding); they are clamped into range and masked. ``sliding_window``
+    and ``logits_soft_cap`` as in ``paged_decode_attention_host_lens`` (the window masks positions
+    before ``seq_lens[b] - sliding_window``; those must hold finite values, as padding does).
     """
     keys, values = gather_block_table(key_cache, value_cache, block_table)
     positions = torch.arange(keys.shape[1], device=seq_lens.device)
-    mask = positions[None, :] < seq_lens.to(torch.int64)[:, None]  # [B, S]
-    out.copy_(_attend(query, keys, values, scale, mask))
+    lengths = seq_lens.to(torch.int64)[:, None]
+    mask = positions[None, :] < lengths  # [B, S]
+    if sliding_window > 0:
+        mask = mask & (positions[None, :] >= lengths - sliding_window)
+    out.copy_(_attend(query, keys, values, scale, mask, logits_soft_cap))
 
 
 #: Ops whose reference math serves as a kernel unchanged on any torch device (the CPU and CUDA

@@ -37,7 +37,19 @@ __all__ = [
     "rms_norm",
     "route",
     "split_qkv_rms_norm_rope",
+    "unsupported_arguments",
 ]
+
+
+def unsupported_arguments(op: str, key: str) -> tuple[str, ...]:
+    """Arguments of ``op`` that the kernel registered for dispatch key ``key`` refuses when set.
+
+    Empty when the kernel implements every argument. A kernel declares its gaps in its
+    ``unsupported_arguments`` attribute (the NPU attention kernel: ``sliding_window`` and
+    ``logits_soft_cap``), so an engine adapter can refuse a model at start rather than at its
+    first forward. Raises ``DevgraphError`` where no kernel is registered for ``key``.
+    """
+    return tuple(getattr(kernel_for(op, key), "unsupported_arguments", ()))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,6 +124,8 @@ def paged_decode_attention(
     seq_lens_host: Sequence[int] | None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged KV cache; returns ``out``.
 
@@ -127,9 +141,16 @@ def paged_decode_attention(
             where the kernel reads ``seq_lens`` (CUDA).
         scale: softmax scale, ``D ** -0.5`` by default.
         out: ``[B, Hq, D]`` written in place; allocated like ``query`` when None.
+        sliding_window: attend to the last ``sliding_window`` tokens only, the query's own included
+            (sequence ``b`` sees positions ``seq_lens[b] - sliding_window .. seq_lens[b] - 1``: the
+            convention of vLLM's attention and of Hugging Face's ``sliding_window``). None or 0: the
+            whole sequence.
+        logits_soft_cap: cap the scaled scores ``s`` to ``cap * tanh(s / cap)`` before the softmax
+            (Gemma2's ``attn_logit_softcapping``). None or 0.0: no cap.
 
     Raises:
-        ValueError: an argument has the wrong shape or dtype (the message names it).
+        ValueError: an argument has the wrong shape or dtype (the message names it), or the
+            device's kernel does not implement a window or a soft cap (NPU: it says so).
     """
     if isinstance(seq_lens_host, torch.Tensor):
         raise ValueError(
@@ -149,6 +170,8 @@ def paged_decode_attention(
         [] if seq_lens_host is None else list(seq_lens_host),
         float(scale),
         out,
+        int(sliding_window or 0),
+        float(logits_soft_cap or 0.0),
     )
     return out
 

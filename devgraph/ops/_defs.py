@@ -36,9 +36,11 @@ SCHEMAS = {
     ),
     # `out` is written in place (Tensor(a!)); the op returns nothing. seq_lens is the device tensor
     # (CUDA reads it), seq_lens_host the host list (CPU reference and NPU read it; frozen at capture).
+    # sliding_window 0 and logits_soft_cap 0.0 mean none (plain causal attention).
     "paged_decode_attention": (
         "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-        "Tensor seq_lens, int[] seq_lens_host, float scale, Tensor(a!) out) -> ()"
+        "Tensor seq_lens, int[] seq_lens_host, float scale, Tensor(a!) out, int sliding_window=0, "
+        "float logits_soft_cap=0.0) -> ()"
     ),
 }
 
@@ -162,8 +164,14 @@ def check_paged_decode_attention(
     seq_lens_host: Sequence[int],
     scale: float,
     out: Any,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> None:
     op = "paged_decode_attention"
+    if sliding_window < 0:
+        _fail(op, "sliding_window", "a window of at least 1 token, or 0 for none", str(sliding_window))
+    if not logits_soft_cap >= 0 or logits_soft_cap == float("inf"):
+        _fail(op, "logits_soft_cap", "a finite cap > 0, or 0.0 for none", str(logits_soft_cap))
     query = _tensor(op, "query", query, "[B, Hq, D]")
     if query.dim() != 3:
         _fail(op, "query", "[B, Hq, D] (one decode token per sequence)", _shape(query))
@@ -263,10 +271,28 @@ def _fake_split_qkv_rms_norm_rope(
 
 
 def _fake_paged_decode_attention(
-    query, key_cache, value_cache, block_table, seq_lens, seq_lens_host, scale, out
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    seq_lens,
+    seq_lens_host,
+    scale,
+    out,
+    sliding_window=0,
+    logits_soft_cap=0.0,
 ):
     check_paged_decode_attention(
-        query, key_cache, value_cache, block_table, seq_lens, seq_lens_host, scale, out
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        seq_lens_host,
+        scale,
+        out,
+        sliding_window,
+        logits_soft_cap,
     )
 
 

@@ -59,6 +59,9 @@ ALL_RUNS = (
     ("mixtral", "default", "cpu"),
     ("sliding", "eager", None),
     ("sliding", "default", "cpu"),
+    ("gemma2", "eager", None),
+    ("gemma2", "default", "cpu"),
+    ("gemma2", "FULL", "cpu"),
 )
 
 
@@ -68,6 +71,8 @@ class EngineRuns:
 
     All runs start on first use, ``DEVGRAPH_VLLM_TEST_JOBS`` (default: half the CPUs, at least 1) at a
     time, so that CI with more cores waits for the slowest engine rather than their sum.
+    ``DEVGRAPH_VLLM_TEST_LAZY=1`` starts only the runs the selected tests ask for (one test at a
+    time on a small machine).
     """
 
     def __init__(self, models: dict[str, Path], workdir: Path) -> None:
@@ -85,7 +90,7 @@ class EngineRuns:
         return proc, out
 
     def __call__(self, mode: str, devgraph: str | None, model: str = "llama") -> dict:
-        if not self.runs:
+        if not self.runs and os.environ.get("DEVGRAPH_VLLM_TEST_LAZY") != "1":
             self.runs = {key: self.pool.submit(self._run, key) for key in ALL_RUNS}
         key = (model, mode, devgraph)
         if key not in self.runs:

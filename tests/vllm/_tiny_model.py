@@ -98,3 +98,37 @@ def build_tiny_sliding_mistral(path: Path, seed: int = 0) -> Path:
 
     config = MistralConfig(**_COMMON, sliding_window=8)
     return _save(MistralForCausalLM, config, path, seed)
+
+
+def build_tiny_gemma2(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Gemma2: a sliding layer (window 6) then a global one, attention logits soft-capped.
+
+    The window is shorter than every sequence the engine tests grow past a few steps, and the cap
+    (10) is well below the scores this random model produces (tens), so both change the tokens.
+    The embeddings are scaled down (Gemma2 ties them to the output and scales them up by
+    ``sqrt(hidden)``; at full size the output repeats the current token whatever attention does).
+    """
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    common = dict(_COMMON, tie_word_embeddings=True)  # vLLM's Gemma2 always ties them
+    config = Gemma2Config(
+        **common,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=10.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=32,
+    )
+    torch.manual_seed(seed)
+    model = Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.dim() > 1 else p.fill_(1.0)
+        model.model.embed_tokens.weight.mul_(EMBED_SCALE)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+EMBED_SCALE = 0.1

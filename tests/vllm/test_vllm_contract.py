@@ -150,6 +150,7 @@ def test_the_adapter_uses_no_other_private_vllm_symbol():
         "_capture",
         "_replay",
         "_prefill",
+        "_attend",
         "_devgraph_note_eager",
         "_pool",
         "_open_group",

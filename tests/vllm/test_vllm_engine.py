@@ -2,7 +2,8 @@
 
 Greedy ``LLM.generate`` over 10 prompts of different lengths and output lengths (decode batches
 shrink from 10, above the largest capture size 8, to 1) must give the same tokens as vLLM without
-devgraph, on a dense model (Llama), an MoE model (Mixtral) and a sliding-window model (Mistral), for
+devgraph, on a dense model (Llama), an MoE model (Mixtral), a sliding-window model (Mistral) and a
+sliding-window model with attention logit soft-capping (Gemma2), for
 vLLM's default compilation config unchanged and for each graph mode; devgraph's counters must show
 graphs captured and replayed, FULL replays task-updated, and eager steps.
 """
@@ -68,13 +69,21 @@ def test_moe_model_default_config_tokens_match_with_full_replays(engine):
     _full_replays_are_task_updated(run["stats"])
 
 
-def test_sliding_window_model_default_config_replays_pieces(engine):
-    # devgraph's attention has no sliding window (yet): the model keeps vLLM's CPU attention, which
-    # supports PIECEWISE graphs only (vLLM resolves the default FULL_AND_PIECEWISE to PIECEWISE).
+def test_sliding_window_model_default_config_replays_full_decode_graphs(engine):
+    # devgraph's attention does sliding windows (vLLM's convention: the window counts the query
+    # itself): the default FULL_AND_PIECEWISE runs as FULL_DECODE_ONLY with task-updated FULL
+    # replays; the window (8) is shorter than most sequences, so an off-by-one changes the tokens.
     run = _tokens_match(engine, "default", model="sliding")
-    assert run["cudagraph_mode"] == "PIECEWISE"
-    assert "capture.FULL" not in run["stats"]
-    assert run["stats"].get("replay.PIECEWISE", 0) > 0
+    assert run["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    _full_replays_are_task_updated(run["stats"])
+
+
+@pytest.mark.parametrize("mode", ["default", "FULL"])
+def test_soft_capped_sliding_window_model_runs_full_decode_graphs(engine, mode):
+    # Gemma2: a sliding layer (window 6) and a global one, attention logits soft-capped at 10.
+    run = _tokens_match(engine, mode, model="gemma2")
+    assert run["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    _full_replays_are_task_updated(run["stats"])
 
 
 def test_piecewise_on_a_third_party_devgraph_backend_matches_vllm_without_devgraph(engine):

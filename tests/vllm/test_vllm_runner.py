@@ -301,3 +301,41 @@ def test_the_device_neutral_path_uses_the_devgraph_device_of_the_platform(cpu):
         AttentionModel(torch.float32), _full_config(), runtime_mode=CUDAGraphMode.FULL
     )
     assert wrapper.device is devgraph.device("cpu")
+
+
+def _windowed_soft_capped_model():
+    return SimpleNamespace(
+        get_sliding_window=lambda: 6,
+        hf_text_config=SimpleNamespace(attn_logit_softcapping=10.0),
+        use_mla=False,
+    )
+
+
+def test_sliding_window_and_soft_cap_use_devgraph_attention_on_cpu_and_are_refused_on_npu():
+    from vllm.config import CUDAGraphMode
+
+    from devgraph.adapters.vllm._platform import (
+        _devgraph_attention,
+        _model_attention_limits,
+        _refuse_attention_limits,
+    )
+    from devgraph.testing import simulated_torch_npu
+
+    config = SimpleNamespace(
+        model_config=_windowed_soft_capped_model(),
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY),
+    )
+    with platform_on("cpu") as cpu:
+        assert _model_attention_limits(type(cpu), config) == []
+        assert _devgraph_attention(type(cpu), config)
+        _refuse_attention_limits(type(cpu), config)
+    # The NPU kernel declares both arguments unsupported: the platform's config check refuses the
+    # model at engine start (DevgraphError naming both) rather than run another attention.
+    with simulated_torch_npu(), platform_on("npu") as npu:
+        limits = _model_attention_limits(type(npu), config)
+        assert limits == ["sliding-window attention", "attention logit soft-capping"]
+        assert not _devgraph_attention(type(npu), config)
+        with pytest.raises(DevgraphError, match="does not do sliding-window attention or attention logit"):
+            _refuse_attention_limits(type(npu), config)
+        config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        _refuse_attention_limits(type(npu), config)  # no FULL graphs: vLLM-ascend's attention, pieces

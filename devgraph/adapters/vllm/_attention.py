@@ -10,6 +10,12 @@ re-issued at every replay through task update (``devgraph_host_args`` on the met
 wrapper's ``Graph.replay(host_args=...)``). Prefill and mixed batches attend eagerly (they are not
 captured: the backend supports FULL graphs for uniform single-token decode batches only).
 
+Sliding windows and attention logit soft-capping (Mistral, Gemma2) follow vLLM's CPU attention: a
+query at position ``p`` sees positions ``p - sliding_window + 1 .. p`` (the window counts the query
+itself; vLLM's ``sliding_window`` is the model config's, one-sided), and the scaled scores ``s``
+become ``cap * tanh(s / cap)`` before masking and softmax. ALiBi, attention sinks, KV sharing,
+encoder attention and quantised KV caches are refused at model build.
+
 KV cache: vLLM's logical per-layer ``[blocks, kv_heads, block_size, 2 * head_size]`` stored in the
 ``LBNHC`` layout, so that ``permute(0, 2, 1, 3)`` is a contiguous ``[blocks, block_size, kv_heads,
 2 * head_size]`` whose halves are the key and value caches devgraph's op takes.
@@ -71,6 +77,10 @@ class DevgraphAttentionBackend(AttentionBackend):
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
 
 
 @dataclass
@@ -154,18 +164,24 @@ class DevgraphAttentionImpl(AttentionImpl):
     ) -> None:
         unsupported = {
             "alibi_slopes": alibi_slopes,
-            "sliding_window": sliding_window,
-            "logits_soft_cap": logits_soft_cap or None,
             "sinks": sinks,
             "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
         }
         used = [name for name, value in unsupported.items() if value is not None]
         if used or attn_type != AttentionType.DECODER or kv_cache_dtype != "auto":
             raise DevgraphError(
-                f"the devgraph attention backend (FULL graphs on the CPU reference) does plain causal "
-                f"decoder attention only; this layer uses {used or [attn_type, kv_cache_dtype]}: use "
-                "cudagraph_mode=PIECEWISE for this model"
+                f"the devgraph attention backend (FULL graphs on the CPU reference) does causal "
+                f"decoder attention (with or without a sliding window and logit soft-capping) only; "
+                f"this layer uses {used or [attn_type, kv_cache_dtype]}: use cudagraph_mode=PIECEWISE "
+                "for this model"
             )
+        if sliding_window is not None and sliding_window <= 0:
+            raise DevgraphError(
+                f"the devgraph attention backend: sliding_window={sliding_window} is not a window"
+            )
+        #: the query sees itself and the ``sliding_window - 1`` tokens before it (0: no window).
+        self.sliding_window = int(sliding_window or 0)
+        self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -220,6 +236,8 @@ class DevgraphAttentionImpl(AttentionImpl):
                 m.seq_lens_host,
                 self.scale,
                 output[:b],
+                sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
             )
             return output
         self._prefill(query, key_cache, value_cache, m, output)
@@ -234,19 +252,34 @@ class DevgraphAttentionImpl(AttentionImpl):
         output: torch.Tensor,
     ) -> None:
         # Eager only (vLLM never captures a non-uniform batch with this backend): per request, its
-        # queries attend causally over its whole context, read back from the paged cache.
+        # queries attend causally over its context (the window of each query, with one), read back
+        # from the paged cache. Blocks wholly before the first query's window are not read: vLLM's
+        # sliding-window KV manager frees them (their table entries point at the null block).
         block_size = key_cache.shape[1]
+        window = self.sliding_window
         for r in range(m.num_reqs):
             start, end = m.query_start_loc_host[r], m.query_start_loc_host[r + 1]
             q_len, ctx = end - start, m.seq_lens_host[r]
             if q_len == 0:
                 continue
-            blocks = m.block_table[r, : -(-ctx // block_size)].to(torch.int64)
-            k = key_cache.index_select(0, blocks).flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
-            v = value_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
+            first = max(0, ctx - q_len - window + 1) // block_size if window else 0
+            blocks = m.block_table[r, first : -(-ctx // block_size)].to(torch.int64)
+            base = first * block_size  # position of the first key read
+            k = key_cache.index_select(0, blocks).flatten(0, 1)[: ctx - base]  # [ctx - base, Hkv, D]
+            v = value_cache.index_select(0, blocks).flatten(0, 1)[: ctx - base]
             q = query[start:end]  # [q_len, Hq, D]
             positions = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-            allowed = torch.arange(ctx, device=q.device)[None, :] <= positions  # [q_len, ctx]
+            keys_at = torch.arange(base, ctx, device=q.device)[None, :]
+            allowed = keys_at <= positions  # [q_len, ctx - base]
+            if window:
+                allowed = allowed & (keys_at > positions - window)
+            output[start:end].copy_(self._attend(q, k, v, allowed))
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of ``q[Q, Hq, D]`` over ``k, v[S, Hkv, D]`` where ``allowed[Q, S]``, in float32."""
+        if not self.logits_soft_cap:
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(0, 1).float(),
                 k.transpose(0, 1).float(),
@@ -255,4 +288,12 @@ class DevgraphAttentionImpl(AttentionImpl):
                 scale=self.scale,
                 enable_gqa=True,
             )
-            output[start:end].copy_(out.transpose(0, 1))
+            return out.transpose(0, 1)
+        # SDPA has no soft cap: the scores spelled out, capped before the mask and the softmax.
+        group = q.shape[1] // k.shape[1]
+        keys = k.float().repeat_interleave(group, dim=1)  # [S, Hq, D]
+        values = v.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,shd->hqs", q.float(), keys) * self.scale
+        scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        return torch.einsum("hqs,shd->qhd", probs, values)

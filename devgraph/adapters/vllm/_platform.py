@@ -69,16 +69,7 @@ class DevgraphPlatformMixin:
         super().check_and_update_config(vllm_config)  # type: ignore[misc]
         if cc.cudagraph_mode == CUDAGraphMode.NONE:
             return
-        limits = attention_limits(vllm_config.model_config) if vllm_config.model_config else []
-        if limits and cc.cudagraph_mode.has_full_cudagraphs() and _freezes_host_arguments(cls):
-            logger.warning(
-                "devgraph vLLM platform (%s): FULL graphs need devgraph's attention backend, which "
-                "does not do %s; the model keeps the platform's attention and vLLM resolves "
-                "cudagraph_mode=%s by what that attention supports (on vLLM's CPU attention: PIECEWISE)",
-                cls.devgraph_device_name,
-                " or ".join(limits),
-                cc.cudagraph_mode.name,
-            )
+        _refuse_attention_limits(cls, vllm_config)
         if _devgraph_attention(cls, vllm_config) and cc.cudagraph_mode.requires_piecewise_compilation():
             # A FULL graph records what vLLM's opaque attention op launches, but a task update needs
             # the attention called directly (its op is then an updatable task of the graph): the
@@ -249,20 +240,63 @@ def _devgraph_attention(cls: Any, vllm_config: Any) -> bool:
         mode is not None
         and mode.has_full_cudagraphs()
         and not vllm_config.model_config.use_mla
-        and not attention_limits(vllm_config.model_config)
         and _freezes_host_arguments(cls)
+        and not _model_attention_limits(cls, vllm_config)
     )
 
 
-def attention_limits(model_config: Any) -> list[str]:
-    """What the model's attention needs that devgraph's attention backend does not do (yet)."""
+#: Attention features a model may use -> the argument of ``devgraph::paged_decode_attention`` doing it.
+ATTENTION_FEATURES = {
+    "sliding-window attention": "sliding_window",
+    "attention logit soft-capping": "logits_soft_cap",
+}
+
+
+def attention_limits(model_config: Any, unsupported_arguments: tuple[str, ...] = ()) -> list[str]:
+    """The attention features the model uses whose op argument is in ``unsupported_arguments``
+    (those a device's ``devgraph::paged_decode_attention`` kernel refuses; see ``ATTENTION_FEATURES``)."""
     hf = getattr(model_config, "hf_text_config", None)
-    found = []
-    if getattr(model_config, "get_sliding_window", lambda: None)():
-        found.append("sliding-window attention")
-    if getattr(hf, "attn_logit_softcapping", None):
-        found.append("attention logit soft-capping")
-    return found
+    used = {
+        "sliding-window attention": bool(getattr(model_config, "get_sliding_window", lambda: None)()),
+        "attention logit soft-capping": bool(getattr(hf, "attn_logit_softcapping", None)),
+    }
+    return [f for f, arg in ATTENTION_FEATURES.items() if used[f] and arg in unsupported_arguments]
+
+
+def _model_attention_limits(cls: Any, vllm_config: Any) -> list[str]:
+    """What the model's attention needs that devgraph's attention kernel on the platform's device
+    does not do (nothing on the CPU reference; sliding windows and soft-capping on NPU)."""
+    if vllm_config.model_config is None or cls.devgraph_error is not None or cls.devgraph_device_name is None:
+        return []
+    import devgraph.ops
+
+    try:
+        gaps = devgraph.ops.unsupported_arguments(
+            "paged_decode_attention", cls.devgraph_device().dispatch_key
+        )
+    except DevgraphError:
+        return []  # no kernel on this device: devgraph's attention is not used there
+    return attention_limits(vllm_config.model_config, gaps)
+
+
+def _refuse_attention_limits(cls: Any, vllm_config: Any) -> None:
+    """FULL graphs on a device whose devgraph attention kernel lacks a feature the model uses: refused.
+
+    The platform's own attention would have its host arguments frozen by a FULL graph, and devgraph's
+    kernel there cannot compute the feature: refuse at engine start, never a different answer.
+    """
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is None or not mode.has_full_cudagraphs() or not _freezes_host_arguments(cls):
+        return
+    limits = _model_attention_limits(cls, vllm_config)
+    if limits:
+        raise DevgraphError(
+            f"{DEVGRAPH_VLLM_ENV}=1 with cudagraph_mode={mode.name}: FULL graphs on devgraph device "
+            f"{cls.devgraph_device_name!r} need devgraph's attention, whose kernel on that device does "
+            f"not do {' or '.join(limits)}, which this model uses. Set "
+            "compilation_config={'cudagraph_mode': 'PIECEWISE'} for this model, or unset "
+            f"{DEVGRAPH_VLLM_ENV}"
+        )
 
 
 def _direct_devgraph_attention(cls: Any, vllm_config: Any) -> bool:

@@ -29,15 +29,19 @@ def paged_decode_attention(
     seq_lens_host: Sequence[int],
     scale: float,
     out: torch.Tensor,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> None:
-    """The CPU kernel: attends over ``seq_lens_host`` tokens per sequence; ``seq_lens`` is not read."""
+    """The CPU kernel: attends over ``seq_lens_host`` tokens per sequence (the last ``sliding_window``
+    of them where that is > 0), scores soft-capped where ``logits_soft_cap`` > 0; ``seq_lens`` is not
+    read."""
     if len(seq_lens_host) != query.shape[0]:
         raise ValueError(
             f"devgraph.paged_decode_attention: seq_lens_host must list B = {query.shape[0]} lengths on "
             f"the CPU reference backend (it reads the host lengths, like NPU), got {len(seq_lens_host)}"
         )
     _reference.paged_decode_attention_host_lens(
-        query, key_cache, value_cache, block_table, seq_lens_host, scale, out
+        query, key_cache, value_cache, block_table, seq_lens_host, scale, out, sliding_window, logits_soft_cap
     )
 
 

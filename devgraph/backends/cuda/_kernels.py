@@ -37,12 +37,21 @@ def paged_decode_attention(
     seq_lens_host: Sequence[int],
     scale: float,
     out: torch.Tensor,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> None:
     """The CUDA kernel: attends over ``seq_lens`` (device) tokens per sequence; the host list is unused.
 
     Device-agnostic torch code, so tests run it on CPU tensors too (flex eagerly there; see
-    ``_paged_attention`` for the paths and their cost).
+    ``_paged_attention`` for the paths and their cost). With a sliding window or a soft cap it
+    runs the reference device-length math (whole block table, float32, masked: capture-safe, not
+    tuned for speed).
     """
+    if sliding_window > 0 or logits_soft_cap > 0:
+        _reference.paged_decode_attention_device_lens(
+            query, key_cache, value_cache, block_table, seq_lens, scale, out, sliding_window, logits_soft_cap
+        )
+        return
     _paged_attention.paged_decode_attention(query, key_cache, value_cache, block_table, seq_lens, scale, out)
 
 

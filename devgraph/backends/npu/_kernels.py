@@ -201,8 +201,21 @@ def paged_decode_attention(
     seq_lens_host: Sequence[int],
     scale: float,
     out: torch.Tensor,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> None:
-    """Attends over ``seq_lens_host`` (host list) tokens per sequence; ``seq_lens`` is not read."""
+    """Attends over ``seq_lens_host`` (host list) tokens per sequence; ``seq_lens`` is not read.
+
+    No sliding window and no logit soft-capping (``UNSUPPORTED_ARGUMENTS``): refused, see there.
+    """
+    if sliding_window > 0 or logits_soft_cap > 0:
+        raise ValueError(
+            f"devgraph.paged_decode_attention on npu: sliding_window={sliding_window}, "
+            f"logits_soft_cap={logits_soft_cap}; devgraph's NPU kernel (npu_fused_infer_attention_score) "
+            "does not implement sliding windows or logit soft-capping (the op has no soft cap, and "
+            "devgraph has not validated its pre_tokens window against Ascend hardware). Run such "
+            "models without FULL graphs on npu (PIECEWISE, or the engine's own attention)"
+        )
     torch_npu = _torch_npu()
     batch, heads, dim = query.shape
     num_blocks, block_size, kv_heads, _ = key_cache.shape
@@ -252,6 +265,12 @@ def paged_decode_attention(
     torch_npu.npu_fused_infer_attention_score.out(*args, **kwargs, workspace=workspace, out=[target, lse])
     if not out.is_contiguous():
         out.copy_(target.squeeze(2))
+
+
+#: Arguments of ``devgraph::paged_decode_attention`` this kernel refuses when set (engine adapters
+#: read it through ``devgraph.ops.unsupported_arguments`` to refuse such models at start).
+UNSUPPORTED_ARGUMENTS = ("sliding_window", "logits_soft_cap")
+paged_decode_attention.unsupported_arguments = UNSUPPORTED_ARGUMENTS  # type: ignore[attr-defined]
 
 
 def register_all(register: Callable[[str, str, Callable[..., Any]], None]) -> None:
