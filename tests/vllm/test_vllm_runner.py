@@ -183,9 +183,9 @@ def _opaque_attention_model():
 _OPAQUE = SimpleNamespace(model=None)
 
 
-def test_full_capture_that_records_no_attention_task_is_refused(cpu):
-    # The step's metadata carries host lengths, but the attention ran inside an op devgraph does not
-    # see into: every replay would reuse the capture-time lengths.
+def test_full_capture_sees_into_a_python_bodied_attention_op(cpu):
+    # vLLM's attention runs inside a Python-bodied custom op: the capture guard enters its body, so
+    # devgraph's attention inside becomes an updatable task and replays with each step's lengths.
     from vllm.config import CUDAGraphMode
 
     from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
@@ -193,6 +193,27 @@ def test_full_capture_that_records_no_attention_task_is_refused(cpu):
     model, opaque = _opaque_attention_model()
     config = _full_config()
     wrapper = DevgraphGraphWrapper(opaque, config, runtime_mode=CUDAGraphMode.FULL)
+    step(wrapper, model, config, CAPTURED, capture=True)
+    (entry,) = wrapper.entries.values()
+    assert entry.graph.tasks, "the attention inside the op was captured without a task"
+    model.acc.zero_()
+    step(wrapper, model, config, LATER)
+    torch.testing.assert_close(model.acc, model.expected(LATER))
+
+
+def test_full_capture_that_records_no_attention_task_is_refused(cpu):
+    # The step's metadata carries host lengths, but no devgraph attention ran where the capture could
+    # see it (an attention the platform does not route through devgraph): every replay would reuse
+    # the capture-time lengths.
+    from vllm.config import CUDAGraphMode
+
+    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
+
+    model = AttentionModel(torch.float32)
+    config = _full_config()
+    wrapper = DevgraphGraphWrapper(
+        lambda input_ids, positions=None: input_ids * 2, config, runtime_mode=CUDAGraphMode.FULL
+    )
     with pytest.raises(DevgraphError, match="no updatable attention task"):
         step(wrapper, model, config, CAPTURED, capture=True)
     assert wrapper.entries == {}
