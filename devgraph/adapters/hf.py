@@ -39,9 +39,7 @@ from typing import Any
 import attrs
 import torch
 
-from devgraph._contract import Device
 from devgraph._errors import DevgraphError
-from devgraph._graphed import GraphedModule
 from devgraph._plugins import device as _device
 from devgraph._source import user_stacklevel
 from devgraph.adapters._hf_cache import SharedStaticCache
@@ -49,6 +47,8 @@ from devgraph.adapters._hf_compat import cache_kwarg
 from devgraph.adapters._hf_plan import eager_reason, read_generate_call
 from devgraph.adapters._hf_prefill import PiecewisePrefill
 from devgraph.adapters._hf_step import MAX_MASKS, DecodeRoute, DecodeStep
+from devgraph.graph._contract import Device
+from devgraph.graph._graphed import GraphedModule
 from devgraph.runner import GraphRunner, RunnerConfig, make_config, normalise_batch_sizes
 from devgraph.runner._config import positive_ints
 

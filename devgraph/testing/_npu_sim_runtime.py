@@ -44,8 +44,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
-from devgraph._collectives import is_collective
-from devgraph._weakref import weak_ref_tensor
 from devgraph.backends.cpu._collectives import issued_by_torch_distributed
 from devgraph.backends.cpu._pool import BlockPool, PoolBytes, block_of, tensor_bytes
 from devgraph.backends.cpu._recorder import (
@@ -61,6 +59,8 @@ from devgraph.backends.cpu._recorder import (
     written_tensors,
 )
 from devgraph.backends.cpu._rng import is_random
+from devgraph.graph._collectives import is_collective
+from devgraph.graph._weakref import weak_ref_tensor
 from devgraph.testing._npu_sim_handlers import _NPU_GRAPH_OP_HANDLERS
 from devgraph.testing._npu_sim_ops import NAMESPACE as _SIM_NAMESPACE
 from devgraph.testing._npu_sim_ops import check_call
