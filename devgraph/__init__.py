@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph._errors import (
     BackendUnavailable,
     CaptureError,
@@ -21,12 +20,13 @@ from devgraph._errors import (
     PluginLoadError,
     RankMismatchError,
 )
-from devgraph._graphed import GraphedModule
 from devgraph._hookspecs import hookimpl
 from devgraph._plugins import BackendInfo, BackendSpec, Probe, device, list_backends
-from devgraph._tasks import TaskGroup
-from devgraph._weakref import weak_ref_tensor, weak_ref_tensors
 from devgraph._wrap import wrap
+from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
+from devgraph.graph._graphed import GraphedModule
+from devgraph.graph._tasks import TaskGroup
+from devgraph.graph._weakref import weak_ref_tensor, weak_ref_tensors
 
 __version__ = "0.1.0"
 

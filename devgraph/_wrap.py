@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from devgraph._contract import Device
 from devgraph._errors import DevgraphError
-from devgraph._graphed import GraphedModule
 from devgraph._plugins import device as _device
+from devgraph.graph._contract import Device
+from devgraph.graph._graphed import GraphedModule
 
 __all__ = ["wrap"]
 

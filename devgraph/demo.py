@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 import devgraph
-from devgraph._contract import Device
 from devgraph._errors import DevgraphError
+from devgraph.graph._contract import Device
 
 __all__ = ["run_demo", "run_tp_demo"]
 

@@ -29,14 +29,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from devgraph._capture import _call_as_task
-from devgraph._contract import Graph, MemoryPool, Stream, current_graph
 from devgraph._errors import DevgraphError
-from devgraph._tasks import TaskGroup
 from devgraph.backends.cpu._device import CpuDevice, CpuEvent, CpuGraph, CpuStream
 from devgraph.backends.cpu._pool import Block, CpuPool
 from devgraph.backends.cpu._recorder import written_tensors
 from devgraph.backends.cuda._device import DeviceMetadataGraph
+from devgraph.graph._capture import _call_as_task
+from devgraph.graph._contract import Graph, MemoryPool, Stream, current_graph
+from devgraph.graph._tasks import TaskGroup
 
 __all__ = ["BROKEN", "CorrectDevice", "DeferredWrites"]
 
@@ -337,7 +337,7 @@ class _NoSyncGuardGraph(CpuGraph):
         auto_update_ops: Sequence[str] = (),
     ) -> Iterator[Graph]:
         """Its own capture: states, lock, stream, pool and auto tasks, but no host-sync guard
-        (``devgraph._capture.capturing``)."""
+        (``devgraph.graph._capture.capturing``)."""
         if self._state != "new":
             raise DevgraphError(f"cannot capture a graph that is {self._state}; reset() it first")
         stream = stream or self.device.capture_stream()

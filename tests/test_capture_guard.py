@@ -55,7 +55,7 @@ def test_guard_is_only_active_inside_capture():
     x = torch.randn(4)
     _capture(lambda: x + 1)
     assert isinstance(x.sum().item(), float)
-    assert devgraph._contract.current_graph() is None
+    assert devgraph.graph._contract.current_graph() is None
 
 
 @pytest.mark.parametrize("factory", [torch.tensor, torch.as_tensor])

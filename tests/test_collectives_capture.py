@@ -283,7 +283,7 @@ def test_a_collective_on_host_tensors_inside_a_device_capture_is_refused():
     import torch.distributed  # registers the c10d ops
 
     from devgraph import CaptureError
-    from devgraph._collectives import refuse_collective
+    from devgraph.graph._collectives import refuse_collective
 
     func = torch.ops.c10d.allreduce_.default
     with pytest.raises(CaptureError, match="collective on cpu tensors inside a cuda capture") as info:

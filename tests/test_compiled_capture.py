@@ -231,7 +231,7 @@ def test_piecewise_trace_names_the_host_sync_and_its_line():
 def test_unrecognised_compiled_code_is_refused_not_recorded_in_part(monkeypatch):
     # As if a future Dynamo called its compiled graphs some other way: devgraph cannot find the
     # graph's boundaries, sees inductor's code run, and refuses instead of recording part of it.
-    from devgraph import _compiled_regions
+    from devgraph.graph import _compiled_regions
 
     monkeypatch.setattr(_compiled_regions, "_COMPILED_GRAPH_REASON", "a reason torch never gives")
     model, x = Outer("inductor"), torch.randn(4, 8)

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from devgraph import ops
-from devgraph._contract import Graph
 from devgraph._errors import DevgraphError
 from devgraph.backends.accelerator._device import AcceleratorGraph
 from devgraph.backends.cpu._device import CpuDevice, CpuGraph
 from devgraph.backends.cuda._device import CudaGraph, DeviceMetadataGraph
 from devgraph.backends.npu._device import NpuGraph
+from devgraph.graph._contract import Graph
 
 PUBLIC = sorted(Graph._FINAL_HOOKS)
 OP = "devgraph::paged_decode_attention"

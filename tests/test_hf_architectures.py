@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from _hf_models import ARCHITECTURES, REFUSED, full_length_static_cache, prompts, tiny_model
 
 import devgraph
-from devgraph.adapters._hf_compat import cache_kwarg
+from devgraph.adapters.hf._compat import cache_kwarg
 
 NEW_TOKENS = 6
 

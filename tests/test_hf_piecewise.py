@@ -64,7 +64,7 @@ def test_compile_options_without_a_piecewise_mode_are_refused():
 def test_moe_fallback_op_is_refused_where_eager_would_not_run_grouped_mm(monkeypatch):
     # transformers' traced experts op reads the routing offsets on the host: a piece would replay the
     # routing of capture time. Where devgraph cannot put eager's torch._grouped_mm in its place, refuse.
-    import devgraph.adapters._hf_moe as moe
+    import devgraph.adapters.hf._moe as moe
 
     monkeypatch.setattr(moe, "eager_uses_grouped_mm", lambda model: False)
     graphed = devgraph.wrap(tiny_model("mixtral"), "cpu", batch_sizes=[1], max_cache_len=16, mode="piecewise")

@@ -236,7 +236,7 @@ class _Counter:
 
 
 def test_replay_does_no_per_task_work_when_no_task_needs_a_reissue(monkeypatch):
-    import devgraph._contract as contract
+    import devgraph.graph._contract as contract
 
     graph = _attention_graph(DeviceReadsLengths())
     per_task = _Counter(monkeypatch, contract, "apply_host_args")

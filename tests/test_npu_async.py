@@ -22,7 +22,7 @@ from devgraph import DevgraphError
 from devgraph.backends import _reference
 from devgraph.backends.npu._device import NpuGraph
 from devgraph.testing import simulated_torch_npu
-from devgraph.testing._npu_sim_streams import SimulatedHang
+from devgraph.testing.npu_sim._streams import SimulatedHang
 
 OP = "devgraph::paged_decode_attention"
 SCALE = 0.5

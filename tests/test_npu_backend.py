@@ -18,9 +18,9 @@ from devgraph.backends import _reference
 from devgraph.backends.npu import _device as npu_device
 from devgraph.backends.npu import _kernels as npu_kernels
 from devgraph.ops import _registry
-from devgraph.testing import _npu_sim_runtime as npu_sim_runtime
 from devgraph.testing import conformance, simulated_torch_npu
-from devgraph.testing._npu_sim_streams import SimulatedHang
+from devgraph.testing.npu_sim import _runtime as npu_sim_runtime
+from devgraph.testing.npu_sim._streams import SimulatedHang
 
 OP = "devgraph::paged_decode_attention"
 IFA = "devgraph_npu_sim::npu_fused_infer_attention_score"  # the simulated torch_npu op
@@ -171,7 +171,7 @@ def test_capture_replays_through_the_simulated_npu_graph(npu):
     graph = npu.graph()
     with graph.capture():
         y = x * 3 + 1
-    assert graph.native.__class__.__module__ == "devgraph.testing._npu_sim_runtime"
+    assert graph.native.__class__.__module__ == "devgraph.testing.npu_sim._runtime"
     x.fill_(2.0)
     graph.replay()
     torch.testing.assert_close(y, torch.full((4,), 7.0))

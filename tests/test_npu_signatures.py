@@ -30,8 +30,9 @@ from typing import Any
 import pytest
 import torch
 
-from devgraph.testing import _npu_sim_ops, _npu_sim_runtime
-from devgraph.testing.npu_simulator import SIMULATED_OPS, simulated_torch_npu
+from devgraph.testing.npu_sim import SIMULATED_OPS, simulated_torch_npu
+from devgraph.testing.npu_sim import _ops as _npu_sim_ops
+from devgraph.testing.npu_sim import _runtime as _npu_sim_runtime
 
 VERSION = "2.13.0"
 WHEEL = f"torch_npu-{VERSION}-cp311-cp311-manylinux_2_28_x86_64.whl"
@@ -272,7 +273,7 @@ def _wheel_handlers(root: Path) -> tuple[dict[str, str], dict[str, list[tuple[An
 
 
 def test_update_specs_match_the_wheels_op_handlers(wheel_root):
-    from devgraph.testing._npu_sim_handlers import _NPU_GRAPH_OP_HANDLERS
+    from devgraph.testing.npu_sim._handlers import _NPU_GRAPH_OP_HANDLERS
 
     registered, specs = _wheel_handlers(wheel_root)
     assert registered, f"no register_npu_graph_handler in {HANDLER_DIR}"

@@ -16,10 +16,10 @@ from torch._dynamo.utils import counters
 
 import devgraph
 import devgraph.ops as ops
-from devgraph import _capture
 from devgraph.backends import _reference
 from devgraph.backends.cuda import _kernels as cuda_kernels
 from devgraph.backends.cuda import _paged_attention as pa
+from devgraph.graph import _capture
 from devgraph.ops import _registry
 from devgraph.testing import simulated_torch_npu
 

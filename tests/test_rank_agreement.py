@@ -138,7 +138,7 @@ def test_capture_context_is_entered_around_every_capture_and_warm_up():
     import torch
 
     import devgraph
-    from devgraph import _contract
+    from devgraph.graph import _contract
 
     events = []
     model = torch.nn.Linear(4, 4)

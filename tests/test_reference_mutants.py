@@ -13,7 +13,7 @@ import torch
 
 import devgraph
 from devgraph.testing import simulated_torch_npu
-from devgraph.testing._npu_sim_streams import SimulatedHang
+from devgraph.testing.npu_sim._streams import SimulatedHang
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode, torch.enable_grad])

@@ -275,7 +275,7 @@ def _cuda_guard():
     """The capture guard as a CUDA capture builds it: device type "cuda" (no GPU needed for CPU tensors)."""
     from types import SimpleNamespace
 
-    from devgraph import _capture
+    from devgraph.graph import _capture
 
     guard_cls, dispatch_cls = _capture._modes()
     graph = SimpleNamespace(device=SimpleNamespace(torch_device=torch.device("cuda")), _open_group=None)
@@ -485,7 +485,7 @@ def test_opaque_calls_replay_on_the_captured_tensors_under_every_grad_mode(grad_
         return o + 1
 
     def fn(x, o):
-        return devgraph._contract.current_graph().call_opaque(kernel, x, o, name="kernel") * 3
+        return devgraph.graph._contract.current_graph().call_opaque(kernel, x, o, name="kernel") * 3
 
     graph = _replay_matches_eager(
         fn, [torch.randn(3), torch.zeros(3)], grad_mode, eager=lambda x, o: (kernel(x, o)) * 3

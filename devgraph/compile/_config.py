@@ -12,7 +12,7 @@ import attrs
 from devgraph._errors import DevgraphError
 
 if TYPE_CHECKING:
-    from devgraph._contract import Device
+    from devgraph.graph._contract import Device
 
 __all__ = ["COMPILE_BACKENDS", "MODES", "CompileConfig", "compile_option_names"]
 

@@ -41,11 +41,11 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from devgraph._contract import Device, Graph, MemoryPool, Stream
 from devgraph._errors import DevgraphError
 from devgraph.compile._backends import CompiledPiece
 from devgraph.compile._ops import host_values
 from devgraph.compile._split import Piece, SplitGraph
+from devgraph.graph._contract import Device, Graph, MemoryPool, Stream
 
 __all__ = ["PieceRunner", "PiecewiseModule"]
 

@@ -26,11 +26,11 @@ import attrs
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from devgraph._contract import Device, MemoryPool, Stream
 from devgraph._errors import DevgraphError
 from devgraph.compile._config import CompileConfig
 from devgraph.compile._planner import CapturePlan, plan_capture_sizes
 from devgraph.compile._trace import DevgraphBackend, Traced, trace_call
+from devgraph.graph._contract import Device, MemoryPool, Stream
 from devgraph.runner import GraphRunner, RunnerConfig, RunnerStats, choose_bucket, normalise_batch_sizes
 from devgraph.runner._base import BucketedRunner, SharedCapture
 from devgraph.runner._calls import Call, Unsupported

@@ -24,7 +24,6 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
-from devgraph._contract import Device
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph._plugins import device as _device
 from devgraph.compile._backends import CompiledPiece, compile_piece
@@ -33,6 +32,7 @@ from devgraph.compile._guards import check_token_guards, symbolic_sizes
 from devgraph.compile._ops import SYM_OPS, bind_host_args, is_host_arg_node, keep_composite_ops_whole
 from devgraph.compile._pieces import PiecewiseModule
 from devgraph.compile._split import SplitGraph, split_graph
+from devgraph.graph._contract import Device
 
 __all__ = ["CompiledGraph", "DevgraphBackend", "Traced", "lower_to_aten", "trace_call"]
 
@@ -273,7 +273,7 @@ def _refuse_host_syncs(gm: fx.GraphModule) -> None:
 
     Without this the trace fails later, deep in the lowering, with an error that names neither.
     """
-    from devgraph._capture import _FUNCTION_SYNCS, _SHAPE_REMEDY
+    from devgraph.graph._capture import _FUNCTION_SYNCS, _SHAPE_REMEDY
 
     for node in gm.graph.nodes:
         if node.op not in ("call_method", "call_function"):

@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from devgraph._contract import Device, MemoryPool, Stream
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph._source import user_stacklevel
+from devgraph.graph._contract import Device, MemoryPool, Stream
 from devgraph.runner._calls import (
     Call,
     CallReader,

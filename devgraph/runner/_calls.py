@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import torch
 
-from devgraph._tasks import holds_tensor
+from devgraph.graph._tasks import holds_tensor
 from devgraph.runner._config import RunnerConfig
 
 __all__ = ["Call", "CallReader", "Unsupported", "TemplateCheck", "read_call", "template_mismatch"]

@@ -43,9 +43,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from devgraph._contract import Device, Graph, MemoryPool, Stream
 from devgraph._errors import DevgraphError
-from devgraph._weakref import weak_ref_tensors
+from devgraph.graph._contract import Device, Graph, MemoryPool, Stream
+from devgraph.graph._weakref import weak_ref_tensors
 from devgraph.runner._base import BucketedRunner, SharedCapture
 from devgraph.runner._buckets import choose_bucket, normalise_batch_sizes
 from devgraph.runner._calls import Call, Unsupported

@@ -11,7 +11,7 @@ enable_timing=False, blocking=False, interprocess=False)``; ``torch.accelerator.
 ``current_stream``, ``set_stream``, ``synchronize``, ``device_count`` and the memory counters), checked
 against torch by ``tests/test_accelerator_backend.py``.
 
-Underneath runs the torch_npu simulator's device model (``_npu_sim_runtime``: asynchronous streams,
+Underneath runs the torch_npu simulator's device model (``_runtime``: asynchronous streams,
 stream capture recording dispatcher calls into a graph pool, replays on the same memory), on CPU
 tensors; the stand-in's accelerator reports device type ``"cpu"``. It is a test double, not a
 device: the README's verification table lists the backend as verified on this stand-in only.
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from devgraph.testing import _npu_sim_runtime as _rt
+from devgraph.testing.npu_sim import _runtime as _rt
 
 __all__ = ["CAPTURE_ERROR_MODES", "standin_accelerator"]
 

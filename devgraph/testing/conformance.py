@@ -35,8 +35,8 @@ from collections.abc import Callable
 
 import torch
 
-from devgraph._contract import Device
 from devgraph._errors import CaptureError, DevgraphError
+from devgraph.graph._contract import Device
 
 __all__ = ["CHECKS", "NotApplicable", "failures", "run"]
 

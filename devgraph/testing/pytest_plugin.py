@@ -20,7 +20,7 @@ def npu_sim() -> Iterator[ModuleType]:
 
     Inside the test ``devgraph.device("npu")`` is the NPU backend on the simulator.
     """
-    from devgraph.testing.npu_simulator import simulated_torch_npu
+    from devgraph.testing.npu_sim import simulated_torch_npu
 
     with simulated_torch_npu() as torch_npu:
         yield torch_npu

@@ -27,9 +27,9 @@ import torch
 from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import BaseCudaGraphBackend
 
 import devgraph
-from devgraph._contract import Device, Graph, MemoryPool
 from devgraph._errors import DevgraphError
 from devgraph.adapters.sglang import _stats
+from devgraph.graph._contract import Device, Graph, MemoryPool
 
 logger = logging.getLogger(__name__)
 

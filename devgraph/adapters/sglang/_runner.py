@@ -33,9 +33,9 @@ from typing import Any
 
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
-from devgraph._contract import Device
 from devgraph.adapters.sglang import _stats
 from devgraph.adapters.sglang._backend import DevgraphGraphBackend
+from devgraph.graph._contract import Device
 
 logger = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from devgraph._contract import Graph, MemoryPool
 from devgraph._errors import DevgraphError
-from devgraph._weakref import weak_ref_tensors
 from devgraph.adapters.vllm import _stats
 from devgraph.adapters.vllm._host_args import step_host_args
+from devgraph.graph._contract import Graph, MemoryPool
+from devgraph.graph._weakref import weak_ref_tensors
 
 __all__ = ["DevgraphGraphWrapper"]
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph._errors import DevgraphError
-from devgraph._tasks import TaskGroup
+from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
+from devgraph.graph._tasks import TaskGroup
 
 __all__ = [
     "AcceleratorDevice",

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph._errors import DevgraphError
-from devgraph._tasks import TaskGroup
 from devgraph.backends.cpu._pool import CpuPool, PoolBytes
 from devgraph.backends.cpu._recorder import Recorder, Segment, Tape
+from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
+from devgraph.graph._tasks import TaskGroup
 
 __all__ = ["CpuDevice", "CpuEvent", "CpuGraph", "CpuStream"]
 

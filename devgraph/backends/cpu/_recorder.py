@@ -39,10 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from devgraph._capture import raise_refusal
-from devgraph._collectives import is_collective, refuse_collective
 from devgraph._errors import CaptureError, DevgraphError
-from devgraph._opnames import has_python_kernel
 from devgraph._source import user_source_line
 from devgraph.backends.cpu._collectives import (
     IDENTITY,
@@ -55,6 +52,9 @@ from devgraph.backends.cpu._collectives import (
 from devgraph.backends.cpu._held import Held, _External, _Ref, _Strong, describe, materialise
 from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
 from devgraph.backends.cpu._rng import RngWatch, is_random
+from devgraph.graph._capture import raise_refusal
+from devgraph.graph._collectives import is_collective, refuse_collective
+from devgraph.graph._opnames import has_python_kernel
 
 __all__ = ["Entry", "Recorder", "Segment", "Tape", "finish_deferred", "refuse_collective_in_task"]
 
@@ -295,7 +295,7 @@ class Recorder(TorchDispatchMode):
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         # Let Dynamo run compiled code under the recorder (it skips compiled frames under any other
-        # dispatch mode); devgraph._compiled_regions has each compiled graph recorded whole.
+        # dispatch mode); devgraph.graph._compiled_regions has each compiled graph recorded whole.
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

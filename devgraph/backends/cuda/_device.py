@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from devgraph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph._source import user_source_line
-from devgraph._tasks import TaskGroup, apply_host_args
+from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
+from devgraph.graph._tasks import TaskGroup, apply_host_args
 
 __all__ = [
     "DEVICE_METADATA_OPS",

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from devgraph.adapters._hf_cache import SharedStaticCache
-from devgraph.adapters._hf_compat import CACHE_KEYS, cache_kwarg, cache_of, causal_lm_output
+from devgraph.adapters.hf._cache import SharedStaticCache
+from devgraph.adapters.hf._compat import CACHE_KEYS, cache_kwarg, cache_of, causal_lm_output
 
 __all__ = ["DecodeRoute", "DecodeStep", "MAX_MASKS"]
 

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from devgraph.adapters._hf_cache import SharedStaticCache
-from devgraph.adapters._hf_compat import CACHE_KEYS, cache_kwarg, cache_of, causal_lm_output
-from devgraph.adapters._hf_step import mask_structure
+from devgraph.adapters.hf._cache import SharedStaticCache
+from devgraph.adapters.hf._compat import CACHE_KEYS, cache_kwarg, cache_of, causal_lm_output
+from devgraph.adapters.hf._step import mask_structure
 
 __all__ = ["PiecewisePrefill", "PrefillRow"]
 

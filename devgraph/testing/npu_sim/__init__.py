@@ -13,10 +13,10 @@ signatures (``tests/test_npu_signatures.py`` checks them against the wheel):
   stream, see ``simulated_torch_npu``), ``current_stream``, ``set_stream``,
   ``stream``, ``synchronize``, ``is_available``, ``device_count``, the memory counters,
   ``NPUGraph``, ``graph`` (``auto_dispatch_capture`` included), ``graph_pool_handle`` and the four
-  ``graph_task_*`` functions; see ``devgraph.testing._npu_sim_runtime``.
+  ``graph_task_*`` functions; see ``devgraph.testing.npu_sim._runtime``.
 * ``torch_npu.<op>``: reference kernels of the ops the NPU kernels call, as dispatcher ops with
   torch_npu's schemas, refusing the dtypes/layouts/sizes the hardware refuses; see
-  ``devgraph.testing._npu_sim_ops``.
+  ``devgraph.testing.npu_sim._ops``.
 
 What it is not: a performance model, or a model of anything else in torch_npu. Tensors are CPU
 tensors (``torch_npu._devgraph_simulated_device_type == "cpu"`` is the one seam the NPU backend
@@ -34,7 +34,7 @@ import sys
 import types
 from collections.abc import Iterator
 
-from devgraph.testing import _npu_sim_handlers, _npu_sim_ops, _npu_sim_runtime
+from devgraph.testing.npu_sim import _handlers, _ops, _runtime
 
 __all__ = ["MODULE_NAMES", "SIMULATED_OPS", "simulated_torch_npu"]
 
@@ -47,13 +47,13 @@ MODULE_NAMES = (
 )
 
 #: The torch_npu ops the simulator provides (as ``torch_npu.<name>``).
-SIMULATED_OPS = tuple(sorted({name.split(".")[0] for name in _npu_sim_ops.SCHEMAS}))
+SIMULATED_OPS = tuple(sorted({name.split(".")[0] for name in _ops.SCHEMAS}))
 
 _MISSING = object()
 
-logger = logging.getLogger("devgraph.testing.npu_simulator")
+logger = logging.getLogger("devgraph.testing.npu_sim")
 
-_DOC = """A CPU *simulator* of torch_npu 2.13.0 (devgraph.testing.npu_simulator), not the real thing.
+_DOC = """A CPU *simulator* of torch_npu 2.13.0 (devgraph.testing.npu_sim), not the real thing.
 
 It implements only what devgraph's NPU backend calls, with torch_npu's signatures. Installed in
 sys.modules by devgraph.testing.simulated_torch_npu() for the duration of a with-block.
@@ -62,25 +62,25 @@ sys.modules by devgraph.testing.simulated_torch_npu() for the duration of a with
 
 def _build() -> types.ModuleType:
     """A fresh fake ``torch_npu`` module with its ``npu`` submodule."""
-    _npu_sim_ops.define_ops()
+    _ops.define_ops()
     top = types.ModuleType("torch_npu", _DOC)
     npu = types.ModuleType("torch_npu.npu", "Streams, events, graphs and memory of the simulated NPU.")
-    origin = "devgraph.testing.npu_simulator"
+    origin = "devgraph.testing.npu_sim"
     top.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None, origin=origin)
     npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu.npu", None, origin=origin)
-    names = [n for n in _npu_sim_runtime.__all__ if n not in _npu_sim_runtime.SIMULATOR_ONLY]
-    npu.__dict__.update({name: getattr(_npu_sim_runtime, name) for name in names}, __all__=names)
+    names = [n for n in _runtime.__all__ if n not in _runtime.SIMULATOR_ONLY]
+    npu.__dict__.update({name: getattr(_runtime, name) for name in names}, __all__=names)
     # torch_npu 2.13's task-update handler registry, at the wheel's module paths (one process-wide
     # registry, as on hardware: a handler registered under one simulator block stays registered).
-    handlers = types.ModuleType("torch_npu.npu._npugraph_handlers", _npu_sim_handlers.__doc__)
+    handlers = types.ModuleType("torch_npu.npu._npugraph_handlers", _handlers.__doc__)
     core = types.ModuleType("torch_npu.npu._npugraph_handlers.npugraph_handler")
     for mod in (handlers, core):
         mod.__spec__ = importlib.machinery.ModuleSpec(mod.__name__, None, origin=origin)
         mod.__dict__.update(
-            NpuGraphOpHandler=_npu_sim_handlers.NpuGraphOpHandler,
-            register_npu_graph_handler=_npu_sim_handlers.register_npu_graph_handler,
+            NpuGraphOpHandler=_handlers.NpuGraphOpHandler,
+            register_npu_graph_handler=_handlers.register_npu_graph_handler,
         )
-    core._NPU_GRAPH_OP_HANDLERS = _npu_sim_handlers._NPU_GRAPH_OP_HANDLERS
+    core._NPU_GRAPH_OP_HANDLERS = _handlers._NPU_GRAPH_OP_HANDLERS
     handlers.npugraph_handler = core
     npu._npugraph_handlers = handlers
     top.__dict__.update(
@@ -89,7 +89,7 @@ def _build() -> types.ModuleType:
         # The seam devgraph's NPU backend reads: its tensors live on this torch device type.
         _devgraph_simulated_device_type="cpu",
         npu=npu,
-        **{name: _npu_sim_ops.op(name) for name in SIMULATED_OPS},
+        **{name: _ops.op(name) for name in SIMULATED_OPS},
     )
     return top
 
@@ -99,7 +99,7 @@ def simulated_torch_npu(streams: str = "eager", hang_timeout: float = 2.0) -> It
     """Install the torch_npu simulator in ``sys.modules`` for the block; yield the fake module.
 
     Args:
-        streams: when queued device work runs (``devgraph.testing._npu_sim_streams``):
+        streams: when queued device work runs (``devgraph.testing.npu_sim._streams``):
             ``"eager"`` runs each stream as far as its waits allow as soon as work is queued (CPU
             reads of graph outputs then see finished replays); ``"lazy"`` runs streams only when
             the host synchronises or another stream waits on them, side streams first, so a
@@ -117,8 +117,8 @@ def simulated_torch_npu(streams: str = "eager", hang_timeout: float = 2.0) -> It
 
     module = _build()
     saved = {name: sys.modules.get(name, _MISSING) for name in MODULE_NAMES}
-    outer_mode = _npu_sim_runtime.stream_mode()
-    _npu_sim_runtime.reset_state(streams, hang_timeout)
+    outer_mode = _runtime.stream_mode()
+    _runtime.reset_state(streams, hang_timeout)
     _plugins.forget_devices("npu")
     sys.modules["torch_npu"] = module
     sys.modules["torch_npu.npu"] = module.__dict__["npu"]
@@ -138,7 +138,7 @@ def simulated_torch_npu(streams: str = "eager", hang_timeout: float = 2.0) -> It
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = previous  # type: ignore[assignment]
-        left = _npu_sim_runtime.reset_state(*outer_mode)
+        left = _runtime.reset_state(*outer_mode)
         if left and ok:
             logger.debug("simulator exit dropped %d queued work items", len(left))
         _plugins.forget_devices("npu")

@@ -3,7 +3,7 @@
 Every public name mirrors ``torch_npu.npu`` 2.13.0 with the same parameters (names, order,
 defaults, keyword-only-ness; ``tests/test_npu_signatures.py`` checks them against the wheel), except
 ``SIMULATOR_ONLY``. Device work is asynchronous: replays, task rewrites and event records/waits are
-queued on their stream and run as ``devgraph.testing._npu_sim_streams`` schedules them (eager or
+queued on their stream and run as ``devgraph.testing.npu_sim._streams`` schedules them (eager or
 lazy mode); host tensor ops run when issued.
 
 Graphs hold the CPU reference backend's ``Tape`` (its ``Recorder``, ``Segment`` and ``BlockPool``),
@@ -44,8 +44,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
-from devgraph._collectives import is_collective
-from devgraph._weakref import weak_ref_tensor
 from devgraph.backends.cpu._collectives import issued_by_torch_distributed
 from devgraph.backends.cpu._pool import BlockPool, PoolBytes, block_of, tensor_bytes
 from devgraph.backends.cpu._recorder import (
@@ -61,10 +59,12 @@ from devgraph.backends.cpu._recorder import (
     written_tensors,
 )
 from devgraph.backends.cpu._rng import is_random
-from devgraph.testing._npu_sim_handlers import _NPU_GRAPH_OP_HANDLERS
-from devgraph.testing._npu_sim_ops import NAMESPACE as _SIM_NAMESPACE
-from devgraph.testing._npu_sim_ops import check_call
-from devgraph.testing._npu_sim_streams import Call, Scheduler, Work
+from devgraph.graph._collectives import is_collective
+from devgraph.graph._weakref import weak_ref_tensor
+from devgraph.testing.npu_sim._handlers import _NPU_GRAPH_OP_HANDLERS
+from devgraph.testing.npu_sim._ops import NAMESPACE as _SIM_NAMESPACE
+from devgraph.testing.npu_sim._ops import check_call
+from devgraph.testing.npu_sim._streams import Call, Scheduler, Work
 
 __all__ = [
     "Event",
@@ -168,7 +168,7 @@ def stream_mode() -> tuple[str, float]:
 
 
 class Stream:
-    """A simulated NPU stream: a queue of device work (``_npu_sim_streams``); equality is by id."""
+    """A simulated NPU stream: a queue of device work (``_streams``); equality is by id."""
 
     stream_id: int
     device_index: int
@@ -561,7 +561,7 @@ class _SimRecorder(Recorder):
         """Run ``func`` as capture does; in a task update, run nothing the hardware would not.
 
         A task update rewrites the task's parameters; nothing runs until a replay. An ``.out`` op
-        is only checked (``_npu_sim_ops.check_call``) and hands back its ``out`` tensors; any other
+        is only checked (``_ops.check_call``) and hands back its ``out`` tensors; any other
         op runs (its results are needed) and what it writes is put back afterwards.
         """
         if not self.updating or allocating:

@@ -39,16 +39,16 @@ from typing import Any
 import attrs
 import torch
 
-from devgraph._contract import Device
 from devgraph._errors import DevgraphError
-from devgraph._graphed import GraphedModule
 from devgraph._plugins import device as _device
 from devgraph._source import user_stacklevel
-from devgraph.adapters._hf_cache import SharedStaticCache
-from devgraph.adapters._hf_compat import cache_kwarg
-from devgraph.adapters._hf_plan import eager_reason, read_generate_call
-from devgraph.adapters._hf_prefill import PiecewisePrefill
-from devgraph.adapters._hf_step import MAX_MASKS, DecodeRoute, DecodeStep
+from devgraph.adapters.hf._cache import SharedStaticCache
+from devgraph.adapters.hf._compat import cache_kwarg
+from devgraph.adapters.hf._plan import eager_reason, read_generate_call
+from devgraph.adapters.hf._prefill import PiecewisePrefill
+from devgraph.adapters.hf._step import MAX_MASKS, DecodeRoute, DecodeStep
+from devgraph.graph._contract import Device
+from devgraph.graph._graphed import GraphedModule
 from devgraph.runner import GraphRunner, RunnerConfig, make_config, normalise_batch_sizes
 from devgraph.runner._config import positive_ints
 
@@ -163,10 +163,10 @@ def _prefill_factory(dev: Device, hf: HFOptions, runner_config: RunnerConfig, op
     config = attrs.evolve(runner_config, mode="piecewise", batch_sizes=None, max_batch_size=None)
 
     def build(row: Any) -> Any:
-        from devgraph.adapters._hf_moe import GroupedMmRouting, eager_uses_grouped_mm
+        from devgraph.adapters.hf._moe import GroupedMmRouting, eager_uses_grouped_mm
 
         # Always last, whatever passes the caller chose: without it a mixture-of-experts piece would
-        # replay the routing of capture time (see _hf_moe).
+        # replay the routing of capture time (see _moe).
         routing = GroupedMmRouting(eager_uses_grouped_mm(row.model))
         passes = options["passes"]
         named = {**options, "passes": (*(() if passes is None else passes), routing)}

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, final
 
 import attrs
 
-from devgraph import _capture
 from devgraph._errors import DevgraphError
-from devgraph._opnames import resolve_auto_update_ops
-from devgraph._tasks import TaskGroup, apply_host_args
+from devgraph.graph import _capture
+from devgraph.graph._opnames import resolve_auto_update_ops
+from devgraph.graph._tasks import TaskGroup, apply_host_args
 
 if TYPE_CHECKING:
     import torch
@@ -691,6 +691,6 @@ class Device(abc.ABC):
 
     def weak_ref(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor over the same memory that does not keep it alive (see ``weak_ref_tensors``)."""
-        from devgraph._weakref import weak_ref_tensor
+        from devgraph.graph._weakref import weak_ref_tensor
 
         return weak_ref_tensor(tensor)

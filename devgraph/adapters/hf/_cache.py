@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from devgraph.adapters._hf_compat import cache_kwarg
+from devgraph.adapters.hf._compat import cache_kwarg
 
 __all__ = ["SharedStaticCache"]
 

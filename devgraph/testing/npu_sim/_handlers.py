@@ -24,7 +24,7 @@ import torch
 
 __all__ = ["NpuGraphOpHandler", "_NPU_GRAPH_OP_HANDLERS", "register_npu_graph_handler"]
 
-logger = logging.getLogger("devgraph.testing.npu_simulator")
+logger = logging.getLogger("devgraph.testing.npu_sim")
 
 
 class NpuGraphOpHandler:
@@ -90,11 +90,11 @@ def register_npu_graph_handler(op_names):
 
 
 def _sim_op(name: str) -> Any:
-    from devgraph.testing import _npu_sim_ops
+    from devgraph.testing.npu_sim import _ops
 
-    if name.split(".")[0] not in {n.split(".")[0] for n in _npu_sim_ops.SCHEMAS}:
+    if name.split(".")[0] not in {n.split(".")[0] for n in _ops.SCHEMAS}:
         raise NotImplementedError(f"the torch_npu simulator does not implement {name}")
-    return _npu_sim_ops.op(name)
+    return _ops.op(name)
 
 
 class _TensorListOutHandler(NpuGraphOpHandler):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from devgraph._contract import Device
 from devgraph._errors import DevgraphError
+from devgraph.graph._contract import Device
 
 __all__ = ["GraphedModule"]
 

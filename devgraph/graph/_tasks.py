@@ -49,7 +49,7 @@ class TaskGroup:
                 host[name] = value
         from torch.utils._python_dispatch import _disable_current_modes
 
-        from devgraph._weakref import weak_ref_tensors
+        from devgraph.graph._weakref import weak_ref_tensors
 
         # Weak references, as vllm-ascend keeps its attention update parameters: the task must not
         # keep capture-time intermediates alive, or graphs sharing a pool could not reuse them.

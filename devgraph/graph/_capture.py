@@ -14,12 +14,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from devgraph._collectives import is_collective, refuse_collective, refuse_object_collective
-from devgraph._compiled_regions import CompiledRegions, op_recorders
 from devgraph._errors import CaptureError
-from devgraph._opnames import has_python_kernel
 from devgraph._source import user_source_line
-from devgraph._tasks import TaskGroup
+from devgraph.graph._collectives import is_collective, refuse_collective, refuse_object_collective
+from devgraph.graph._compiled_regions import CompiledRegions, op_recorders
+from devgraph.graph._opnames import has_python_kernel
+from devgraph.graph._tasks import TaskGroup
 
 __all__ = ["GuardedGraph", "capturing", "dispatch_refusal", "raise_refusal", "refuse_autocast_cache"]
 
@@ -272,7 +272,7 @@ def _modes() -> tuple[type, type]:
         @classmethod
         def ignore_compile_internals(cls) -> bool:
             # Dynamo skips compiled frames under a dispatch mode unless it says so: compiled code must
-            # run compiled inside a capture (see devgraph._compiled_regions).
+            # run compiled inside a capture (see devgraph.graph._compiled_regions).
             return True
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

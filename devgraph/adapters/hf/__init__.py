@@ -1,0 +1,12 @@
+"""The Hugging Face transformers adapter: ``generate()`` of a causal LM with graphed decode steps.
+
+``devgraph.wrap`` hands a transformers model here; ``wrap_hf`` is the same with the adapter's own
+options (``HFOptions``). The modules: ``_adapter`` (``GraphedCausalLM``, ``wrap_hf``), ``_plan``
+(which ``generate`` calls are graphed), ``_step`` (the decode step), ``_prefill`` (piecewise prefill),
+``_cache`` (one static cache shared by all buckets), ``_moe`` (MoE routing replayable in a graph),
+``_compat`` (the transformers releases the adapter supports).
+"""
+
+from devgraph.adapters.hf._adapter import GraphedCausalLM, HFOptions, wrap_hf
+
+__all__ = ["GraphedCausalLM", "HFOptions", "wrap_hf"]
