@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,14 @@ PY_FILES = [
 ]
 #: YAML schemas name the first argument ``self`` where the registered (runtime) schema says ``input``.
 YAML_ALIASES = {"self": "input"}
+
+
+def _parse(source: str) -> ast.Module:
+    """The wheel's source as a tree; its own invalid escape sequences (in docstrings) are its business."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ast.parse(source)
 
 
 # -- getting the wheel -----------------------------------------------------------------------------
@@ -146,7 +155,7 @@ def _module_defs(root: Path) -> dict[str, ast.AST]:
     """Top-level defs and classes of torch_npu.npu's files (the first file defining a name wins)."""
     found: dict[str, ast.AST] = {}
     for rel in PY_FILES:
-        tree = ast.parse((root / rel).read_text(encoding="utf-8-sig"))
+        tree = _parse((root / rel).read_text(encoding="utf-8-sig"))
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 found.setdefault(node.name, node)
@@ -254,7 +263,7 @@ def _wheel_handlers(root: Path) -> tuple[dict[str, str], dict[str, list[tuple[An
     registered: dict[str, str] = {}
     specs: dict[str, list[tuple[Any, ...]]] = {}
     for path in sorted((root / HANDLER_DIR).glob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = _parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if not isinstance(node, ast.ClassDef):
                 continue
@@ -372,7 +381,7 @@ _DTYPE_NAMES = {
 @functools.cache
 def _op_docs(root: Path) -> dict[str, str]:
     """op name -> its documentation, from the ``_add_torch_npu_docstr(name, doc)`` calls."""
-    tree = ast.parse((root / DOCS).read_text(encoding="utf-8"))
+    tree = _parse((root / DOCS).read_text(encoding="utf-8"))
     docs = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_add_torch_npu_docstr":
