@@ -223,7 +223,7 @@ def test_imports_point_down_the_layers(import_graph):
 @pytest.mark.parametrize(
     ("source", "target", "lazy", "why"),
     [
-        ("devgraph._contract", "devgraph.runner._base", True, "core imports runner"),
+        ("devgraph._contract", "devgraph.runner._inputs", True, "core imports runner"),
         ("devgraph._wrap", "devgraph.runner", False, "core imports runner"),  # wrap()'s reach is lazy only
         ("devgraph._wrap", "devgraph.adapters.vllm", True, "core imports adapters"),
         ("devgraph.backends.cpu._device", "devgraph.ops._registry", True, "backends imports ops"),

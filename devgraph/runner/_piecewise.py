@@ -2,9 +2,9 @@
 
 The runner reads calls like ``GraphRunner`` (both are composed of a ``StaticInputs`` and the
 pieces of ``_shared.py``: batched tensors padded into static buffers, host lists padded and
-forwarded, outputs sliced back, every size captured or none), but instead of one graph per size it traces the model once with Dynamo
-(``DevgraphBackend``: aten lowering, passes, split, per-piece compile), then captures every piece
-per size into one shared pool, largest size first. A call replays the pieces' graphs with the
+forwarded, outputs sliced back, every size captured or none), but instead of one graph per size
+it traces the model once with Dynamo (``DevgraphBackend``: aten lowering, passes, split,
+per-piece compile), then captures every piece per size into one shared pool, largest size first. A call replays the pieces' graphs with the
 splitting ops (attention) run eagerly in between, so attention sees the call's real metadata. A
 call larger than every captured size runs the compiled pieces uncaptured.
 
