@@ -236,7 +236,7 @@ def _piecewise_case(
     ours_pieces = {r.piece.name: r for r in module.runners if r.entries}
     theirs_pieces = {name: _VllmPiece(r.entries, module.state) for name, r in ours_pieces.items()}
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    buffers = runner._buffers
+    buffers = runner.inputs.buffers
     traced_inputs = runner.traced.inputs
     pad = runner.config.pad_value("seq_lens_host")
     state = module.state

@@ -66,7 +66,7 @@ def wrap(model: Any, device: str | Device | Any | None = None, **options: Any) -
     compile_options = {k: merged.pop(k) for k in list(merged) if k in compile_names}
     config = make_config(RunnerConfig, merged, extra_valid=compile_names, arguments=_argument_names(model))
     if config.mode != "full":
-        from devgraph.compile import piecewise_runner
+        from devgraph.runner._piecewise import piecewise_runner
 
         return GraphedModule(model, piecewise_runner(model, dev, config, **compile_options))
     if compile_options:

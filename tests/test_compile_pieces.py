@@ -306,7 +306,7 @@ def test_a_view_of_an_eager_output_read_by_a_later_piece_is_held_strongly():
     ]
     last = runner.module.runners[-1]
     staged = {b.untyped_storage().data_ptr() for b in last.staging.values()}
-    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *runner._buffers.values()]}
+    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *runner.inputs.buffers.values()]}
     for entry in last.entries.values():
         for _, kept, _ in entry.tensors:
             ptr = kept.untyped_storage().data_ptr()

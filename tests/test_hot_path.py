@@ -56,7 +56,7 @@ def test_padding_rows_still_padded_are_not_filled_again():
     _model, graphed = _slot_writer()
     x, slot = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1, 2, 3])
     graphed(x, slot)
-    buffers = graphed.runner._buffers
+    buffers = graphed.runner.inputs.buffers
     before = {name: buf._version for name, buf in buffers.items()}
     graphed(x, slot)  # the same 3 rows of bucket 4: row 3 still holds padding
     assert {name: buf._version - before[name] for name, buf in buffers.items()} == {
@@ -91,7 +91,7 @@ def test_padding_of_an_input_the_model_writes_is_refilled_every_call():
         # The padded row was refilled with 1.0 before each replay doubled it; left alone it would
         # read 2, 4, 8 at the scratch slot.
         assert model.cache[0].item() == 2.0
-    assert "x" in graphed.runner._written_by_model
+    assert "x" in graphed.runner.inputs.written_by_model
 
 
 _BUMP = torch.library.Library("devgraph_test_hot_path", "DEF")
@@ -118,12 +118,12 @@ def test_padding_of_an_input_written_without_a_version_bump_is_refilled_every_ca
     padded_row = []
     for _ in range(3):
         assert graphed(torch.tensor([1.0, 2.0, 3.0])).tolist() == [2.0, 3.0, 4.0]
-        padded_row.append(graphed.runner._buffers["x"][3].item())
+        padded_row.append(graphed.runner.inputs.buffers["x"][3].item())
     # The padded row holds padding (0) bumped once by each replay, not the previous replay's write
     # bumped again (1, 2, 3). (Rows are independent here: a model that reduces over the batch would
     # be served eagerly for padded sizes, see test_wrap_promise.py.)
     assert padded_row == [1.0, 1.0, 1.0]
-    assert "x" in graphed.runner._written_by_model
+    assert "x" in graphed.runner.inputs.written_by_model
 
 
 # -- reading a call: the remembered binding gives what a full bind gives ----------------------------

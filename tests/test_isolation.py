@@ -158,7 +158,7 @@ def _layer(module: str) -> str:
     return parts[1]  # backends, ops, runner, compile, adapters, testing
 
 
-#: Which layers a layer may import. Arrows point down (adapters > compile > runner > ops > core);
+#: Which layers a layer may import. Arrows point down (adapters > runner > compile > ops > core);
 #: backends implement the core contract and are found through plugins, so no layer imports one
 #: (nor another backend: each is its own package); no layer imports devgraph.testing, which sits
 #: beside the stack and may import anything. Inside the library, names come from the module that
@@ -168,17 +168,21 @@ _MAY_IMPORT = {
     "core": {"core"},
     "backends": {"core", "backends"},
     "ops": {"core", "ops"},
-    "runner": {"core", "ops", "runner"},
-    "compile": {"core", "ops", "runner", "compile"},
+    "runner": {"core", "ops", "compile", "runner"},
+    "compile": {"core", "ops", "compile"},
     "adapters": {"core", "ops", "runner", "compile", "adapters", "api"},
 }
 
-#: The one upward reach DESIGN.md allows: wrap() builds runners and hands Hugging Face models to
-#: their adapter, importing them when called (so ``import devgraph`` stays cheap).
+#: The upward reaches DESIGN.md allows, made when called: wrap() builds runners and hands Hugging
+#: Face models to their adapter (so ``import devgraph`` stays cheap); ``devgraph.compile`` still
+#: answers for the names ``PiecewiseRunner``, ``PiecewiseStats`` and ``piecewise_runner`` (now in
+#: ``devgraph.runner._piecewise``) from its package ``__getattr__`` -- no module of compile/ imports
+#: the runner when loaded (``test_the_compiler_loads_without_the_runner``).
 _LAZY_REACH = {
     ("devgraph._wrap", "devgraph.runner"),
     ("devgraph._wrap", "devgraph.compile"),
     ("devgraph._wrap", "devgraph.adapters.hf"),
+    ("devgraph.compile", "devgraph.runner._piecewise"),
 }
 
 
@@ -219,7 +223,7 @@ def test_imports_point_down_the_layers(import_graph):
 @pytest.mark.parametrize(
     ("source", "target", "lazy", "why"),
     [
-        ("devgraph.graph._contract", "devgraph.runner._base", True, "core imports runner"),
+        ("devgraph.graph._contract", "devgraph.runner._inputs", True, "core imports runner"),
         ("devgraph._wrap", "devgraph.runner", False, "core imports runner"),  # wrap()'s reach is lazy only
         ("devgraph._wrap", "devgraph.adapters.vllm", True, "core imports adapters"),
         ("devgraph.backends.cpu._device", "devgraph.ops._registry", True, "backends imports ops"),
@@ -229,7 +233,9 @@ def test_imports_point_down_the_layers(import_graph):
             False,
             "one backend imports another",
         ),
-        ("devgraph.runner._base", "devgraph.compile._config", True, "runner imports compile"),
+        ("devgraph.compile._trace", "devgraph.runner._calls", True, "compile imports runner"),
+        ("devgraph.compile", "devgraph.runner._runner", True, "compile imports runner"),
+        ("devgraph.compile", "devgraph.runner._piecewise", False, "compile imports runner"),
         ("devgraph.ops._defs", "devgraph.backends.cpu", False, "ops imports backends"),
         ("devgraph.compile._trace", "devgraph", True, "compile imports api"),
         ("devgraph.adapters.hf", "devgraph.testing.models", True, "adapters imports testing"),
@@ -238,4 +244,28 @@ def test_imports_point_down_the_layers(import_graph):
 def test_the_layer_check_refuses_an_upward_import(source, target, lazy, why):
     assert [w.split(":")[0] for w in _layer_violations([Import(source, target, "x.py", 1, lazy, False)])] == [
         why
+    ]
+
+
+def test_the_compiler_loads_without_the_runner():
+    # The runner uses the compiler, never the reverse (DESIGN.md, "Layers"): the piecewise runner's
+    # old names on devgraph.compile load the runner only when asked for.
+    out = _run(
+        """
+        import sys
+        import devgraph.compile
+        print(any(m.startswith("devgraph.runner") for m in sys.modules))
+        runner = devgraph.compile.PiecewiseRunner
+        print(runner.__module__, "devgraph.runner._piecewise" in sys.modules)
+        """
+    )
+    assert out.split() == ["False", "devgraph.runner._piecewise", "True"]
+
+
+def test_compile_modules_import_no_runner_module(import_graph):
+    reach = [
+        e for e in import_graph if e.source.startswith("devgraph.compile") and _layer(e.target) == "runner"
+    ]
+    assert [(e.source, e.target, e.lazy) for e in reach] == [
+        ("devgraph.compile", "devgraph.runner._piecewise", True)
     ]

@@ -41,7 +41,7 @@ def test_padded_batches_equal_eager_and_pad_rows_hold_pad_values(n, lengths, see
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
     rows = len(active)
     bucket = next(s for s in SIZES if s >= rows)
-    for name, buf in runner._buffers.items():
+    for name, buf in runner.inputs.buffers.items():
         padded = buf.narrow(0, rows, bucket - rows)
         assert bool((padded == pads[name]).all()), f"{name}: padded rows do not hold the pad value"
     for task in runner.graph(bucket).tasks:

@@ -324,7 +324,7 @@ def test_captures_from_two_threads_keep_each_threads_stream():
 def test_shared_capture_makes_a_fresh_pool_once_no_runner_holds_graphs():
     from types import SimpleNamespace
 
-    from devgraph.runner._base import SharedCapture
+    from devgraph.runner._shared import SharedCapture
 
     shared = SharedCapture(devgraph.device("cpu"))
     a, b = SimpleNamespace(captured=False), SimpleNamespace(captured=False)

@@ -4,9 +4,9 @@ Full graphs cannot hold everything: attention over variable-length prefill, ops 
 capture-safe, collectives. ``devgraph.compile`` traces a model with Dynamo (``DevgraphBackend``),
 lowers it to aten ops, runs the fusion passes (``PassManager``), cuts the graph at the splitting
 ops (devgraph's attention ops, plus any the user lists), compiles every piece (eager, inductor,
-torchair) and captures each piece per size bucket into one shared pool (``PiecewiseRunner``),
-within the device's capture budget (``plan_capture_sizes``). The splitting ops run eagerly in
-between, with the call's real metadata.
+torchair) and captures each piece per size bucket into one shared pool (``PiecewiseRunner``, in
+``devgraph.runner``, which sits above the compiler), within the device's capture budget
+(``plan_capture_sizes``). The splitting ops run eagerly in between, with the call's real metadata.
 
     graphed = devgraph.wrap(model, device="npu", mode="piecewise", capture_sizes=[16, 64, 256])
 
@@ -20,7 +20,6 @@ from devgraph.compile._config import COMPILE_BACKENDS, MODES, CompileConfig, com
 from devgraph.compile._ops import DEFAULT_SPLITTING_OPS, host_arg, resolve_splitting_ops
 from devgraph.compile._pieces import PieceRunner, PiecewiseModule
 from devgraph.compile._planner import CapturePlan, padding_cost, plan_capture_sizes, spread_evenly
-from devgraph.compile._runner import PiecewiseRunner, PiecewiseStats, piecewise_runner
 from devgraph.compile._split import Piece, SplitGraph, split_graph
 from devgraph.compile._trace import CompiledGraph, DevgraphBackend, Traced, trace_call
 from devgraph.compile.passes import (
@@ -71,3 +70,15 @@ __all__ = [
     "spread_evenly",
     "trace_call",
 ]
+
+#: Names served from ``devgraph.runner._piecewise`` (the runner uses the compiler, never the reverse):
+#: kept here so ``devgraph.compile.PiecewiseRunner`` still works, imported only when asked for.
+_FROM_RUNNER = frozenset({"PiecewiseRunner", "PiecewiseStats", "piecewise_runner"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _FROM_RUNNER:
+        from devgraph.runner import _piecewise
+
+        return getattr(_piecewise, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -152,7 +152,7 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
 
 def _prefill_factory(dev: Device, hf: HFOptions, runner_config: RunnerConfig, options: dict[str, Any]) -> Any:
     """A function building the prefill's ``PiecewiseRunner`` for a ``PrefillRow``."""
-    from devgraph.compile import piecewise_runner
+    from devgraph.runner._piecewise import piecewise_runner
 
     options = {
         "splitting_ops": ("aten::scaled_dot_product_attention",),
