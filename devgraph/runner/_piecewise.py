@@ -33,6 +33,7 @@ from devgraph._errors import DevgraphError
 from devgraph.compile._config import CompileConfig
 from devgraph.compile._planner import CapturePlan, plan_capture_sizes
 from devgraph.compile._trace import DevgraphBackend, Traced, trace_call
+from devgraph.graph._contract import Device, MemoryPool, Stream
 from devgraph.runner._buckets import choose_bucket, normalise_batch_sizes
 from devgraph.runner._calls import Call, Unsupported
 from devgraph.runner._config import RunnerConfig, RunnerStats, positive_int, positive_ints

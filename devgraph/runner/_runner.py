@@ -49,6 +49,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from devgraph._errors import DevgraphError
+from devgraph.graph._contract import Device, Graph, MemoryPool, Stream
 from devgraph.graph._weakref import weak_ref_tensors
 from devgraph.runner._buckets import choose_bucket, normalise_batch_sizes
 from devgraph.runner._calls import Call, Unsupported
