@@ -121,7 +121,7 @@ _DISPATCH_FILES = tuple(
 #: devgraph.testing's models are user code
 _DEVGRAPH_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _TESTING_DIR = os.path.join(_DEVGRAPH_DIR, "testing") + os.sep
-_SIMULATOR = os.path.join(_TESTING_DIR, "_npu_sim")
+_SIMULATOR = os.path.join(_TESTING_DIR, "npu_sim") + os.sep
 _DISTRIBUTED_C10D = os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py")
 
 
