@@ -18,11 +18,22 @@ nox.options.reuse_existing_virtualenvs = True
 CONSTRAINTS = ("-c", "constraints.txt")
 
 
-def _install(session: nox.Session, extras: str) -> None:
+#: devgraph's own test packages, never part of what users install: the third-party backend of the
+#: plugin tests (installed so its entry point is discovered) and the test doubles (devgraph_sim:
+#: the torch_npu simulator, the torch.accelerator stand-in, the npu_sim fixture).
+TEST_PACKAGES = ("tests/plugins/devgraph_toy_backend", "tests/sim")
+
+
+def _install_test_packages(session: nox.Session) -> None:
+    for path in TEST_PACKAGES:
+        session.install("--no-deps", "-e", path)
+
+
+def _install(session: nox.Session, extras: str, *, test_packages: bool = True) -> None:
     session.install(*CONSTRAINTS, "torch==2.13.0")
     session.install(*CONSTRAINTS, "-e", f".[{extras}]")
-    # The third-party backend used by the plugin tests, installed so its entry point is discovered.
-    session.install("--no-deps", "-e", "tests/plugins/devgraph_toy_backend")
+    if test_packages:
+        _install_test_packages(session)
 
 
 @nox.session
@@ -42,6 +53,7 @@ def tests_hf_newest(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "torch==2.13.0")
     session.install("-e", ".[test,hf]")  # no constraints: transformers resolves to its newest release
     session.install("--upgrade", "--upgrade-strategy", "only-if-needed", "transformers>=5.0")
+    _install_test_packages(session)
     session.run("python", "-c", "import transformers; print('transformers', transformers.__version__)")
     workers = os.environ.get("DEVGRAPH_TEST_WORKERS", "2")
     hf_tests = sorted(str(p) for p in Path("tests").glob("test_hf_*.py"))
@@ -66,7 +78,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """devgraph's main job: graph the tiny reference decoder and compare with eager."""
-    _install(session, "progress")
+    _install(session, "progress", test_packages=False)  # the demo needs no test double
     session.install("numpy")  # torch warns at import without it
     session.run("devgraph", "demo", *session.posargs)
 
@@ -117,7 +129,7 @@ def tests_vllm(session: nox.Session) -> None:
     # devgraph itself (cheap): its vllm.platform_plugins entry point must be registered; the toy
     # backend is the third-party devgraph device the tests select with DEVGRAPH_BACKEND=toy.
     session.install("--no-deps", "-e", ".")
-    session.install("--no-deps", "-e", "tests/plugins/devgraph_toy_backend")
+    _install_test_packages(session)
     session.run(
         "pytest",
         "-q",
@@ -167,4 +179,5 @@ def tests_sglang(session: nox.Session) -> None:
         stamp_file.write_text(stamp)
     else:
         session.install("--no-deps", "-e", ".")  # picks up entry-point changes; no network needed
+    _install_test_packages(session)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/sglang", *session.posargs)

@@ -6,7 +6,7 @@ lengths, in each ``NpuDevice.update_order``. Only the host call is timed: the de
 synchronised after it, untimed. Also counts the torch_npu stream/event calls each order makes per
 replay (machine independent).
 
-Without Ascend hardware this runs on devgraph.testing's torch_npu simulator in lazy mode (streams
+Without Ascend hardware this runs on devgraph's torch_npu simulator (tests/sim) in lazy mode (streams
 run only at the untimed sync; a re-issued attention call is checked, not run), so the time is
 devgraph's host work plus the simulator's recording of each re-issue -- compare the two orders with
 each other, not with hardware.
@@ -75,7 +75,7 @@ def _counting(sim, counts: Counter):
 
 def measure(layers: int, iters: int, order: str) -> tuple[float, dict[str, float]]:
     """(median host microseconds per layer, torch_npu calls per replay) for one update order."""
-    from devgraph.testing import simulated_torch_npu
+    from devgraph_sim.npu import simulated_torch_npu
 
     with simulated_torch_npu(streams="lazy") as sim:
         device = devgraph.device("npu")

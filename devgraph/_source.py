@@ -1,7 +1,7 @@
 """Where in the user's code: the source line and warning level that errors and warnings point at.
 
 Errors name the user's line, not devgraph's or torch's: the innermost frame outside torch,
-devgraph (its ``testing`` package aside: tests and the simulator are user code) and the standard
+devgraph (its ``testing`` package aside: its models are user code) and the standard
 library. The capture guard, the compiled-region recorder, the backends and the runner all use it,
 so it sits below all of them.
 """

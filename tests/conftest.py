@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-pytest_plugins = ["devgraph.testing.pytest_plugin"]
+pytest_plugins = ["devgraph_sim.pytest_plugin"]
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
@@ -37,9 +37,7 @@ def any_device(request):
     if request.param == "cpu":
         yield devgraph.device("cpu")
         return
-    try:
-        from devgraph.testing import simulated_torch_npu
-    except ImportError:
-        pytest.skip("torch_npu simulator not built yet")
+    from devgraph_sim.npu import simulated_torch_npu
+
     with simulated_torch_npu():
         yield devgraph.device("npu")

@@ -1,6 +1,6 @@
 """The generic ``accelerator`` backend over torch.accelerator.Graph, tested on a stand-in (no XPU here).
 
-The stand-in (devgraph.testing.accelerator_standin) must follow torch 2.13's Python API exactly; the
+The stand-in (devgraph_sim.accelerator) must follow torch 2.13's Python API exactly; the
 first tests check that against torch itself (the Graph class and module functions by ``inspect``,
 ``torch.Stream`` / ``torch.Event`` by torch's own stubs, ``torch/_C/__init__.pyi``).
 """
@@ -20,8 +20,8 @@ import devgraph
 from devgraph import DevgraphError
 from devgraph.backends import accelerator as accelerator_plugin
 from devgraph.backends.accelerator._device import AcceleratorDevice
-from devgraph.testing import accelerator_standin
-from devgraph.testing.accelerator_standin import standin_accelerator
+from devgraph_sim import accelerator as accelerator_standin
+from devgraph_sim.accelerator import standin_accelerator
 
 
 @pytest.fixture

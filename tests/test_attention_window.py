@@ -18,7 +18,7 @@ import devgraph
 import devgraph.ops as ops
 from devgraph.backends import _reference
 from devgraph.backends.cuda import _kernels as cuda_kernels
-from devgraph.testing import simulated_torch_npu
+from devgraph_sim.npu import simulated_torch_npu
 
 OP = "devgraph::paged_decode_attention"
 BLOCK = 4

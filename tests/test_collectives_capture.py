@@ -177,7 +177,7 @@ def _device(backend):
 
     if backend == "cpu":
         return contextlib.nullcontext(), lambda: devgraph.device("cpu")
-    from devgraph.testing import simulated_torch_npu
+    from devgraph_sim.npu import simulated_torch_npu
 
     return simulated_torch_npu(), lambda: devgraph.device("npu")
 

@@ -28,7 +28,7 @@ def device(request):
     if request.param == "cpu":
         yield devgraph.device("cpu")
         return
-    from devgraph.testing import simulated_torch_npu
+    from devgraph_sim.npu import simulated_torch_npu
 
     with simulated_torch_npu():
         yield devgraph.device("npu")

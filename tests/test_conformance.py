@@ -77,9 +77,9 @@ def test_pool_held_by_one_graph_takes_more_captures(any_device):
 
 @pytest.fixture
 def standin_device():
-    """The accelerator backend over devgraph.testing's torch.accelerator stand-in (no XPU here)."""
+    """The accelerator backend over the torch.accelerator stand-in of tests/sim (no XPU here)."""
     from devgraph.backends.accelerator._device import AcceleratorDevice
-    from devgraph.testing.accelerator_standin import standin_accelerator
+    from devgraph_sim.accelerator import standin_accelerator
 
     with standin_accelerator(hang_timeout=0.5) as api:
         yield AcceleratorDevice(0, api=api)

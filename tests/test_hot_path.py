@@ -269,7 +269,7 @@ def test_the_reference_backend_reissues_every_task_at_every_replay(monkeypatch):
 
 
 def test_the_npu_simulator_reissues_every_task_at_every_replay(monkeypatch):
-    from devgraph.testing import simulated_torch_npu
+    from devgraph_sim.npu import simulated_torch_npu
 
     with simulated_torch_npu():
         graph = _attention_graph(devgraph.device("npu"), torch.bfloat16)

@@ -77,13 +77,10 @@ def test_no_torch_cuda_attribute_changes_after_using_every_backend():
     for info in devgraph.list_backends():
         if info.available:
             conformance.run(devgraph.device(info.name))
-    try:
-        from devgraph.testing import simulated_torch_npu
-    except ImportError:
-        simulated_torch_npu = None
-    if simulated_torch_npu is not None:
-        with simulated_torch_npu():
-            conformance.run(devgraph.device("npu"))
+    from devgraph_sim.npu import simulated_torch_npu
+
+    with simulated_torch_npu():
+        conformance.run(devgraph.device("npu"))
     after_cuda = _snapshot(torch.cuda)
     changed = [n for n in before_cuda if after_cuda.get(n) != before_cuda[n]]
     assert not changed, f"torch.cuda attributes replaced: {changed}"
@@ -269,3 +266,36 @@ def test_compile_modules_import_no_runner_module(import_graph):
     assert [(e.source, e.target, e.lazy) for e in reach] == [
         ("devgraph.compile", "devgraph.runner._piecewise", True)
     ]
+
+
+def _imported_names(path: pathlib.Path) -> list[tuple[str, int]]:
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.module, node.lineno))
+    return found
+
+
+def test_the_package_imports_none_of_its_test_doubles():
+    """The torch_npu simulator and the accelerator stand-in live with the tests (tests/sim), not in
+    the wheel: no module of devgraph imports them, at any level (demo and testing/ included)."""
+    root = pathlib.Path(devgraph.__file__).parent
+    offenders = [
+        f"{path.relative_to(root.parent)}:{line}: import {name}"
+        for path in sorted(root.rglob("*.py"))
+        for name, line in _imported_names(path)
+        if name.split(".")[0] in ("devgraph_sim", "devgraph_toy_backend")
+    ]
+    assert not offenders, offenders
+    assert not (root / "testing" / "npu_sim").exists()
+
+
+def test_the_test_double_check_sees_an_import(tmp_path):
+    bad = tmp_path / "m.py"
+    bad.write_text("def f():\n    from devgraph_sim.npu import simulated_torch_npu\n")
+    assert _imported_names(bad) == [("devgraph_sim.npu", 2)]

@@ -21,8 +21,8 @@ import devgraph.ops as ops
 from devgraph import DevgraphError
 from devgraph.backends import _reference
 from devgraph.backends.npu._device import NpuGraph
-from devgraph.testing import simulated_torch_npu
-from devgraph.testing.npu_sim._streams import SimulatedHang
+from devgraph_sim.npu import simulated_torch_npu
+from devgraph_sim.npu._streams import SimulatedHang
 
 OP = "devgraph::paged_decode_attention"
 SCALE = 0.5

@@ -1,4 +1,4 @@
-"""The NPU backend, run on the torch_npu simulator (devgraph.testing.simulated_torch_npu)."""
+"""The NPU backend, run on the torch_npu simulator (devgraph_sim.npu.simulated_torch_npu)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ from devgraph.backends import _reference
 from devgraph.backends.npu import _device as npu_device
 from devgraph.backends.npu import _kernels as npu_kernels
 from devgraph.ops import _registry
-from devgraph.testing import conformance, simulated_torch_npu
-from devgraph.testing.npu_sim import _runtime as npu_sim_runtime
-from devgraph.testing.npu_sim._streams import SimulatedHang
+from devgraph.testing import conformance
+from devgraph_sim.npu import _runtime as npu_sim_runtime
+from devgraph_sim.npu import simulated_torch_npu
+from devgraph_sim.npu._streams import SimulatedHang
 
 OP = "devgraph::paged_decode_attention"
 IFA = "devgraph_npu_sim::npu_fused_infer_attention_score"  # the simulated torch_npu op
@@ -83,14 +84,15 @@ def test_npu_is_unavailable_outside_the_simulator():
 
 
 def test_npu_device_inside_the_simulator(npu):
-    assert npu.name == "npu" and npu.simulated
+    assert npu.name == "npu" and not hasattr(npu, "simulated")  # the backend cannot tell
     assert npu.dispatch_key == "PrivateUse1"
     assert npu.torch_device == torch.device("cpu")
     assert npu.capture_stream_budget == npu_device.NPU_HARDWARE_STREAMS == 2048
     # devgraph's op, then those of torch_npu's handler registry (tests/test_npu_handlers.py)
     assert npu.updatable_ops[0] == OP and IFA in npu.updatable_ops
     row = {b.name: b for b in devgraph.list_backends()}["npu"]
-    assert row.available and "simulator" in row.reason and row.version == "2.13.0"
+    # The probe says where torch_npu came from: the simulator names itself, with no seam.
+    assert row.available and "devgraph_sim.npu" in row.reason and row.version == "2.13.0"
 
 
 def test_stream_budget_comes_from_the_environment(sim, monkeypatch):
@@ -104,7 +106,7 @@ def test_stream_budget_comes_from_the_environment(sim, monkeypatch):
 def test_the_fake_module_says_it_is_a_simulator(sim):
     import torch_npu
 
-    assert torch_npu is sim and torch_npu.SIMULATOR and torch_npu.__version__ == "2.13.0"
+    assert torch_npu is sim and torch_npu.__version__ == "2.13.0"
     assert "simulator" in torch_npu.__doc__
     assert sys.modules["torch_npu.npu"] is torch_npu.npu
     assert not hasattr(torch, "npu")
@@ -171,7 +173,7 @@ def test_capture_replays_through_the_simulated_npu_graph(npu):
     graph = npu.graph()
     with graph.capture():
         y = x * 3 + 1
-    assert graph.native.__class__.__module__ == "devgraph.testing.npu_sim._runtime"
+    assert graph.native.__class__.__module__ == "devgraph_sim.npu._runtime"
     x.fill_(2.0)
     graph.replay()
     torch.testing.assert_close(y, torch.full((4,), 7.0))

@@ -8,8 +8,8 @@ import torch
 import devgraph
 from devgraph import CaptureError
 from devgraph.backends.npu import _capture_errors
-from devgraph.testing import simulated_torch_npu
-from devgraph.testing.npu_sim import _runtime as _npu_sim_runtime
+from devgraph_sim.npu import _runtime as _npu_sim_runtime
+from devgraph_sim.npu import simulated_torch_npu
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import devgraph
 from devgraph import DevgraphError
 from devgraph.backends import _reference
 from devgraph.backends.npu import _handlers
-from devgraph.testing import simulated_torch_npu
+from devgraph_sim.npu import simulated_torch_npu
 
 SCALE = 0.5
 DTYPE = torch.bfloat16

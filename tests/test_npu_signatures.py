@@ -31,9 +31,9 @@ from typing import Any
 import pytest
 import torch
 
-from devgraph.testing.npu_sim import SIMULATED_OPS, simulated_torch_npu
-from devgraph.testing.npu_sim import _ops as _npu_sim_ops
-from devgraph.testing.npu_sim import _runtime as _npu_sim_runtime
+from devgraph_sim.npu import SIMULATED_OPS, simulated_torch_npu
+from devgraph_sim.npu import _ops as _npu_sim_ops
+from devgraph_sim.npu import _runtime as _npu_sim_runtime
 
 VERSION = "2.13.0"
 WHEEL = f"torch_npu-{VERSION}-cp311-cp311-manylinux_2_28_x86_64.whl"
@@ -282,12 +282,12 @@ def _wheel_handlers(root: Path) -> tuple[dict[str, str], dict[str, list[tuple[An
 
 
 def test_update_specs_match_the_wheels_op_handlers(wheel_root):
-    from devgraph.testing.npu_sim._handlers import _NPU_GRAPH_OP_HANDLERS
+    from devgraph_sim.npu._handlers import _NPU_GRAPH_OP_HANDLERS
 
     registered, specs = _wheel_handlers(wheel_root)
     assert registered, f"no register_npu_graph_handler in {HANDLER_DIR}"
     # The simulator registers exactly the wheel's built-in handlers, under the same class names...
-    builtin = {n: h for n, h in _NPU_GRAPH_OP_HANDLERS.items() if h.__module__.startswith("devgraph.testing")}
+    builtin = {n: h for n, h in _NPU_GRAPH_OP_HANDLERS.items() if h.__module__.startswith("devgraph_sim")}
     assert {n: h.__name__ for n, h in builtin.items()} == registered
     # ...with the same UPDATE_SPECS (the host arguments a task update replaces, op by op).
     for op_name, handler in builtin.items():
@@ -364,7 +364,8 @@ def test_every_simulated_top_level_name_exists_in_torch_npu(wheel_root):
         assert name in yaml or name == "_npu_paged_attention", name
     with simulated_torch_npu() as torch_npu:
         public = {n for n in vars(torch_npu) if not n.startswith("__")}
-    assert public == {"npu", "SIMULATOR", "_devgraph_simulated_device_type", *SIMULATED_OPS}
+    # Nothing but torch_npu's own names: no seam for devgraph to read.
+    assert public == {"npu", *SIMULATED_OPS}
 
 
 # -- hardware rules, from the wheel's op documentation ------------------------------------------------

@@ -7,8 +7,8 @@ import torch
 
 import devgraph
 from devgraph import DevgraphError
-from devgraph.testing import simulated_torch_npu
 from devgraph.testing.models import DecoderConfig, KVBlockManager, make_decoder
+from devgraph_sim.npu import simulated_torch_npu
 
 
 @pytest.fixture

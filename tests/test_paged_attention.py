@@ -21,7 +21,7 @@ from devgraph.backends.cuda import _kernels as cuda_kernels
 from devgraph.backends.cuda import _paged_attention as pa
 from devgraph.graph import _capture
 from devgraph.ops import _registry
-from devgraph.testing import simulated_torch_npu
+from devgraph_sim.npu import simulated_torch_npu
 
 HostSyncGuard = _capture._modes()[0]  # the torch function mode devgraph's capture enters
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import devgraph
-from devgraph.testing import simulated_torch_npu
-from devgraph.testing.npu_sim._streams import SimulatedHang
+from devgraph_sim.npu import simulated_torch_npu
+from devgraph_sim.npu._streams import SimulatedHang
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode, torch.enable_grad])

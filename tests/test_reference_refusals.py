@@ -17,7 +17,7 @@ import torch
 
 import devgraph
 from devgraph import CaptureError
-from devgraph.testing import simulated_torch_npu
+from devgraph_sim.npu import simulated_torch_npu
 
 GRAD_MODES = [torch.no_grad, torch.inference_mode, torch.enable_grad]
 

@@ -16,8 +16,10 @@ mode stack to stop recording op by op and, when the call returns, to record it a
 at replay the compiled callable runs again on the capture-time tensors and its results are copied
 into the capture-time outputs. Nothing in torch is patched.
 
-An op recorder takes part by providing ``pause_recording()``, ``resume_recording()`` and
-``record_compiled(fn, args, kwargs, result, name)`` (``devgraph.backends.cpu._recorder.Recorder``).
+An op recorder takes part by providing ``pause_recording()``, ``resume_recording()``,
+``record_compiled(fn, args, kwargs, result, name)`` and ``record_call(fn, args, name)``
+(``devgraph.backends.cpu._recorder.Recorder``). ``record_opaque`` uses the last: what
+``Graph.call_opaque`` runs is recorded whole by an op recorder, and runs as is under stream capture.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 from devgraph._errors import CaptureError
 from devgraph._source import is_user_path, render, skip_dirs
 
-__all__ = ["CompiledRegions", "op_recorders"]
+__all__ = ["CompiledRegions", "op_recorders", "record_opaque"]
 
 logger = logging.getLogger("devgraph")
 
@@ -64,6 +66,19 @@ def op_recorders() -> list[Any]:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return [m for m in _get_current_dispatch_mode_stack() if hasattr(m, "record_compiled")]
+
+
+def record_opaque(fn: Any, args: tuple[Any, ...], name: str) -> Any:
+    """Run ``fn(*args)``; an op recorder on the dispatch mode stack (the innermost) records it as
+    one opaque task, since it cannot see into code that bypasses the dispatcher. Without one (stream
+    capture, or no capture) ``fn`` just runs: the device records whatever it launches."""
+    recorders = op_recorders()
+    if not recorders:
+        return fn(*args)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return recorders[-1].record_call(fn, args, name)
 
 
 def _describe(frame: FrameType) -> str:

@@ -21,6 +21,7 @@ import attrs
 
 from devgraph._errors import DevgraphError
 from devgraph.graph import _capture
+from devgraph.graph._compiled_regions import record_opaque
 from devgraph.graph._opnames import resolve_auto_update_ops
 from devgraph.graph._tasks import TaskGroup, apply_host_args
 
@@ -547,8 +548,9 @@ class Graph(abc.ABC):
         return None
 
     def _call_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
-        """How ``call_opaque`` runs ``fn(*args)`` (default: as is; stream capture records it)."""
-        return fn(*args)
+        """How ``call_opaque`` runs ``fn(*args)`` (default: as is, stream capture records what it
+        launches; under an op recorder, which cannot see into it, as one opaque task)."""
+        return record_opaque(fn, args, name)
 
     def _prepare_task_call(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -9,7 +9,7 @@
 JSON holds the output ids per request, the engine start time and the generation time. Run as a
 script (SGLang starts its scheduler in subprocesses) by ``test_engine.py``, ``test_engine_npu.py`` and
 ``benchmarks/sglang_start.py``, under a timeout. With ``DEVGRAPH_SGLANG_NPU_SIM=1`` every process of
-the engine runs on devgraph.testing's torch_npu simulator (devgraph's NPU backend on CPU tensors).
+the engine runs on devgraph's torch_npu simulator (tests/sim) (devgraph's NPU backend on CPU tensors).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 
 import tiny_model
 
-#: Set to 1 to run every process of the engine on devgraph.testing's torch_npu simulator (see below).
+#: Set to 1 to run every process of the engine on devgraph's torch_npu simulator (tests/sim) (see below).
 NPU_SIM_ENV = "DEVGRAPH_SGLANG_NPU_SIM"
 
 if os.environ.get(NPU_SIM_ENV) == "1":
@@ -36,7 +36,7 @@ if os.environ.get(NPU_SIM_ENV) == "1":
     # exit (a process SGLang ends normally): its queued device work must finish (a hang raises).
     import atexit
 
-    from devgraph.testing import simulated_torch_npu
+    from devgraph_sim.npu import simulated_torch_npu
 
     _NPU_SIM = simulated_torch_npu()
     _NPU_SIM.__enter__()

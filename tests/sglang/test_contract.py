@@ -157,14 +157,14 @@ def test_selected_platform_is_out_of_tree_with_devgraph_runner_and_backend(monke
 
 
 def test_npu_backend_on_cpu_tensors_gets_the_cpu_platform_with_npu_graphs_and_sglangs_npu_runner(monkeypatch):
-    # devgraph.testing's torch_npu simulator: devgraph's NPU backend, tensors on torch's cpu. SGLang
+    # devgraph's torch_npu simulator (tests/sim): devgraph's NPU backend, tensors on torch's cpu. SGLang
     # must run on "cpu" (there is no torch.npu), capturing NpuGraphs with SGLang's NPU runner.
     from sglang.srt.platforms import _load_platform_class
 
     from devgraph.adapters.sglang._backend import devgraph_device_for
     from devgraph.adapters.sglang._platform import DevgraphCpuPlatform
     from devgraph.adapters.sglang._runner import DevgraphDecodeGraphRunner, npu_graph_runner_cls
-    from devgraph.testing import simulated_torch_npu
+    from devgraph_sim.npu import simulated_torch_npu
 
     monkeypatch.setenv("SGLANG_PLATFORM", "devgraph")
     monkeypatch.delenv("DEVGRAPH_BACKEND", raising=False)

@@ -1,6 +1,6 @@
 """Level 3 on the torch_npu simulator: a real ``sgl.Engine`` decoding through SGLang's NPU runner path.
 
-Every process of the engine holds devgraph.testing's torch_npu simulator (``engine_run.py`` with
+Every process of the engine holds devgraph's torch_npu simulator (tests/sim) (``engine_run.py`` with
 ``DEVGRAPH_SGLANG_NPU_SIM=1``), so ``devgraph.device()`` is devgraph's NPU backend on CPU tensors.
 SGLang runs on device ``cpu``; the devgraph platform gives it ``DevgraphNPUGraphRunner`` (SGLang's
 ``NPUGraphRunner``, whose replay is ``backend.replay_with_input_update(...)``), the graphs are

@@ -16,8 +16,8 @@ from _fake_engine import AttentionModel, platform_on, step, vllm_config
 
 import devgraph
 from devgraph.backends.npu._device import NpuGraph
-from devgraph.testing import simulated_torch_npu
-from devgraph.testing.npu_sim._streams import SimulatedHang
+from devgraph_sim.npu import simulated_torch_npu
+from devgraph_sim.npu._streams import SimulatedHang
 
 CAPTURED = [5, 9]
 STEPS = [[30, 3], [1, 17], [12, 12], [31, 2], [7, 25]]

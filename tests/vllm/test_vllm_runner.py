@@ -340,7 +340,7 @@ def test_sliding_window_and_soft_cap_use_devgraph_attention_on_cpu_and_are_refus
         _model_attention_limits,
         _refuse_attention_limits,
     )
-    from devgraph.testing import simulated_torch_npu
+    from devgraph_sim.npu import simulated_torch_npu
 
     config = SimpleNamespace(
         model_config=_windowed_soft_capped_model(),

@@ -1,7 +1,7 @@
 """The devgraph SGLang platforms: SGLang's device mixin for the device, devgraph's graph machinery.
 
 ``DevgraphCpuPlatform`` runs SGLang on torch's CPU device with graphs from devgraph's CPU reference
-backend (correctness, not speed), or from its NPU backend on devgraph.testing's torch_npu simulator;
+backend (correctness, not speed), or from its NPU backend on devgraph's torch_npu simulator (tests/sim);
 ``DevgraphNpuPlatform`` runs on Ascend with devgraph's NPU backend. The decode graph runner follows
 the devgraph backend that captures (``_runner.graph_runner_cls``). Both are out-of-tree (``PlatformEnum.OOT``), declare ``graph_capture`` (decode graphs;
 no piecewise: SGLang 0.5.23 has no platform hook for prefill graphs) and default to the ``devgraph``
@@ -60,7 +60,7 @@ class DevgraphCpuPlatform(CpuDeviceMixin, _DevgraphPlatform):
     """SGLang on torch's CPU device, graphs captured by devgraph's CPU reference backend.
 
     Or by devgraph's NPU backend, when that is devgraph's device and its tensors are CPU tensors
-    (devgraph.testing's torch_npu simulator): the decode runner is then ``DevgraphNPUGraphRunner``.
+    (devgraph's torch_npu simulator (tests/sim)): the decode runner is then ``DevgraphNPUGraphRunner``.
     """
 
     _enum = PlatformEnum.OOT

@@ -27,7 +27,7 @@ def activate() -> str | None:
 
     The devgraph backend is ``devgraph.device()``'s choice (``DEVGRAPH_BACKEND`` to force one); the
     platform is the one of the torch device its tensors live on (SGLang's ``device``), so devgraph's
-    NPU backend on devgraph.testing's torch_npu simulator (CPU tensors) gets the ``cpu`` platform,
+    NPU backend on devgraph's torch_npu simulator (tests/sim) (CPU tensors) gets the ``cpu`` platform,
     whose graphs are then NPU graphs (``_backend.devgraph_device_for``).
 
     Raises:

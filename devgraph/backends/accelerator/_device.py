@@ -12,7 +12,7 @@ device type a devgraph op has no kernel and fails when called, it never computes
 
 Every call goes through the ``api`` the device was built with: torch itself (``torch.accelerator``,
 ``torch.Stream``, ``torch.Event``), or a stand-in with the same Python API
-(``devgraph.testing.accelerator_standin``).
+(``devgraph_sim.accelerator``).
 """
 
 from __future__ import annotations

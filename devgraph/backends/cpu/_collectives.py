@@ -117,11 +117,11 @@ _DISPATCH_FILES = tuple(
         ("_ops.py",),
     )
 )
-#: devgraph's own frames (dispatch modes, recorders, the torch_npu simulator) are skipped too;
+#: devgraph's own frames (dispatch modes, recorders) are skipped too, and any dispatch mode's
+#: ``__torch_dispatch__`` (an op recorder outside devgraph: its tests' torch_npu simulator);
 #: devgraph.testing's models are user code
 _DEVGRAPH_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _TESTING_DIR = os.path.join(_DEVGRAPH_DIR, "testing") + os.sep
-_SIMULATOR = os.path.join(_TESTING_DIR, "npu_sim") + os.sep
 _DISTRIBUTED_C10D = os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py")
 
 
@@ -131,10 +131,9 @@ def issued_by_torch_distributed() -> bool:
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        devgraph_own = path.startswith(_DEVGRAPH_DIR) and (
-            not path.startswith(_TESTING_DIR) or path.startswith(_SIMULATOR)
-        )
-        if not (path.startswith(_DISPATCH_FILES) or devgraph_own):
+        devgraph_own = path.startswith(_DEVGRAPH_DIR) and not path.startswith(_TESTING_DIR)
+        in_a_mode = frame.f_code.co_name == "__torch_dispatch__"
+        if not (path.startswith(_DISPATCH_FILES) or devgraph_own or in_a_mode):
             return path == _DISTRIBUTED_C10D
         frame = frame.f_back  # type: ignore[assignment]
     return False

@@ -5,7 +5,7 @@ torch_npu installed without CANN breaks ``import torch`` itself (``libhccl.so`` 
 probe reports that instead of triggering it. In order:
 
 1. ``sys.modules["torch_npu"] is None``: importing torch_npu was disabled on purpose.
-2. A ``torch_npu`` module is already loaded (the real one, or ``devgraph.testing``'s simulator):
+2. A ``torch_npu`` module is already loaded (the real one, or a stand-in such as devgraph's tests'):
    ask it (``torch_npu.npu.is_available()``).
 3. torch_npu is not installed.
 4. torch_npu is installed but ``libhccl.so`` does not load: CANN is missing or not sourced.
@@ -54,11 +54,10 @@ def _ask(torch_npu: ModuleType) -> Probe:
             f"torch_npu {version} is loaded but sees no NPU (check the driver and ASCEND_RT_VISIBLE_DEVICES)",
             version,
         )
-    if getattr(torch_npu, "SIMULATOR", False):
-        return Probe(
-            True, "torch_npu simulator (devgraph.testing; CPU tensors, not a device)", version, count
-        )
-    return Probe(True, f"{count} Ascend NPU(s)", version, count)
+    # Where the module came from, so that a stand-in (devgraph's tests' simulator) says so itself.
+    spec = getattr(torch_npu, "__spec__", None)
+    origin = getattr(spec, "origin", None) or getattr(torch_npu, "__file__", None) or "?"
+    return Probe(True, f"{count} NPU(s) seen by torch_npu {version} ({origin})", version, count)
 
 
 def probe() -> Probe:

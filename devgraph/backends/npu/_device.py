@@ -2,9 +2,9 @@
 
 Every call goes through the ``torch_npu`` module imported when the device is built
 (``torch_npu.npu.X``): never ``torch.npu``, never ``torch.cuda``. Under
-``devgraph.testing.simulated_torch_npu()`` that module is the CPU simulator and this code runs
-unchanged; the one thing it asks the module is where tensors live
-(``torch_npu._devgraph_simulated_device_type``, ``"cpu"`` on the simulator, absent on hardware).
+devgraph's tests (``tests/sim``) that module is a CPU simulator and this code runs unchanged and
+unaware: it has no seam for it. Where tensors live it asks as on hardware, from a stream's
+``device`` (``npu:<index>``; the simulator's streams answer ``cpu``).
 
 Task update (DESIGN.md, graph contract point 3) follows vllm-ascend: each task group waits on its
 own ``ExternalEvent`` captured in front of it; an update re-issues the group's work on a dedicated
@@ -477,17 +477,6 @@ class NpuGraph(Graph):
         _handlers.spec_names(actual, handler)  # refuse a spec that would update the wrong argument
         return actual, tuple(args), kwargs, lambda result: handler.postprocess_result(result, kwargs)
 
-    def _call_opaque(self, fn: Any, args: tuple[Any, ...], name: str) -> Any:
-        """Run ``fn(*args)``; stream capture records what it launches.
-
-        The simulator's graphs record dispatcher calls instead, so they are handed ``fn`` to record
-        as one unit (``NPUGraph._devgraph_call_opaque``, absent on hardware).
-        """
-        record = getattr(self.native, "_devgraph_call_opaque", None)
-        if record is not None and self._state == "capturing":
-            return record(fn, args, name)
-        return fn(*args)
-
 
 def _refuse_nested(what: str) -> None:
     """Task updates cannot nest (one update stream per device, one open update on it)."""
@@ -501,7 +490,7 @@ def _refuse_nested(what: str) -> None:
 
 
 class NpuDevice(Device):
-    """One Ascend NPU, through torch_npu (or the devgraph.testing simulator)."""
+    """One Ascend NPU, through torch_npu."""
 
     name = "npu"
     dispatch_key = "PrivateUse1"
@@ -523,7 +512,8 @@ class NpuDevice(Device):
         )
         self.capture_stream_budget = _stream_budget()
         self.max_capture_sizes = _max_capture_sizes(self._npu, index)
-        self._simulated_type: str | None = getattr(torch_npu, "_devgraph_simulated_device_type", None)
+        #: where this device's tensors live, as torch_npu's streams report it (``npu:<index>``)
+        self._torch_device = torch.device(self._npu.current_stream(index).device)
         self._streams: weakref.WeakValueDictionary[Any, NpuStream] = weakref.WeakValueDictionary()
         self._updates: Any = None
         self._update_lock = threading.Lock()
@@ -534,15 +524,8 @@ class NpuDevice(Device):
         self.default_compile_backend = "eager"
 
     @property
-    def simulated(self) -> bool:
-        """True on the devgraph.testing torch_npu simulator (tensors are CPU tensors)."""
-        return self._simulated_type is not None
-
-    @property
     def torch_device(self) -> torch.device:
-        if self._simulated_type is not None:
-            return torch.device(self._simulated_type)
-        return torch.device("npu", self.index)
+        return self._torch_device
 
     def synchronize(self) -> None:
         self._npu.synchronize(self.index)

@@ -33,7 +33,7 @@ the task points at, freed as soon as a task update returns while the rewritten t
 address. Eager calls convert both.
 
 Every kernel imports ``torch_npu`` when it runs: whatever ``sys.modules`` holds then (the real
-module, or devgraph.testing's simulator).
+module, or a stand-in of it such as devgraph's tests' simulator).
 """
 
 from __future__ import annotations

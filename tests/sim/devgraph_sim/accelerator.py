@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from devgraph.testing.npu_sim import _runtime as _rt
+from devgraph_sim.npu import _runtime as _rt
 
 __all__ = ["CAPTURE_ERROR_MODES", "standin_accelerator"]
 

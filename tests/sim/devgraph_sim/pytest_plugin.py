@@ -1,7 +1,7 @@
-"""pytest fixtures of devgraph.testing.
+"""pytest fixtures of devgraph_sim.
 
-Enable them with ``pytest_plugins = ["devgraph.testing.pytest_plugin"]`` in a top-level
-``conftest.py`` (or ``-p devgraph.testing.pytest_plugin`` on the command line).
+Enable them with ``pytest_plugins = ["devgraph_sim.pytest_plugin"]`` in a top-level
+``conftest.py`` (or ``-p devgraph_sim.pytest_plugin`` on the command line).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def npu_sim() -> Iterator[ModuleType]:
 
     Inside the test ``devgraph.device("npu")`` is the NPU backend on the simulator.
     """
-    from devgraph.testing.npu_sim import simulated_torch_npu
+    from devgraph_sim.npu import simulated_torch_npu
 
     with simulated_torch_npu() as torch_npu:
         yield torch_npu

@@ -13,16 +13,17 @@ signatures (``tests/test_npu_signatures.py`` checks them against the wheel):
   stream, see ``simulated_torch_npu``), ``current_stream``, ``set_stream``,
   ``stream``, ``synchronize``, ``is_available``, ``device_count``, the memory counters,
   ``NPUGraph``, ``graph`` (``auto_dispatch_capture`` included), ``graph_pool_handle`` and the four
-  ``graph_task_*`` functions; see ``devgraph.testing.npu_sim._runtime``.
+  ``graph_task_*`` functions; see ``devgraph_sim.npu._runtime``.
 * ``torch_npu.<op>``: reference kernels of the ops the NPU kernels call, as dispatcher ops with
   torch_npu's schemas, refusing the dtypes/layouts/sizes the hardware refuses; see
-  ``devgraph.testing.npu_sim._ops``.
+  ``devgraph_sim.npu._ops``.
 
 What it is not: a performance model, or a model of anything else in torch_npu. Tensors are CPU
-tensors (``torch_npu._devgraph_simulated_device_type == "cpu"`` is the one seam the NPU backend
-reads), so the block also enters ``devgraph.ops.route(CPU="PrivateUse1")``: devgraph ops called
-on those tensors run their NPU (``PrivateUse1``) kernels. Nothing in ``torch`` is modified; in
-particular there is no ``torch.npu``.
+tensors: a simulated stream's ``device`` is ``cpu``, and devgraph's NPU backend, which asks its
+streams where its tensors live, as on hardware, places them there. The block also enters
+``devgraph.ops.route(CPU="PrivateUse1")``: devgraph ops called on those tensors run their NPU
+(``PrivateUse1``) kernels. The NPU backend has no seam for the simulator: nothing in it knows it
+is simulated. Nothing in ``torch`` is modified; in particular there is no ``torch.npu``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import sys
 import types
 from collections.abc import Iterator
 
-from devgraph.testing.npu_sim import _handlers, _ops, _runtime
+from devgraph_sim.npu import _handlers, _ops, _runtime
 
 __all__ = ["MODULE_NAMES", "SIMULATED_OPS", "simulated_torch_npu"]
 
@@ -51,12 +52,12 @@ SIMULATED_OPS = tuple(sorted({name.split(".")[0] for name in _ops.SCHEMAS}))
 
 _MISSING = object()
 
-logger = logging.getLogger("devgraph.testing.npu_sim")
+logger = logging.getLogger("devgraph_sim.npu")
 
-_DOC = """A CPU *simulator* of torch_npu 2.13.0 (devgraph.testing.npu_sim), not the real thing.
+_DOC = """A CPU *simulator* of torch_npu 2.13.0 (devgraph_sim.npu, from devgraph's tests), not the real thing.
 
 It implements only what devgraph's NPU backend calls, with torch_npu's signatures. Installed in
-sys.modules by devgraph.testing.simulated_torch_npu() for the duration of a with-block.
+sys.modules by devgraph_sim.npu.simulated_torch_npu() for the duration of a with-block.
 """
 
 
@@ -65,7 +66,7 @@ def _build() -> types.ModuleType:
     _ops.define_ops()
     top = types.ModuleType("torch_npu", _DOC)
     npu = types.ModuleType("torch_npu.npu", "Streams, events, graphs and memory of the simulated NPU.")
-    origin = "devgraph.testing.npu_sim"
+    origin = "devgraph_sim.npu"
     top.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None, origin=origin)
     npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu.npu", None, origin=origin)
     names = [n for n in _runtime.__all__ if n not in _runtime.SIMULATOR_ONLY]
@@ -85,9 +86,6 @@ def _build() -> types.ModuleType:
     npu._npugraph_handlers = handlers
     top.__dict__.update(
         __version__="2.13.0",
-        SIMULATOR=True,
-        # The seam devgraph's NPU backend reads: its tensors live on this torch device type.
-        _devgraph_simulated_device_type="cpu",
         npu=npu,
         **{name: _ops.op(name) for name in SIMULATED_OPS},
     )
@@ -99,7 +97,7 @@ def simulated_torch_npu(streams: str = "eager", hang_timeout: float = 2.0) -> It
     """Install the torch_npu simulator in ``sys.modules`` for the block; yield the fake module.
 
     Args:
-        streams: when queued device work runs (``devgraph.testing.npu_sim._streams``):
+        streams: when queued device work runs (``devgraph_sim.npu._streams``):
             ``"eager"`` runs each stream as far as its waits allow as soon as work is queued (CPU
             reads of graph outputs then see finished replays); ``"lazy"`` runs streams only when
             the host synchronises or another stream waits on them, side streams first, so a

@@ -24,7 +24,7 @@ import torch
 
 __all__ = ["NpuGraphOpHandler", "_NPU_GRAPH_OP_HANDLERS", "register_npu_graph_handler"]
 
-logger = logging.getLogger("devgraph.testing.npu_sim")
+logger = logging.getLogger("devgraph_sim.npu")
 
 
 class NpuGraphOpHandler:
@@ -90,7 +90,7 @@ def register_npu_graph_handler(op_names):
 
 
 def _sim_op(name: str) -> Any:
-    from devgraph.testing.npu_sim import _ops
+    from devgraph_sim.npu import _ops
 
     if name.split(".")[0] not in {n.split(".")[0] for n in _ops.SCHEMAS}:
         raise NotImplementedError(f"the torch_npu simulator does not implement {name}")

@@ -3,7 +3,7 @@
 Every public name mirrors ``torch_npu.npu`` 2.13.0 with the same parameters (names, order,
 defaults, keyword-only-ness; ``tests/test_npu_signatures.py`` checks them against the wheel), except
 ``SIMULATOR_ONLY``. Device work is asynchronous: replays, task rewrites and event records/waits are
-queued on their stream and run as ``devgraph.testing.npu_sim._streams`` schedules them (eager or
+queued on their stream and run as ``devgraph_sim.npu._streams`` schedules them (eager or
 lazy mode); host tensor ops run when issued.
 
 Graphs hold the CPU reference backend's ``Tape`` (its ``Recorder``, ``Segment`` and ``BlockPool``),
@@ -61,10 +61,10 @@ from devgraph.backends.cpu._recorder import (
 from devgraph.backends.cpu._rng import is_random
 from devgraph.graph._collectives import is_collective
 from devgraph.graph._weakref import weak_ref_tensor
-from devgraph.testing.npu_sim._handlers import _NPU_GRAPH_OP_HANDLERS
-from devgraph.testing.npu_sim._ops import NAMESPACE as _SIM_NAMESPACE
-from devgraph.testing.npu_sim._ops import check_call
-from devgraph.testing.npu_sim._streams import Call, Scheduler, Work
+from devgraph_sim.npu._handlers import _NPU_GRAPH_OP_HANDLERS
+from devgraph_sim.npu._ops import NAMESPACE as _SIM_NAMESPACE
+from devgraph_sim.npu._ops import check_call
+from devgraph_sim.npu._streams import Call, Scheduler, Work
 
 __all__ = [
     "Event",
@@ -184,6 +184,12 @@ class Stream:
     @property
     def npu_stream(self) -> int:
         return 0x1000 + self.stream_id
+
+    @property
+    def device(self) -> torch.device:
+        """Where this stream's tensors live: on hardware ``npu:<index>``; here ``cpu``, as the
+        simulated NPU's tensors are CPU tensors (devgraph's NPU backend asks this, as on hardware)."""
+        return torch.device("cpu")
 
     def wait_event(self, event):
         event.wait(self)
@@ -852,11 +858,6 @@ class NPUGraph:
         self.graph_dispatch_mode.update_capture_record(cpu_update_input)
 
     # -- simulator internals ---------------------------------------------------------------------
-
-    def _devgraph_call_opaque(self, fn, args, name):
-        """Record ``fn(*args)`` as one step (the recorder cannot see inside code that bypasses the
-        dispatcher, such as inductor's CPU kernels); devgraph's NpuGraph.call_opaque calls this."""
-        return self._tape.record_opaque(fn, args, name)
 
     def _abandon(self) -> None:
         self._tape.abandon()
