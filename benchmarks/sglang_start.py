@@ -1,6 +1,6 @@
 """SGLang engine start time on CPU with devgraph's decode graphs against the same engine without.
 
-Runs ``tests/sglang/engine_run.py`` (a real ``sgl.Engine``, ``SGLANG_PLATFORM=devgraph``, a tiny model
+Runs ``tests/adapters/sglang/engine_run.py`` (a real ``sgl.Engine``, ``SGLANG_PLATFORM=devgraph``, a tiny model
 built locally with dummy weights) once per mode and model, each in its own process, and reads the
 seconds ``sgl.Engine(...)`` took to return: process start and imports, model load, KV pool, and with
 graphs the capture of every decode size (SGLang's default sizes for ``--max-running-requests``; 1..16

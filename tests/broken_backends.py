@@ -1,7 +1,7 @@
 """Deliberately broken backends: each breaks exactly one property of the graph contract.
 
 Every class here is the CPU reference backend with one thing done wrong, the way a plausible
-backend would get it wrong. ``tests/test_conformance_broken.py`` runs the conformance suite against
+backend would get it wrong. ``tests/testing/test_conformance_broken.py`` runs the conformance suite against
 each one and asserts that the check named for that property fails it -- proof that the check can
 catch the bug. ``CorrectDevice`` is the harness itself with nothing broken: it must pass every check.
 

@@ -18,7 +18,7 @@ or all at once with ``run(device)`` (the names of the checks that passed; raises
 failure) or ``failures(device)`` (``{check name: error}`` of every check that failed).
 
 Every check is proven: ``tests/broken_backends.py`` holds backends that each break one property,
-and ``tests/test_conformance_broken.py`` asserts the suite fails each of them with that check.
+and ``tests/testing/test_conformance_broken.py`` asserts the suite fails each of them with that check.
 
 What a check can and cannot see: the CPU reference backend and the torch_npu simulator run work
 synchronously, so stream ordering holds trivially there (see ``check_event_orders_streams``).

@@ -24,7 +24,7 @@ Random ops (those that draw from a generator) get a pass of their own. OpInfo ca
 (eager restarts the stream at every call, a replay would continue it). Called plainly, seeded
 before the replay and before eager alike, a replay must equal eager.
 
-``python tests/test_opinfo_differential.py`` runs every case and writes ``tests/opinfo_counts.json``
+``python tests/ops/test_opinfo_differential.py`` runs every case and writes ``tests/ops/opinfo_counts.json``
 (the numbers the README quotes); the tests below fail on any hazard.
 """
 

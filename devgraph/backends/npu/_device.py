@@ -13,7 +13,7 @@ updated since the last replay has its event recorded just before the next replay
 never hangs: it replays with the arguments it last had (stale, as on the CPU reference backend).
 ``replay(host_args)`` overlaps the updates with the replay by default (``NpuDevice.update_order``;
 see ``NpuGraph.replay``). The ordering steps are small methods of ``NpuGraph``
-(``_fence_update_stream``, ``_release_updated``, ``_release_stale``): tests/test_npu_async.py
+(``_fence_update_stream``, ``_release_updated``, ``_release_stale``): tests/backends/npu/test_npu_async.py
 removes each in turn on the asynchronous simulator and watches a test fail.
 """
 
@@ -252,7 +252,7 @@ class NpuGraph(Graph):
         self._scratch = {}  # the workspaces pointed into this graph's pool: free them with it
         self._poisoned = None
 
-    # -- the ordering steps of task update (tests/test_npu_async.py removes each in turn) ---------
+    # -- the ordering steps of task update (tests/backends/npu/test_npu_async.py removes each in turn) ---------
 
     def _fence_update_stream(self, update_stream: Any) -> None:
         """The update stream waits for the work queued so far on the current stream: an earlier

@@ -11,7 +11,7 @@ on the NPU device, captured and re-issued the way torch_npu's own ``auto_dispatc
 
 The registry keys its specs by torch_npu's names for the host arguments; devgraph's backend-neutral
 update API (``Graph.update({name: value})``) names arguments by the op's schema. The two agree for
-every handler of the 2.13.0 wheel (``tests/test_npu_signatures.py`` checks each spec against the
+every handler of the 2.13.0 wheel (``tests/backends/npu/test_npu_signatures.py`` checks each spec against the
 schema); ``spec_names`` refuses a handler whose spec disagrees instead of updating the wrong slot.
 
 An older torch_npu without the registry leaves devgraph's own updatable op only.

@@ -94,6 +94,6 @@ def test_general_plugin_entry_point_is_declared():
 
     import tomllib
 
-    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())["project"]
     general = project["entry-points"]["vllm.general_plugins"]
     assert general["devgraph"] == "devgraph.adapters.vllm._plugin:load_general_plugins"

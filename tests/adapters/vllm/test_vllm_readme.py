@@ -8,7 +8,7 @@ from pathlib import Path
 
 from _engine import engine_env, run_python
 
-PAGE = Path(__file__).parents[2] / "docs" / "vllm.md"
+PAGE = Path(__file__).parents[3] / "docs" / "vllm.md"
 
 
 def _recipe() -> str:

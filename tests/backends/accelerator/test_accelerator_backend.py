@@ -168,7 +168,7 @@ def test_task_update_is_refused_not_ignored(acc):
 def test_registered_through_the_entry_point_group_in_pyproject():
     import tomllib
 
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+    pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text(encoding="utf-8"))
     assert pyproject["project"]["entry-points"]["devgraph"]["accelerator"] == "devgraph.backends.accelerator"
 
 

@@ -88,7 +88,7 @@ def test_npu_device_inside_the_simulator(npu):
     assert npu.dispatch_key == "PrivateUse1"
     assert npu.torch_device == torch.device("cpu")
     assert npu.capture_stream_budget == npu_device.NPU_HARDWARE_STREAMS == 2048
-    # devgraph's op, then those of torch_npu's handler registry (tests/test_npu_handlers.py)
+    # devgraph's op, then those of torch_npu's handler registry (tests/backends/npu/test_npu_handlers.py)
     assert npu.updatable_ops[0] == OP and IFA in npu.updatable_ops
     row = {b.name: b for b in devgraph.list_backends()}["npu"]
     # The probe says where torch_npu came from: the simulator names itself, with no seam.

@@ -9,7 +9,7 @@ tested against this stand-in: objects with exactly the Python signatures torch 2
 ``with graph:``; ``torch.Stream(device=None, *, priority=0)``; ``torch.Event(device=None, *,
 enable_timing=False, blocking=False, interprocess=False)``; ``torch.accelerator.current_accelerator``,
 ``current_stream``, ``set_stream``, ``synchronize``, ``device_count`` and the memory counters), checked
-against torch by ``tests/test_accelerator_backend.py``.
+against torch by ``tests/backends/accelerator/test_accelerator_backend.py``.
 
 Underneath runs the torch_npu simulator's device model (``_runtime``: asynchronous streams,
 stream capture recording dispatcher calls into a graph pool, replays on the same memory), on CPU

@@ -7,7 +7,7 @@
 are forgotten, on entry too, so a device never outlives the module it was built on.
 
 What it is: a CPU model of the subset of torch_npu 2.13.0 that devgraph calls, with the real
-signatures (``tests/test_npu_signatures.py`` checks them against the wheel):
+signatures (``tests/backends/npu/test_npu_signatures.py`` checks them against the wheel):
 
 * ``torch_npu.npu``: ``Stream``, ``Event``, ``ExternalEvent`` (asynchronous: work is queued per
   stream, see ``simulated_torch_npu``), ``current_stream``, ``set_stream``,

@@ -9,7 +9,7 @@ capture) and devgraph's NPU backend both read this registry.
 
 The registry, the base class and the built-in handlers mirror the wheel's sources
 (``torch_npu/npu/_npugraph_handlers/{npugraph_handler,ifa_handler,simple_handler,_fa3_graph_handler}.py``);
-``tests/test_npu_signatures.py`` checks the registered names and every ``UPDATE_SPECS`` against the
+``tests/backends/npu/test_npu_signatures.py`` checks the registered names and every ``UPDATE_SPECS`` against the
 wheel. Handlers whose ops the simulator does not implement (IFA v2, FA v3, MLA) are registered with
 their specs; their ``prepare_capture`` raises ``NotImplementedError`` naming the op.
 """

@@ -2,7 +2,7 @@
 
 Each op is a real dispatcher op defined with ``torch.library`` under the private namespace
 ``devgraph_npu_sim`` with the schema torch_npu 2.13.0 registers (copied from ``libtorch_npu.so``
-and ``npu_native_functions_by_codegen.yaml``; ``tests/test_npu_signatures.py`` checks them against
+and ``npu_native_functions_by_codegen.yaml``; ``tests/backends/npu/test_npu_signatures.py`` checks them against
 the wheel). Being dispatcher ops matters: graph capture and torch_npu's ``auto_dispatch_capture``
 mode see them as one call each, under the same ``func.__name__`` (``"npu_rms_norm.default"``) as
 on hardware. The namespace is private (not ``npu``) so a real torch_npu loaded later in the same

@@ -1,7 +1,7 @@
 """The runtime half of the torch_npu simulator: streams, events, graphs, task groups, memory.
 
 Every public name mirrors ``torch_npu.npu`` 2.13.0 with the same parameters (names, order,
-defaults, keyword-only-ness; ``tests/test_npu_signatures.py`` checks them against the wheel), except
+defaults, keyword-only-ness; ``tests/backends/npu/test_npu_signatures.py`` checks them against the wheel), except
 ``SIMULATOR_ONLY``. Device work is asynchronous: replays, task rewrites and event records/waits are
 queued on their stream and run as ``devgraph_sim.npu._streams`` schedules them (eager or
 lazy mode); host tensor ops run when issued.
