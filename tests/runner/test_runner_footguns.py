@@ -62,7 +62,8 @@ def test_module_methods_return_the_wrapper(method):
 def test_eval_after_capture_in_train_mode_captures_again_and_equals_eager():
     model = Scaled().train()
     graphed = devgraph.wrap(model, device="cpu", batch_sizes=[2])
-    graphed(*_inputs())  # captured with dropout on
+    with pytest.warns(UserWarning, match="training mode"):
+        graphed(*_inputs())  # captured with dropout on
     graphed.eval()  # on the wrapper, as on the model
     x, slot = _inputs(seed=1)
     torch.testing.assert_close(graphed(x, slot), model(x, slot))
