@@ -1,10 +1,10 @@
-"""The devgraph ``torch.compile`` backend and the one-shot trace the piecewise runner does with it.
+"""devgraph's compiler for ``torch.compile`` and the one-shot trace the piecewise runner does with it.
 
-``DevgraphBackend`` is a Dynamo backend. It lowers Dynamo's graph to aten ops (``make_fx`` over
+``DevgraphCompiler`` is a Dynamo backend (torch's word; in devgraph a backend is a device plugin). It lowers Dynamo's graph to aten ops (``make_fx`` over
 Dynamo's fake inputs, *without* functionalization, so in-place ops stay where the model put them),
 binds host-list arguments to run-time values, runs the ``PassManager``, cuts the graph at the
-splitting ops, compiles every piece with the chosen compile backend and returns a
-``PiecewiseModule``. Used directly (``torch.compile(model, backend=DevgraphBackend(...))``) it
+splitting ops, compiles every piece with the chosen compiler (``compile_backend``) and returns a
+``PiecewiseModule``. Used directly (``torch.compile(model, backend=DevgraphCompiler(...))``) it
 gives split, fused, compiled pieces without graph capture.
 
 ``trace_call`` is how the piecewise runner uses it: one trace with the token dimension marked
@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph._plugins import device as _device
-from devgraph.compile._backends import CompiledPiece, compile_piece
+from devgraph.compile._compilers import CompiledPiece, compile_piece
 from devgraph.compile._config import CompileConfig
 from devgraph.compile._guards import check_token_guards, symbolic_sizes
 from devgraph.compile._ops import SYM_OPS, bind_host_args, is_host_arg_node, keep_composite_ops_whole
@@ -34,14 +34,14 @@ from devgraph.compile._pieces import PiecewiseModule
 from devgraph.compile._split import SplitGraph, split_graph
 from devgraph.graph._contract import Device
 
-__all__ = ["CompiledGraph", "DevgraphBackend", "Traced", "lower_to_aten", "trace_call"]
+__all__ = ["CompiledGraph", "DevgraphCompiler", "Traced", "lower_to_aten", "trace_call"]
 
 logger = logging.getLogger("devgraph.compile")
 
 
 @attrs.frozen
 class CompiledGraph:
-    """What ``DevgraphBackend`` built from one Dynamo graph.
+    """What ``DevgraphCompiler`` built from one Dynamo graph.
 
     Attributes:
         module: the split, compiled model (see ``PiecewiseModule``).
@@ -52,7 +52,7 @@ class CompiledGraph:
         fake_inputs: fake (symbolic) values of the tensor placeholders.
         fake_outputs: fake values of the graph's outputs.
         pass_counts: matches each pass rewrote, by pass name.
-        compile_seconds: time spent in the backend.
+        compile_seconds: time spent in the compiler.
     """
 
     module: PiecewiseModule
@@ -137,11 +137,12 @@ def _propagate(gm: torch.nn.Module, fakes: Sequence[Any], fake_mode: Any) -> dic
     return seen
 
 
-class DevgraphBackend:
-    """A ``torch.compile`` backend: aten lowering, passes, split at splitting ops, per-piece compile.
+class DevgraphCompiler:
+    """devgraph's compiler, a ``torch.compile`` backend: aten lowering, passes, split at splitting ops,
+    per-piece compile.
 
     Args:
-        device: the devgraph device (pass contexts, default compile backend); None: the best one.
+        device: the devgraph device (pass contexts, default compiler); None: the best one.
         config: a ``CompileConfig``.
         host_args: op argument names fed from run-time host lists (``host_arg``) instead of the
             traced values; ``host`` holds the values used when Dynamo runs the result.
@@ -184,7 +185,7 @@ class DevgraphBackend:
         splitting = config.all_splitting_ops()
         keep_composite_ops_whole(gm, splitting)
         fake_mode = torch._guards.TracingContext.get().fake_mode
-        assert fake_mode is not None, "DevgraphBackend runs inside Dynamo's compile"
+        assert fake_mode is not None, "DevgraphCompiler runs inside Dynamo's compile"
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         fakes = [
             fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else n.meta.get("example_value", x)
@@ -194,8 +195,8 @@ class DevgraphBackend:
         dropped = _replace_symint_placeholders(aten, fakes)
         _drop_dead_shape_nodes(aten)
         bind_host_args(aten, self.host_args)
-        backend = config.backend_for(device)
-        context = PassContext(device=device, compile_backend=backend, splitting_ops=splitting)
+        compiler = config.compiler_for(device)
+        context = PassContext(device=device, compile_backend=compiler, splitting_ops=splitting)
         manager = PassManager(resolve_passes(config.passes, device), context)
         counts = manager(aten.graph)
         aten.graph.lint()
@@ -208,7 +209,7 @@ class DevgraphBackend:
         for piece in split.pieces:
             if piece.is_splitting_op:
                 continue
-            chosen = backend if piece.does_work else "eager"
+            chosen = compiler if piece.does_work else "eager"
             if chosen != "eager":
                 _check_compilable(piece.name, piece.graph_module)
             compiled[piece.name] = compile_piece(
@@ -227,7 +228,7 @@ class DevgraphBackend:
             len(split.captured),
             sum(p.is_splitting_op for p in split.pieces),
             ", ".join(splitting),
-            backend,
+            compiler,
             seconds,
             ", ".join(f"{k} {v}" for k, v in counts.items()) or "none",
         )
@@ -313,7 +314,7 @@ class Traced:
     """A model traced once and compiled piecewise, with how to call it directly.
 
     Attributes:
-        compiled: the backend's result.
+        compiled: the compiler's result.
         inputs: per graph input, ``("arg", name)`` (a call argument) or ``("fixed", tensor)``
             (a weight or buffer the graph reads).
         outputs: per output leaf of the model, ``("out", index into the module's outputs)`` or
@@ -347,11 +348,11 @@ def trace_call(
     invoke: Callable[[dict[str, torch.Tensor], bool], Any],
     tensors: dict[str, torch.Tensor],
     dynamic: Mapping[str, int],
-    backend: DevgraphBackend,
+    compiler: DevgraphCompiler,
     host: Mapping[str, Any],
     run_sizes: Sequence[int] | None = None,
 ) -> Traced:
-    """Trace ``invoke(tensors, traced)`` once with Dynamo and ``backend``; return how to call it directly.
+    """Trace ``invoke(tensors, traced)`` once with Dynamo and ``compiler``; return how to call it directly.
 
     ``invoke(tensors, traced)`` calls the model; with ``traced`` it must pass empty host lists.
     ``dynamic`` maps argument names to their token dimension. ``host`` (op argument -> list) is
@@ -370,8 +371,8 @@ def trace_call(
     args = [tensors[n] for n in names]
     for name, dim in dynamic.items():
         torch._dynamo.mark_dynamic(tensors[name], dim)
-    backend.host = host
-    compiled_fn = torch.compile(_fresh_function(call), backend=backend, fullgraph=True, dynamic=False)
+    compiler.host = host
+    compiled_fn = torch.compile(_fresh_function(call), backend=compiler, fullgraph=True, dynamic=False)
     try:
         with torch.no_grad(), symbolic_sizes():
             leaves = compiled_fn(*args)
@@ -392,11 +393,11 @@ def trace_call(
             "symbolic (no Python branching on it). Use mode='full', or see TORCH_LOGS=graph_breaks,dynamic"
         ) from exc
     finally:
-        backend.host = None
-    if not backend.compiled:
-        raise DevgraphError("Dynamo did not call the devgraph backend (was the model already compiled?)")
-    result = backend.compiled[-1]
-    module_outputs = _flat(backend.last_outputs)
+        compiler.host = None
+    if not compiler.compiled:
+        raise DevgraphError("Dynamo did not call devgraph's compiler (was the model already compiled?)")
+    result = compiler.compiled[-1]
+    module_outputs = _flat(compiler.last_outputs)
     outputs = []
     for leaf, ref in zip(leaves, ref_leaves):
         if isinstance(leaf, torch.Tensor):
