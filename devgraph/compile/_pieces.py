@@ -62,7 +62,7 @@ class _State:
     debug: bool = False  # replay checks every input's address, not only those that may move
     pool: MemoryPool | None = None
     stream: Stream | None = None
-    host: Mapping[str, Any] | None = None
+    host: Mapping[str, Sequence[Any]] | None = None  # op argument -> this call's host list
     # Storages of the current capture pass: the module's inputs (stable), and the outputs the pieces'
     # captures allocated (owned by the pool).
     stable_storages: set[int] = attrs.field(factory=set)
@@ -349,7 +349,7 @@ class PiecewiseModule:
         return [g.entries[size].graph for g in self.piece_graphs if size in g.entries]
 
     def _run(
-        self, inputs: Sequence[Any], phase: str, size: int | None, host: Mapping[str, Any] | None
+        self, inputs: Sequence[Any], phase: str, size: int | None, host: Mapping[str, Sequence[Any]] | None
     ) -> Any:
         state = self.state
         state.phase, state.size, state.host = phase, size, host
@@ -360,7 +360,7 @@ class PiecewiseModule:
             state.phase, state.size, state.host = "eager", None, None
             state.pool_storages, state.stable_storages, state.piece_outputs = set(), set(), {}
 
-    def __call__(self, *inputs: Any, host: Mapping[str, Any] | None = None) -> Any:
+    def __call__(self, *inputs: Any, host: Mapping[str, Sequence[Any]] | None = None) -> Any:
         return self._run(inputs, "eager", None, host)
 
     def capture(
@@ -369,7 +369,7 @@ class PiecewiseModule:
         size: int,
         pool: MemoryPool,
         stream: Stream,
-        host: Mapping[str, Any] | None,
+        host: Mapping[str, Sequence[Any]] | None,
     ) -> Any:
         """Capture every piece for ``size`` (inputs already padded to it) into ``pool`` on ``stream``."""
         self.state.pool, self.state.stream = pool, stream
@@ -381,7 +381,12 @@ class PiecewiseModule:
             self.state.pool, self.state.stream = None, None
 
     def replay(
-        self, inputs: Sequence[Any], size: int, host: Mapping[str, Any] | None, *, debug: bool = False
+        self,
+        inputs: Sequence[Any],
+        size: int,
+        host: Mapping[str, Sequence[Any]] | None,
+        *,
+        debug: bool = False,
     ) -> Any:
         """Replay the graphs of ``size``, running the splitting ops eagerly in between; ``debug``:
         check the address of every piece input, the module's own inputs included."""

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import attrs
 import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import TreeSpec, tree_flatten
 
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph._plugins import device as _device
@@ -34,7 +35,15 @@ from devgraph.compile._pieces import PiecewiseModule
 from devgraph.compile._split import SplitGraph, split_graph
 from devgraph.graph._contract import Device
 
-__all__ = ["CompiledGraph", "DevgraphCompiler", "Traced", "lower_to_aten", "trace_call"]
+__all__ = [
+    "CompiledGraph",
+    "DevgraphCompiler",
+    "InputSlot",
+    "OutputSlot",
+    "Traced",
+    "lower_to_aten",
+    "trace_call",
+]
 
 logger = logging.getLogger("devgraph.compile")
 
@@ -58,15 +67,17 @@ class CompiledGraph:
     module: PiecewiseModule
     graph: fx.GraphModule
     split: SplitGraph
-    example_inputs: tuple[Any, ...]
+    example_inputs: tuple[torch.Tensor, ...]
     symint_positions: tuple[int, ...]
-    fake_inputs: tuple[Any, ...]
+    fake_inputs: tuple[torch.Tensor, ...]
     fake_outputs: tuple[Any, ...]
     pass_counts: dict[str, int]
     compile_seconds: float
 
 
-def lower_to_aten(gm: fx.GraphModule, fake_inputs: Sequence[Any], fake_mode: Any) -> fx.GraphModule:
+def lower_to_aten(
+    gm: fx.GraphModule, fake_inputs: Sequence[Any], fake_mode: FakeTensorMode
+) -> fx.GraphModule:
     """``gm`` retraced to aten ops over ``fake_inputs`` (symbolic sizes kept), not functionalized."""
     from torch._dispatch.python import enable_python_dispatcher
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -116,7 +127,9 @@ def _drop_dead_shape_nodes(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
 
 
-def _propagate(gm: torch.nn.Module, fakes: Sequence[Any], fake_mode: Any) -> dict[str, tuple[Any, ...]]:
+def _propagate(
+    gm: torch.nn.Module, fakes: Sequence[Any], fake_mode: FakeTensorMode
+) -> dict[str, tuple[Any, ...]]:
     """Run ``gm`` on fakes: refresh ``meta['val']`` and return each submodule's fake inputs."""
     from torch._dispatch.python import enable_python_dispatcher
 
@@ -128,7 +141,7 @@ def _propagate(gm: torch.nn.Module, fakes: Sequence[Any], fake_mode: Any) -> dic
             n.meta["val"] = result
             return result
 
-        def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        def call_module(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             seen[target] = tuple(args)
             return super().call_module(target, args, kwargs)
 
@@ -157,9 +170,9 @@ class DevgraphCompiler:
         self.config = config or CompileConfig()
         self.config.check_device(device)
         self.host_args = tuple(host_args)
-        self.host: Mapping[str, Any] | None = None
+        self.host: Mapping[str, Sequence[Any]] | None = None  # op argument -> host list
         self.compiled: list[CompiledGraph] = []
-        self.last_outputs: Any = None
+        self.last_outputs: Any = None  # the module's outputs of the last run through Dynamo
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         result = self.compile(gm, example_inputs)
@@ -308,6 +321,11 @@ def _check_compilable(name: str, gm: fx.GraphModule) -> None:
 
 # -- the runner's trace ------------------------------------------------------------------------
 
+#: Per graph input: ``("arg", name)`` (a call argument) or ``("fixed", tensor)`` (a weight or buffer).
+InputSlot = tuple[Literal["arg"], str] | tuple[Literal["fixed"], torch.Tensor]
+#: Per output leaf of the model: ``("out", index into the module's outputs)`` or ``("const", value)``.
+OutputSlot = tuple[Literal["out"], int] | tuple[Literal["const"], Any]
+
 
 @attrs.frozen
 class Traced:
@@ -324,9 +342,9 @@ class Traced:
     """
 
     compiled: CompiledGraph
-    inputs: tuple[tuple[str, Any], ...]
-    outputs: tuple[tuple[str, Any], ...]
-    spec: Any
+    inputs: tuple[InputSlot, ...]
+    outputs: tuple[OutputSlot, ...]
+    spec: TreeSpec
     batch_dims: tuple[tuple[int, ...], ...]
 
 
@@ -349,7 +367,7 @@ def trace_call(
     tensors: dict[str, torch.Tensor],
     dynamic: Mapping[str, int],
     compiler: DevgraphCompiler,
-    host: Mapping[str, Any],
+    host: Mapping[str, Sequence[Any]],
     run_sizes: Sequence[int] | None = None,
 ) -> Traced:
     """Trace ``invoke(tensors, traced)`` once with Dynamo and ``compiler``; return how to call it directly.
@@ -398,7 +416,7 @@ def trace_call(
         raise DevgraphError("Dynamo did not call devgraph's compiler (was the model already compiled?)")
     result = compiler.compiled[-1]
     module_outputs = _flat(compiler.last_outputs)
-    outputs = []
+    outputs: list[OutputSlot] = []
     for leaf, ref in zip(leaves, ref_leaves):
         if isinstance(leaf, torch.Tensor):
             index = next((k for k, o in enumerate(module_outputs) if o is leaf), None)
@@ -410,15 +428,15 @@ def trace_call(
             outputs.append(("out", index))
         else:
             outputs.append(("const", ref))
-    inputs: list[tuple[str, Any]] = []
+    inputs: list[InputSlot] = []
     for example in result.example_inputs:
         arg_name = next((n for n, t in zip(names, args) if t is example), None)
         inputs.append(("arg", arg_name) if arg_name is not None else ("fixed", example))
-    symbols = {
-        tensors_fake.shape[dynamic[n]].node.expr
-        for n, tensors_fake in _fakes_by_name(result, inputs).items()
-        if n in dynamic and isinstance(tensors_fake.shape[dynamic[n]], torch.SymInt)
-    }
+    symbols = set()
+    for n, fake in _fakes_by_name(result, inputs).items():
+        token_dim: object = fake.shape[dynamic[n]] if n in dynamic else None  # a SymInt if dynamic
+        if isinstance(token_dim, torch.SymInt):
+            symbols.add(token_dim.node.expr)
     _check_guards(result, symbols, run_sizes)
     batch_dims = tuple(
         tuple(
@@ -434,7 +452,9 @@ def trace_call(
 
 def _check_guards(result: CompiledGraph, symbols: set[Any], run_sizes: Sequence[int] | None) -> None:
     """Refuse a trace that holds for some of the token counts it runs at only (``check_token_guards``)."""
-    sym = next((s for f in result.fake_inputs for s in f.shape if isinstance(s, torch.SymInt)), None)
+    # A fake tensor's sizes are SymInts where symbolic (torch types them int).
+    sizes: Iterator[object] = (s for f in result.fake_inputs for s in f.shape)
+    sym = next((s for s in sizes if isinstance(s, torch.SymInt)), None)
     if sym is not None:
         check_token_guards(sym.node.shape_env, symbols, run_sizes)
 
@@ -459,5 +479,5 @@ def _check_output_shapes(fakes: Sequence[Any], symbols: set[Any]) -> None:
                 )
 
 
-def _fakes_by_name(result: CompiledGraph, inputs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+def _fakes_by_name(result: CompiledGraph, inputs: Sequence[InputSlot]) -> dict[str, torch.Tensor]:
     return {slot[1]: fake for slot, fake in zip(inputs, result.fake_inputs) if slot[0] == "arg"}

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_unflatten
 
 from devgraph._errors import DevgraphError
 from devgraph.compile._config import CompileConfig
+from devgraph.compile._pieces import PiecewiseModule
 from devgraph.compile._planner import CapturePlan, plan_capture_sizes
 from devgraph.compile._trace import DevgraphCompiler, Traced, trace_call
 from devgraph.graph._contract import Device, MemoryPool, Stream
@@ -136,12 +137,12 @@ class PiecewiseRunner:
             shared.users.append(self)
         self.plan: CapturePlan | None = None
         self._traced: Traced | None = None
-        self._replay_inputs: dict[int, list[Any]] = {}
+        self._replay_inputs: dict[int, list[torch.Tensor]] = {}
 
     # -- public --------------------------------------------------------------------------------
 
     @property
-    def module(self) -> Any:
+    def module(self) -> PiecewiseModule | None:
         """The ``PiecewiseModule`` (None before the first call or ``capture``)."""
         return self._traced.compiled.module if self._traced else None
 
@@ -412,18 +413,20 @@ class PiecewiseRunner:
             max_sizes=getattr(self.device, "max_capture_sizes", None),
         )
 
-    def _piece_inputs(self, call: Call, size: int | None) -> list[Any]:
+    def _piece_inputs(self, call: Call, size: int | None) -> list[torch.Tensor]:
         assert self._traced is not None
         inputs = []
-        for kind, value in self._traced.inputs:
-            if kind == "fixed":
-                inputs.append(value)
-            elif value in call.static:
-                inputs.append(call.static[value])
+        for slot in self._traced.inputs:
+            if slot[0] == "fixed":
+                inputs.append(slot[1])
+                continue
+            name = slot[1]
+            if name in call.static:
+                inputs.append(call.static[name])
             elif size is None:
-                inputs.append(call.batched[value])
+                inputs.append(call.batched[name])
             else:
-                inputs.append(self.inputs.buffers[value].narrow(self.config.batch_dim(value), 0, size))
+                inputs.append(self.inputs.buffers[name].narrow(self.config.batch_dim(name), 0, size))
         return inputs
 
     # -- serve ---------------------------------------------------------------------------------
@@ -461,13 +464,14 @@ class PiecewiseRunner:
                     t = t[:batch] if d == 0 else t.narrow(d, 0, batch)
             return t.clone() if self.config.clone_outputs else t
         leaves = []
-        for kind, value in traced.outputs:
-            if kind == "const":
-                leaves.append(value)
+        for slot in traced.outputs:
+            if slot[0] == "const":
+                leaves.append(slot[1])
                 continue
-            t = outputs[value]
+            index = slot[1]
+            t = outputs[index]
             if size != batch:
-                for d in traced.batch_dims[value]:
+                for d in traced.batch_dims[index]:
                     t = t.narrow(d, 0, batch)
             leaves.append(t.clone() if self.config.clone_outputs else t)
         return tree_unflatten(leaves, traced.spec)
