@@ -211,7 +211,7 @@ def piecewise_cases(
     graphed = devgraph.wrap(model, device=dev, mode="piecewise", capture_sizes=sizes, compile_backend="eager")
     graphed.capture(**decode_batch(config, dev.torch_device, 1))
     module = graphed.runner.module
-    stub_replay(e.graph for r in module.runners for e in r.entries.values())
+    stub_replay(e.graph for r in module.piece_graphs for e in r.entries.values())
     step = {rows: decode_batch(config, dev.torch_device, rows) for rows in batches}
     with torch.no_grad():
         stub_splitting_ops(
@@ -233,7 +233,7 @@ def _piecewise_case(
 
     # The vLLM-style loop over the same split module: captured pieces swapped for _VllmPiece, the
     # same (stubbed) splitting ops and view-only pieces in between.
-    ours_pieces = {r.piece.name: r for r in module.runners if r.entries}
+    ours_pieces = {r.piece.name: r for r in module.piece_graphs if r.entries}
     theirs_pieces = {name: _VllmPiece(r.entries, module.state) for name, r in ours_pieces.items()}
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     buffers = runner.inputs.buffers

@@ -2,24 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from devgraph._errors import DevgraphError
 from devgraph._plugins import device as _device
 from devgraph.graph._contract import Device
 from devgraph.graph._graphed import GraphedModule
 
+if TYPE_CHECKING:  # torch is imported when first needed: ``import devgraph`` stays cheap
+    import torch
+
 __all__ = ["wrap"]
 
 
-def _is_hf_model(model: Any) -> bool:
+def _is_hf_model(model: object) -> bool:
     return any(
         c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
         for c in type(model).__mro__
     )
 
 
-def _argument_names(model: Any) -> list[str] | None:
+def _argument_names(model: Callable[..., Any]) -> list[str] | None:
     """The argument names of ``model``'s calls (None: unknown, or open-ended ``*args``/``**kwargs``)."""
     from devgraph.runner._calls import signature_of
 
@@ -32,7 +36,9 @@ def _argument_names(model: Any) -> list[str] | None:
     return [p.name for p in params]
 
 
-def wrap(model: Any, device: str | Device | Any | None = None, **options: Any) -> Any:
+def wrap(
+    model: Callable[..., Any], device: str | Device | torch.device | None = None, **options: Any
+) -> GraphedModule:
     """Serve ``model``'s calls from graphs captured per batch-size bucket on ``device``.
 
     Args:
@@ -58,7 +64,7 @@ def wrap(model: Any, device: str | Device | Any | None = None, **options: Any) -
 
         return wrap_hf(model, dev, **options)
     from devgraph.compile import compile_option_names
-    from devgraph.runner import GraphRunner, RunnerConfig, make_config
+    from devgraph.runner import GraphRunner, RunnerConfig, make_config, piecewise_runner
 
     defaults = model.devgraph_options() if hasattr(model, "devgraph_options") else {}
     merged = {**defaults, **options}
@@ -66,8 +72,6 @@ def wrap(model: Any, device: str | Device | Any | None = None, **options: Any) -
     compile_options = {k: merged.pop(k) for k in list(merged) if k in compile_names}
     config = make_config(RunnerConfig, merged, extra_valid=compile_names, arguments=_argument_names(model))
     if config.mode != "full":
-        from devgraph.runner._piecewise import piecewise_runner
-
         return GraphedModule(model, piecewise_runner(model, dev, config, **compile_options))
     if compile_options:
         raise DevgraphError(

@@ -177,10 +177,11 @@ def _tp_rank(rank: int, world_size: int, steps: int, batch_sizes: tuple[int, ...
 
     config = DecoderConfig(num_heads=8, num_kv_heads=4)  # shareable by 1, 2, 4 and 8 ranks
     parallel = TensorParallel.of()
-    models = {
-        "devgraph": devgraph.wrap(
-            make_decoder(config, parallel=parallel), device="cpu", max_batch_size=max(batch_sizes)
-        ),
+    graphed = devgraph.wrap(
+        make_decoder(config, parallel=parallel), device="cpu", max_batch_size=max(batch_sizes)
+    )
+    models: dict[str, Callable[..., Any]] = {
+        "devgraph": graphed,
         "eager": make_decoder(config, parallel=parallel),
         "single": make_decoder(config),
     }
@@ -197,7 +198,7 @@ def _tp_rank(rank: int, world_size: int, steps: int, batch_sizes: tuple[int, ...
             vs_eager = max(vs_eager, (logits["devgraph"] - logits["eager"]).abs().max().item())
             vs_single = max(vs_single, (logits["devgraph"] - logits["single"]).abs().max().item())
             tokens = logits["single"].argmax(-1).tolist()
-    stats = models["devgraph"].stats
+    stats = graphed.stats
     return {
         "replays": stats.replays,
         "eager_calls": stats.eager_calls,

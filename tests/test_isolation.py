@@ -171,15 +171,11 @@ _MAY_IMPORT = {
 }
 
 #: The upward reaches DESIGN.md allows, made when called: wrap() builds runners and hands Hugging
-#: Face models to their adapter (so ``import devgraph`` stays cheap); ``devgraph.compile`` still
-#: answers for the names ``PiecewiseRunner``, ``PiecewiseStats`` and ``piecewise_runner`` (now in
-#: ``devgraph.runner._piecewise``) from its package ``__getattr__`` -- no module of compile/ imports
-#: the runner when loaded (``test_the_compiler_loads_without_the_runner``).
+#: Face models to their adapter (so ``import devgraph`` stays cheap).
 _LAZY_REACH = {
     ("devgraph._wrap", "devgraph.runner"),
     ("devgraph._wrap", "devgraph.compile"),
     ("devgraph._wrap", "devgraph.adapters.hf"),
-    ("devgraph.compile", "devgraph.runner._piecewise"),
 }
 
 
@@ -245,27 +241,25 @@ def test_the_layer_check_refuses_an_upward_import(source, target, lazy, why):
 
 
 def test_the_compiler_loads_without_the_runner():
-    # The runner uses the compiler, never the reverse (DESIGN.md, "Layers"): the piecewise runner's
-    # old names on devgraph.compile load the runner only when asked for.
+    # The runner uses the compiler, never the reverse (DESIGN.md, "Layers"): devgraph.compile
+    # neither loads the runner nor answers for its names (they are devgraph.runner's).
     out = _run(
         """
         import sys
         import devgraph.compile
         print(any(m.startswith("devgraph.runner") for m in sys.modules))
-        runner = devgraph.compile.PiecewiseRunner
-        print(runner.__module__, "devgraph.runner._piecewise" in sys.modules)
+        print(any(hasattr(devgraph.compile, n) for n in ("PiecewiseRunner", "PiecewiseStats", "piecewise_runner")))
+        print(any(m.startswith("devgraph.runner") for m in sys.modules))
         """
     )
-    assert out.split() == ["False", "devgraph.runner._piecewise", "True"]
+    assert out.split() == ["False", "False", "False"]
 
 
 def test_compile_modules_import_no_runner_module(import_graph):
     reach = [
         e for e in import_graph if e.source.startswith("devgraph.compile") and _layer(e.target) == "runner"
     ]
-    assert [(e.source, e.target, e.lazy) for e in reach] == [
-        ("devgraph.compile", "devgraph.runner._piecewise", True)
-    ]
+    assert [(e.source, e.target, e.lazy) for e in reach] == []
 
 
 def _imported_names(path: pathlib.Path) -> list[tuple[str, int]]:

@@ -19,7 +19,9 @@ __all__ = ["COMPILE_BACKENDS", "MODES", "CompileConfig", "compile_option_names"]
 #: Graph modes, after vLLM's CUDAGraphMode.
 MODES = ("full", "piecewise", "full_and_piecewise")
 
-#: Compile backends a piece can be compiled with (None in the config: the device's default).
+#: The compilers a piece can be compiled with (None in the config: the device's default). The option
+#: ``compile_backend`` and this name keep torch's word (``torch.compile(backend=...)``); devgraph's own
+#: code calls them compilers, a backend in devgraph being a device plugin.
 COMPILE_BACKENDS = ("eager", "inductor", "torchair")
 
 
@@ -93,8 +95,9 @@ class CompileConfig:
         splitting_ops: qualified op names (``"namespace::op"`` or ``"namespace::op.overload"``) to
             cut the graph at, *in addition to* devgraph's attention ops. Each runs eagerly between
             the captured pieces. Validated against ``torch.ops``.
-        compile_backend: ``"eager"``, ``"inductor"`` (cuda, cpu) or ``"torchair"`` (npu); None uses
-            the device's ``default_compile_backend`` (``"eager"`` where the device declares none).
+        compile_backend: the compiler of the pieces, ``"eager"``, ``"inductor"`` (cuda, cpu) or
+            ``"torchair"`` (npu); None uses the device's ``default_compile_backend`` (``"eager"`` where
+            the device declares none). The option keeps torch's word (``torch.compile(backend=...)``).
         passes: pass names or pass objects, in order; None runs the defaults (every built-in pass
             plus those backends contribute through ``devgraph_register_passes``); ``()`` none.
         capture_sizes: token counts to capture pieces for (None: the runner's batch sizes).
@@ -144,13 +147,13 @@ class CompileConfig:
         if device is not None:
             # What the device makes of the defaults: the same config compiles differently on an NPU
             # with torchair than on one without, and plans sizes for the device's stream budget.
-            data["compile_backend"] = self.backend_for(device)
+            data["compile_backend"] = self.compiler_for(device)
             data["capture_budget"] = self.effective_budget(device)
             data["max_capture_sizes"] = getattr(device, "max_capture_sizes", None)
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
-    def backend_for(self, device: Device | None) -> str:
-        """The compile backend pieces get on ``device`` (the config's, else the device's default)."""
+    def compiler_for(self, device: Device | None) -> str:
+        """The compiler pieces get on ``device`` (the config's ``compile_backend``, else the device's default)."""
         if self.compile_backend is not None:
             return self.compile_backend
         default = getattr(device, "default_compile_backend", None) if device is not None else None
@@ -163,11 +166,11 @@ class CompileConfig:
         return getattr(device, "capture_stream_budget", None) if device is not None else None
 
     def check_device(self, device: Device) -> None:
-        """Raise ``DevgraphError`` when the compile backend cannot target ``device``.
+        """Raise ``DevgraphError`` when the compiler cannot target ``device``.
 
         ``torchair`` compiles for Ascend NPUs only; ``eager`` and ``inductor`` run anywhere torch does.
         """
-        backend = self.backend_for(device)
+        backend = self.compiler_for(device)
         if backend == "torchair" and device.name != "npu":
             raise DevgraphError(
                 f"compile_backend='torchair' compiles for Ascend NPUs only, and this runner captures on "

@@ -1,7 +1,8 @@
 """Per-piece graphs: every piece of a split model gets its own captured graph per size.
 
-``PiecewiseModule`` installs a ``PieceRunner`` in place of each compiled piece of the split module
-and a plain eager call for each splitting op, then runs the split module in one of three phases:
+``PiecewiseModule`` installs a ``PieceGraphs`` (one piece's graphs, one per size) in place of each
+compiled piece of the split module and a plain eager call for each splitting op, then runs the
+split module in one of three phases:
 
 * ``eager``: the compiled pieces run as they are (warm-up, and sizes that were not captured);
 * ``capture``: each piece is captured into its own graph for the current size; the splitting ops
@@ -42,12 +43,12 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
 from devgraph._errors import DevgraphError
-from devgraph.compile._backends import CompiledPiece
+from devgraph.compile._compilers import CompiledPiece
 from devgraph.compile._ops import host_values
 from devgraph.compile._split import Piece, SplitGraph
 from devgraph.graph._contract import Device, Graph, MemoryPool, Stream
 
-__all__ = ["PieceRunner", "PiecewiseModule"]
+__all__ = ["PieceGraphs", "PiecewiseModule"]
 
 logger = logging.getLogger("devgraph.compile")
 
@@ -61,7 +62,7 @@ class _State:
     debug: bool = False  # replay checks every input's address, not only those that may move
     pool: MemoryPool | None = None
     stream: Stream | None = None
-    host: Mapping[str, Any] | None = None
+    host: Mapping[str, Sequence[Any]] | None = None  # op argument -> this call's host list
     # Storages of the current capture pass: the module's inputs (stable), and the outputs the pieces'
     # captures allocated (owned by the pool).
     stable_storages: set[int] = attrs.field(factory=set)
@@ -122,8 +123,9 @@ def _layout(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(reversed(contiguous))
 
 
-class PieceRunner:
-    """Runs one piece: compiled eagerly, captured per size, or replayed (see the module docstring)."""
+class PieceGraphs:
+    """One piece's graphs, one per size: it runs the piece compiled eagerly, captures it per size, or
+    replays the graph of the current size (see the module docstring)."""
 
     def __init__(
         self,
@@ -185,7 +187,7 @@ class PieceRunner:
     def _run(self, graph: Graph, args: Sequence[Any]) -> Any:
         if self.compiled.opaque:
             return graph.call_opaque(
-                self.compiled.fn, *args, name=f"{self.piece.name} ({self.compiled.backend})"
+                self.compiled.fn, *args, name=f"{self.piece.name} ({self.compiled.compiler})"
             )
         return self.compiled.fn(*args)
 
@@ -313,12 +315,13 @@ class PiecewiseModule:
         self.state = _State()
         captured = split.captured
         _check_host_args(split, device)
-        self.runners: list[PieceRunner] = []
+        self.piece_graphs: list[PieceGraphs] = []
         for piece in split.pieces:
+            stand_in: PieceGraphs | _SplitOpRunner
             if piece.is_splitting_op:
-                runner: Any = _SplitOpRunner(piece)
+                stand_in = _SplitOpRunner(piece)
             else:
-                runner = PieceRunner(
+                stand_in = PieceGraphs(
                     piece,
                     compiled[piece.name],
                     device,
@@ -327,9 +330,9 @@ class PiecewiseModule:
                     last=bool(captured) and piece is captured[-1],
                     count=len(captured),
                 )
-                self.runners.append(runner)
+                self.piece_graphs.append(stand_in)
             # The split module calls self.<name>(...): an instance attribute wins over the submodule.
-            split.module.__dict__[piece.name] = runner
+            split.module.__dict__[piece.name] = stand_in
 
     @property
     def captured_pieces(self) -> int:
@@ -339,14 +342,14 @@ class PiecewiseModule:
     @property
     def input_copies(self) -> int:
         """Inputs copied into capture-time tensors at replay so far (eager splitting-op outputs)."""
-        return sum(r.copies for r in self.runners)
+        return sum(g.copies for g in self.piece_graphs)
 
     def graphs(self, size: int) -> list[Graph]:
         """The captured graphs of ``size``, one per captured piece, in order."""
-        return [r.entries[size].graph for r in self.runners if size in r.entries]
+        return [g.entries[size].graph for g in self.piece_graphs if size in g.entries]
 
     def _run(
-        self, inputs: Sequence[Any], phase: str, size: int | None, host: Mapping[str, Any] | None
+        self, inputs: Sequence[Any], phase: str, size: int | None, host: Mapping[str, Sequence[Any]] | None
     ) -> Any:
         state = self.state
         state.phase, state.size, state.host = phase, size, host
@@ -357,7 +360,7 @@ class PiecewiseModule:
             state.phase, state.size, state.host = "eager", None, None
             state.pool_storages, state.stable_storages, state.piece_outputs = set(), set(), {}
 
-    def __call__(self, *inputs: Any, host: Mapping[str, Any] | None = None) -> Any:
+    def __call__(self, *inputs: Any, host: Mapping[str, Sequence[Any]] | None = None) -> Any:
         return self._run(inputs, "eager", None, host)
 
     def capture(
@@ -366,7 +369,7 @@ class PiecewiseModule:
         size: int,
         pool: MemoryPool,
         stream: Stream,
-        host: Mapping[str, Any] | None,
+        host: Mapping[str, Sequence[Any]] | None,
     ) -> Any:
         """Capture every piece for ``size`` (inputs already padded to it) into ``pool`` on ``stream``."""
         self.state.pool, self.state.stream = pool, stream
@@ -378,7 +381,12 @@ class PiecewiseModule:
             self.state.pool, self.state.stream = None, None
 
     def replay(
-        self, inputs: Sequence[Any], size: int, host: Mapping[str, Any] | None, *, debug: bool = False
+        self,
+        inputs: Sequence[Any],
+        size: int,
+        host: Mapping[str, Sequence[Any]] | None,
+        *,
+        debug: bool = False,
     ) -> Any:
         """Replay the graphs of ``size``, running the splitting ops eagerly in between; ``debug``:
         check the address of every piece input, the module's own inputs included."""
@@ -390,5 +398,5 @@ class PiecewiseModule:
 
     def reset(self) -> None:
         """Drop every captured graph."""
-        for runner in self.runners:
-            runner.reset()
+        for graphs in self.piece_graphs:
+            graphs.reset()

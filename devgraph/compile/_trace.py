@@ -1,10 +1,10 @@
-"""The devgraph ``torch.compile`` backend and the one-shot trace the piecewise runner does with it.
+"""devgraph's compiler for ``torch.compile`` and the one-shot trace the piecewise runner does with it.
 
-``DevgraphBackend`` is a Dynamo backend. It lowers Dynamo's graph to aten ops (``make_fx`` over
+``DevgraphCompiler`` is a Dynamo backend (torch's word; in devgraph a backend is a device plugin). It lowers Dynamo's graph to aten ops (``make_fx`` over
 Dynamo's fake inputs, *without* functionalization, so in-place ops stay where the model put them),
 binds host-list arguments to run-time values, runs the ``PassManager``, cuts the graph at the
-splitting ops, compiles every piece with the chosen compile backend and returns a
-``PiecewiseModule``. Used directly (``torch.compile(model, backend=DevgraphBackend(...))``) it
+splitting ops, compiles every piece with the chosen compiler (``compile_backend``) and returns a
+``PiecewiseModule``. Used directly (``torch.compile(model, backend=DevgraphCompiler(...))``) it
 gives split, fused, compiled pieces without graph capture.
 
 ``trace_call`` is how the piecewise runner uses it: one trace with the token dimension marked
@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import attrs
 import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import TreeSpec, tree_flatten
 
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph._plugins import device as _device
-from devgraph.compile._backends import CompiledPiece, compile_piece
+from devgraph.compile._compilers import CompiledPiece, compile_piece
 from devgraph.compile._config import CompileConfig
 from devgraph.compile._guards import check_token_guards, symbolic_sizes
 from devgraph.compile._ops import SYM_OPS, bind_host_args, is_host_arg_node, keep_composite_ops_whole
@@ -34,14 +35,22 @@ from devgraph.compile._pieces import PiecewiseModule
 from devgraph.compile._split import SplitGraph, split_graph
 from devgraph.graph._contract import Device
 
-__all__ = ["CompiledGraph", "DevgraphBackend", "Traced", "lower_to_aten", "trace_call"]
+__all__ = [
+    "CompiledGraph",
+    "DevgraphCompiler",
+    "InputSlot",
+    "OutputSlot",
+    "Traced",
+    "lower_to_aten",
+    "trace_call",
+]
 
 logger = logging.getLogger("devgraph.compile")
 
 
 @attrs.frozen
 class CompiledGraph:
-    """What ``DevgraphBackend`` built from one Dynamo graph.
+    """What ``DevgraphCompiler`` built from one Dynamo graph.
 
     Attributes:
         module: the split, compiled model (see ``PiecewiseModule``).
@@ -52,21 +61,23 @@ class CompiledGraph:
         fake_inputs: fake (symbolic) values of the tensor placeholders.
         fake_outputs: fake values of the graph's outputs.
         pass_counts: matches each pass rewrote, by pass name.
-        compile_seconds: time spent in the backend.
+        compile_seconds: time spent in the compiler.
     """
 
     module: PiecewiseModule
     graph: fx.GraphModule
     split: SplitGraph
-    example_inputs: tuple[Any, ...]
+    example_inputs: tuple[torch.Tensor, ...]
     symint_positions: tuple[int, ...]
-    fake_inputs: tuple[Any, ...]
+    fake_inputs: tuple[torch.Tensor, ...]
     fake_outputs: tuple[Any, ...]
     pass_counts: dict[str, int]
     compile_seconds: float
 
 
-def lower_to_aten(gm: fx.GraphModule, fake_inputs: Sequence[Any], fake_mode: Any) -> fx.GraphModule:
+def lower_to_aten(
+    gm: fx.GraphModule, fake_inputs: Sequence[Any], fake_mode: FakeTensorMode
+) -> fx.GraphModule:
     """``gm`` retraced to aten ops over ``fake_inputs`` (symbolic sizes kept), not functionalized."""
     from torch._dispatch.python import enable_python_dispatcher
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -116,7 +127,9 @@ def _drop_dead_shape_nodes(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
 
 
-def _propagate(gm: torch.nn.Module, fakes: Sequence[Any], fake_mode: Any) -> dict[str, tuple[Any, ...]]:
+def _propagate(
+    gm: torch.nn.Module, fakes: Sequence[Any], fake_mode: FakeTensorMode
+) -> dict[str, tuple[Any, ...]]:
     """Run ``gm`` on fakes: refresh ``meta['val']`` and return each submodule's fake inputs."""
     from torch._dispatch.python import enable_python_dispatcher
 
@@ -128,7 +141,7 @@ def _propagate(gm: torch.nn.Module, fakes: Sequence[Any], fake_mode: Any) -> dic
             n.meta["val"] = result
             return result
 
-        def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        def call_module(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             seen[target] = tuple(args)
             return super().call_module(target, args, kwargs)
 
@@ -137,11 +150,12 @@ def _propagate(gm: torch.nn.Module, fakes: Sequence[Any], fake_mode: Any) -> dic
     return seen
 
 
-class DevgraphBackend:
-    """A ``torch.compile`` backend: aten lowering, passes, split at splitting ops, per-piece compile.
+class DevgraphCompiler:
+    """devgraph's compiler, a ``torch.compile`` backend: aten lowering, passes, split at splitting ops,
+    per-piece compile.
 
     Args:
-        device: the devgraph device (pass contexts, default compile backend); None: the best one.
+        device: the devgraph device (pass contexts, default compiler); None: the best one.
         config: a ``CompileConfig``.
         host_args: op argument names fed from run-time host lists (``host_arg``) instead of the
             traced values; ``host`` holds the values used when Dynamo runs the result.
@@ -156,9 +170,9 @@ class DevgraphBackend:
         self.config = config or CompileConfig()
         self.config.check_device(device)
         self.host_args = tuple(host_args)
-        self.host: Mapping[str, Any] | None = None
+        self.host: Mapping[str, Sequence[Any]] | None = None  # op argument -> host list
         self.compiled: list[CompiledGraph] = []
-        self.last_outputs: Any = None
+        self.last_outputs: Any = None  # the module's outputs of the last run through Dynamo
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         result = self.compile(gm, example_inputs)
@@ -184,7 +198,7 @@ class DevgraphBackend:
         splitting = config.all_splitting_ops()
         keep_composite_ops_whole(gm, splitting)
         fake_mode = torch._guards.TracingContext.get().fake_mode
-        assert fake_mode is not None, "DevgraphBackend runs inside Dynamo's compile"
+        assert fake_mode is not None, "DevgraphCompiler runs inside Dynamo's compile"
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         fakes = [
             fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else n.meta.get("example_value", x)
@@ -194,8 +208,8 @@ class DevgraphBackend:
         dropped = _replace_symint_placeholders(aten, fakes)
         _drop_dead_shape_nodes(aten)
         bind_host_args(aten, self.host_args)
-        backend = config.backend_for(device)
-        context = PassContext(device=device, compile_backend=backend, splitting_ops=splitting)
+        compiler = config.compiler_for(device)
+        context = PassContext(device=device, compile_backend=compiler, splitting_ops=splitting)
         manager = PassManager(resolve_passes(config.passes, device), context)
         counts = manager(aten.graph)
         aten.graph.lint()
@@ -208,7 +222,7 @@ class DevgraphBackend:
         for piece in split.pieces:
             if piece.is_splitting_op:
                 continue
-            chosen = backend if piece.does_work else "eager"
+            chosen = compiler if piece.does_work else "eager"
             if chosen != "eager":
                 _check_compilable(piece.name, piece.graph_module)
             compiled[piece.name] = compile_piece(
@@ -227,7 +241,7 @@ class DevgraphBackend:
             len(split.captured),
             sum(p.is_splitting_op for p in split.pieces),
             ", ".join(splitting),
-            backend,
+            compiler,
             seconds,
             ", ".join(f"{k} {v}" for k, v in counts.items()) or "none",
         )
@@ -307,13 +321,18 @@ def _check_compilable(name: str, gm: fx.GraphModule) -> None:
 
 # -- the runner's trace ------------------------------------------------------------------------
 
+#: Per graph input: ``("arg", name)`` (a call argument) or ``("fixed", tensor)`` (a weight or buffer).
+InputSlot = tuple[Literal["arg"], str] | tuple[Literal["fixed"], torch.Tensor]
+#: Per output leaf of the model: ``("out", index into the module's outputs)`` or ``("const", value)``.
+OutputSlot = tuple[Literal["out"], int] | tuple[Literal["const"], Any]
+
 
 @attrs.frozen
 class Traced:
     """A model traced once and compiled piecewise, with how to call it directly.
 
     Attributes:
-        compiled: the backend's result.
+        compiled: the compiler's result.
         inputs: per graph input, ``("arg", name)`` (a call argument) or ``("fixed", tensor)``
             (a weight or buffer the graph reads).
         outputs: per output leaf of the model, ``("out", index into the module's outputs)`` or
@@ -323,9 +342,9 @@ class Traced:
     """
 
     compiled: CompiledGraph
-    inputs: tuple[tuple[str, Any], ...]
-    outputs: tuple[tuple[str, Any], ...]
-    spec: Any
+    inputs: tuple[InputSlot, ...]
+    outputs: tuple[OutputSlot, ...]
+    spec: TreeSpec
     batch_dims: tuple[tuple[int, ...], ...]
 
 
@@ -347,11 +366,11 @@ def trace_call(
     invoke: Callable[[dict[str, torch.Tensor], bool], Any],
     tensors: dict[str, torch.Tensor],
     dynamic: Mapping[str, int],
-    backend: DevgraphBackend,
-    host: Mapping[str, Any],
+    compiler: DevgraphCompiler,
+    host: Mapping[str, Sequence[Any]],
     run_sizes: Sequence[int] | None = None,
 ) -> Traced:
-    """Trace ``invoke(tensors, traced)`` once with Dynamo and ``backend``; return how to call it directly.
+    """Trace ``invoke(tensors, traced)`` once with Dynamo and ``compiler``; return how to call it directly.
 
     ``invoke(tensors, traced)`` calls the model; with ``traced`` it must pass empty host lists.
     ``dynamic`` maps argument names to their token dimension. ``host`` (op argument -> list) is
@@ -370,8 +389,8 @@ def trace_call(
     args = [tensors[n] for n in names]
     for name, dim in dynamic.items():
         torch._dynamo.mark_dynamic(tensors[name], dim)
-    backend.host = host
-    compiled_fn = torch.compile(_fresh_function(call), backend=backend, fullgraph=True, dynamic=False)
+    compiler.host = host
+    compiled_fn = torch.compile(_fresh_function(call), backend=compiler, fullgraph=True, dynamic=False)
     try:
         with torch.no_grad(), symbolic_sizes():
             leaves = compiled_fn(*args)
@@ -392,12 +411,12 @@ def trace_call(
             "symbolic (no Python branching on it). Use mode='full', or see TORCH_LOGS=graph_breaks,dynamic"
         ) from exc
     finally:
-        backend.host = None
-    if not backend.compiled:
-        raise DevgraphError("Dynamo did not call the devgraph backend (was the model already compiled?)")
-    result = backend.compiled[-1]
-    module_outputs = _flat(backend.last_outputs)
-    outputs = []
+        compiler.host = None
+    if not compiler.compiled:
+        raise DevgraphError("Dynamo did not call devgraph's compiler (was the model already compiled?)")
+    result = compiler.compiled[-1]
+    module_outputs = _flat(compiler.last_outputs)
+    outputs: list[OutputSlot] = []
     for leaf, ref in zip(leaves, ref_leaves):
         if isinstance(leaf, torch.Tensor):
             index = next((k for k, o in enumerate(module_outputs) if o is leaf), None)
@@ -409,15 +428,15 @@ def trace_call(
             outputs.append(("out", index))
         else:
             outputs.append(("const", ref))
-    inputs: list[tuple[str, Any]] = []
+    inputs: list[InputSlot] = []
     for example in result.example_inputs:
         arg_name = next((n for n, t in zip(names, args) if t is example), None)
         inputs.append(("arg", arg_name) if arg_name is not None else ("fixed", example))
-    symbols = {
-        tensors_fake.shape[dynamic[n]].node.expr
-        for n, tensors_fake in _fakes_by_name(result, inputs).items()
-        if n in dynamic and isinstance(tensors_fake.shape[dynamic[n]], torch.SymInt)
-    }
+    symbols = set()
+    for n, fake in _fakes_by_name(result, inputs).items():
+        token_dim: object = fake.shape[dynamic[n]] if n in dynamic else None  # a SymInt if dynamic
+        if isinstance(token_dim, torch.SymInt):
+            symbols.add(token_dim.node.expr)
     _check_guards(result, symbols, run_sizes)
     batch_dims = tuple(
         tuple(
@@ -433,7 +452,9 @@ def trace_call(
 
 def _check_guards(result: CompiledGraph, symbols: set[Any], run_sizes: Sequence[int] | None) -> None:
     """Refuse a trace that holds for some of the token counts it runs at only (``check_token_guards``)."""
-    sym = next((s for f in result.fake_inputs for s in f.shape if isinstance(s, torch.SymInt)), None)
+    # A fake tensor's sizes are SymInts where symbolic (torch types them int).
+    sizes: Iterator[object] = (s for f in result.fake_inputs for s in f.shape)
+    sym = next((s for s in sizes if isinstance(s, torch.SymInt)), None)
     if sym is not None:
         check_token_guards(sym.node.shape_env, symbols, run_sizes)
 
@@ -458,5 +479,5 @@ def _check_output_shapes(fakes: Sequence[Any], symbols: set[Any]) -> None:
                 )
 
 
-def _fakes_by_name(result: CompiledGraph, inputs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+def _fakes_by_name(result: CompiledGraph, inputs: Sequence[InputSlot]) -> dict[str, torch.Tensor]:
     return {slot[1]: fake for slot, fake in zip(inputs, result.fake_inputs) if slot[0] == "arg"}

@@ -10,9 +10,9 @@ remedy.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from devgraph._errors import CaptureError
 from devgraph._source import user_source_line
@@ -21,7 +21,18 @@ from devgraph.graph._compiled_regions import CompiledRegions, op_recorders
 from devgraph.graph._opnames import has_python_kernel
 from devgraph.graph._tasks import TaskGroup
 
+if TYPE_CHECKING:  # torch is imported when first needed
+    import torch
+    from torch._ops import OpOverload
+
 __all__ = ["GuardedGraph", "capturing", "dispatch_refusal", "raise_refusal", "refuse_autocast_cache"]
+
+
+class CaptureDevice(Protocol):
+    """What the guard uses of the graph's device (``devgraph.Device`` is one)."""
+
+    @property
+    def torch_device(self) -> torch.device: ...
 
 
 class GuardedGraph(Protocol):
@@ -32,7 +43,9 @@ class GuardedGraph(Protocol):
     the guard names this much of it rather than importing the contract.
     """
 
-    device: Any
+    @property
+    def device(self) -> CaptureDevice: ...
+
     _open_group: TaskGroup | None
 
     @property
@@ -41,8 +54,8 @@ class GuardedGraph(Protocol):
     def _group(self, group: TaskGroup) -> AbstractContextManager[TaskGroup]: ...
 
     def _prepare_task_call(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Any, tuple[Any, ...], dict[str, Any], Any]: ...
+        self, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[OpOverload, tuple[Any, ...], dict[str, Any], Callable[[Any], Any] | None]: ...
 
 
 _SYNC_REMEDY = (
@@ -108,7 +121,7 @@ def _has_mask(indices: Any) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (indices or ()))
 
 
-def dispatch_refusal(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+def dispatch_refusal(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """The remedy when aten op ``func`` on these arguments cannot be captured, else None.
 
     An op is refused when it makes the host read a device value, or when the shape of its result
@@ -153,7 +166,7 @@ def _on_device(tree: Any, device_type: str) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == device_type for t in tree_flatten(tree)[0])
 
 
-def raise_refusal(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def raise_refusal(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise ``CaptureError`` if aten op ``func`` cannot be captured (see ``dispatch_refusal``).
 
     For recorders that see ops the capture guard does not (what a composite op decomposes into).
@@ -265,7 +278,7 @@ def _modes() -> tuple[type, type]:
             key = {"cpu": "CPU", "cuda": "CUDA"}.get(self.device_type, "PrivateUse1")
             self.key_name = key
             self.keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-            self.host_guard: Any = None  # the HostSyncGuard of this capture, set by capturing()
+            self.host_guard: HostSyncGuard | None = None  # this capture's guard, set by capturing()
 
         supports_higher_order_operators = True
 
@@ -328,7 +341,7 @@ def _modes() -> tuple[type, type]:
     return HostSyncGuard, CaptureDispatchMode
 
 
-def _is_tensor_method(func: Any) -> bool:
+def _is_tensor_method(func: Callable[..., Any]) -> bool:
     import torch
 
     owner = getattr(func, "__objclass__", None) or getattr(func, "__self__", None)
@@ -387,10 +400,12 @@ def _pageable_upload(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], d
     )
 
 
-def _call_as_task(graph: GuardedGraph, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    func, args, kwargs, post = graph._prepare_task_call(func, args, kwargs)
-    with graph._group(TaskGroup.for_call(len(graph.tasks), func, args, kwargs)):
-        result = func(*args, **kwargs)
+def _call_as_task(
+    graph: GuardedGraph, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    call, args, kwargs, post = graph._prepare_task_call(func, args, kwargs)
+    with graph._group(TaskGroup.for_call(len(graph.tasks), call, args, kwargs)):
+        result = call(*args, **kwargs)
     return result if post is None else post(result)
 
 

@@ -6,12 +6,53 @@ It sits below ``_wrap`` (which picks the runner) and the adapters (the Hugging F
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from devgraph._errors import DevgraphError
 from devgraph.graph._contract import Device
 
-__all__ = ["GraphedModule"]
+if TYPE_CHECKING:  # torch is imported when first needed: ``import devgraph`` stays cheap
+    import torch
+
+__all__ = ["GraphedModule", "Runner", "RunnerCounters"]
+
+
+class RunnerCounters(Protocol):
+    """What every runner's ``stats`` counts (``devgraph.runner.RunnerStats`` and its subclasses)."""
+
+    replays: int
+    eager_calls: int
+    fallbacks: dict[str, int]
+    capture_seconds: float
+    pool_bytes: int
+    captured_sizes: tuple[int, ...]
+    recaptures: int
+
+
+class Runner(Protocol):
+    """What ``GraphedModule`` needs of the runner serving its calls.
+
+    ``devgraph.runner.GraphRunner`` and ``devgraph.runner.PiecewiseRunner`` are the two; the runner
+    layer sits above this module, so it is named here by what it does.
+    """
+
+    device: Device
+    sizes: list[int]
+
+    @property
+    def stats(self) -> RunnerCounters: ...
+
+    @property
+    def captured(self) -> bool: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def capture(self, *example_args: Any, **example_kwargs: Any) -> object: ...
+
+    def reset(self) -> None: ...
+
+    def note_fallback(self, category: str, detail: str) -> None: ...
 
 
 class GraphedModule:
@@ -27,8 +68,8 @@ class GraphedModule:
     captures again. Moving the model off the wrapper's device is refused: wrap it again there.
     """
 
-    def __init__(self, module: Any, runner: Any) -> None:
-        self.module = module
+    def __init__(self, module: Any, runner: Runner) -> None:
+        self.module = module  # an nn.Module or any callable: the user's model
         self.runner = runner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -40,7 +81,7 @@ class GraphedModule:
         return self
 
     @property
-    def stats(self) -> Any:
+    def stats(self) -> RunnerCounters:
         """Counters: replays, eager calls, fallbacks by reason, capture seconds, pool bytes."""
         return self.runner.stats
 
@@ -88,19 +129,23 @@ class GraphedModule:
     def bfloat16(self) -> Any:
         return self._module_method("bfloat16")
 
-    def type(self, dst_type: Any) -> Any:
+    def type(self, dst_type: torch.dtype | str) -> Any:
         return self._module_method("type", dst_type)
 
-    def apply(self, fn: Any) -> Any:
+    def apply(self, fn: Callable[[torch.nn.Module], None]) -> Any:
         return self._module_method("apply", fn)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
         """``module.load_state_dict(...)``. Loaded in place (the default) the graphs keep serving the
         new values; with ``assign=True`` the weights are new tensors at new addresses, so the graphs
         are dropped and the next call captures again."""
         return self._module_method("load_state_dict", state_dict, strict=strict, assign=assign)
 
-    def _module_method(self, name: str, *args: Any, to_device: Any = None, **kwargs: Any) -> Any:
+    def _module_method(
+        self, name: str, *args: Any, to_device: str | torch.device | None = None, **kwargs: Any
+    ) -> Any:
         """Run ``module.<name>(...)``; drop the graphs when it changed what they captured; return
         the wrapper where the module returned itself."""
         if to_device is not None:
@@ -115,7 +160,7 @@ class GraphedModule:
         """Forget everything captured for the module as it was; the next call captures again."""
         self.runner.reset()
 
-    def _check_device(self, name: str, target: Any) -> None:
+    def _check_device(self, name: str, target: str | torch.device) -> None:
         import torch
 
         kind = torch.device(target).type
@@ -138,7 +183,9 @@ class GraphedModule:
         )
 
 
-def _captured_state(module: Any) -> Any:
+def _captured_state(
+    module: Any,
+) -> tuple[list[tuple[str, int, torch.dtype, torch.device]], list[bool]] | None:
     """What graphs depend on besides the inputs: every weight's address, dtype and device, and
     every submodule's training flag (None for a plain callable)."""
     if not hasattr(module, "named_parameters"):

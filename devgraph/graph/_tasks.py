@@ -9,11 +9,14 @@ re-issue it with new host arguments; explicit groups are re-issued by the caller
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
 from devgraph._errors import DevgraphError
+
+if TYPE_CHECKING:  # torch is imported when first needed
+    from torch._ops import OpOverload
 
 __all__ = ["TaskGroup", "apply_host_args"]
 
@@ -32,14 +35,16 @@ class TaskGroup:
     index: int
     op: str
     host_args: dict[str, Any] = attrs.field(factory=dict)
-    handle: Any = None
-    _func: Any = attrs.field(default=None, repr=False)
+    handle: Any = None  # whatever the backend's runtime hands back
+    _func: OpOverload | None = attrs.field(default=None, repr=False)
     _args: tuple[Any, ...] = attrs.field(default=(), repr=False)
     _kwargs: dict[str, Any] = attrs.field(factory=dict, repr=False)
     _names: tuple[str, ...] = attrs.field(default=(), repr=False)
 
     @classmethod
-    def for_call(cls, index: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TaskGroup:
+    def for_call(
+        cls, index: int, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> TaskGroup:
         """A group for one auto-captured call of the torch op ``func``."""
         names = tuple(a.name for a in func._schema.arguments)
         host: dict[str, Any] = {}
@@ -87,7 +92,8 @@ class TaskGroup:
                 args[i] = value
             else:
                 kwargs[name] = value
-        return lambda: self._func(*args, **kwargs)
+        func = cast("OpOverload", self._func)  # an auto task's (the caller re-issues explicit groups)
+        return lambda: func(*args, **kwargs)
 
     def remember(self, new_host_args: Mapping[str, Any]) -> None:
         self.host_args.update(new_host_args)

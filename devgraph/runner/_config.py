@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import operator
 import os
-from collections.abc import Collection, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import attrs
 
 from devgraph._errors import DevgraphError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["RunnerConfig", "RunnerStats", "make_config", "positive_int", "positive_ints"]
 
@@ -23,7 +27,7 @@ def _frozen_map(value: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None) -
     return tuple(sorted(dict(value or {}).items()))
 
 
-def _names(value: Any) -> tuple[str, ...]:
+def _names(value: str | Iterable[str] | None) -> tuple[str, ...]:
     """A name or names, sorted (one string is one name, not its letters)."""
     return (value,) if isinstance(value, str) else tuple(sorted(value or ()))
 
@@ -67,7 +71,7 @@ def _batch_sizes(value: Any) -> tuple[int, ...] | None:
     return None if value is None else positive_ints("batch_sizes", value)
 
 
-def _optional_positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _optional_positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None:
         positive_int(attribute.name, value)
 
@@ -125,9 +129,11 @@ class RunnerConfig:
     debug: bool = attrs.field(factory=_debug_default)
     warmup_iters: int = 2
     mode: str = "full"
-    process_group: Any = attrs.field(default="auto", eq=False)
+    process_group: ProcessGroup | str | None = attrs.field(default="auto", eq=False)
     check_ranks: str = "capture"
-    capture_context: Any = attrs.field(default=None, eq=False)
+    capture_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = attrs.field(
+        default=None, eq=False
+    )
     check_padding: bool = True
 
     def __attrs_post_init__(self) -> None:
@@ -204,13 +210,22 @@ class RunnerStats:
     recaptures: int = 0
 
 
+class _Config(Protocol):
+    """A config whose options name the wrapped function's arguments (``RunnerConfig``)."""
+
+    def check_arguments(self, arguments: Collection[str], what: str = ...) -> None: ...
+
+
+_ConfigT = TypeVar("_ConfigT", bound=attrs.AttrsInstance)
+
+
 def make_config(
-    cls: Any,
+    cls: type[_ConfigT],
     options: Mapping[str, Any],
-    extra_valid: Any = (),
+    extra_valid: Collection[str] = (),
     what: str = "",
     arguments: Collection[str] | None = None,
-) -> Any:
+) -> _ConfigT:
     """Build the attrs config ``cls`` from ``options``, naming unknown options and the valid ones.
 
     ``extra_valid`` are names the caller handles itself (listed as valid, not passed to ``cls``).
@@ -226,5 +241,5 @@ def make_config(
         raise DevgraphError(f"unknown option(s) {unknown}{what}; valid options: {', '.join(valid)}")
     config = cls(**{k: v for k, v in options.items() if k not in extra_valid})
     if arguments is not None:
-        config.check_arguments(arguments)
+        cast(_Config, config).check_arguments(arguments)  # configs given ``arguments`` check them
     return config

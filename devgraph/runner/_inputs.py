@@ -33,7 +33,7 @@ from devgraph.runner._state import WeightWatch
 __all__ = ["StaticInputs", "WeightAddresses", "ambient"]
 
 
-def _named_weights(fn: Any) -> dict[str, torch.Tensor]:
+def _named_weights(fn: object) -> dict[str, torch.Tensor]:
     if not isinstance(fn, torch.nn.Module):
         return {}
     found: dict[str, torch.Tensor] = {f"parameter {n!r}": p for n, p in fn.named_parameters()}
@@ -51,7 +51,7 @@ class WeightAddresses:
     def __init__(self) -> None:
         self._at: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
 
-    def remember(self, fn: Any, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+    def remember(self, fn: object, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
         """Record the addresses of ``tensors`` (``{description: tensor}``) and of ``fn``'s weights,
         holding the tensors weakly (a replaced weight is freed as it would be without devgraph)."""
         self._at = {what: (weakref.ref(t), t.data_ptr()) for what, t in (tensors or {}).items()}
@@ -60,7 +60,7 @@ class WeightAddresses:
     def clear(self) -> None:
         self._at = {}
 
-    def check(self, fn: Any) -> None:
+    def check(self, fn: object) -> None:
         """Raise ``DevgraphError`` naming a tensor that moved, or a weight replaced, since capture."""
         for what, (ref, ptr) in self._at.items():
             tensor = ref()
@@ -118,7 +118,7 @@ class StaticInputs:
         self.exact_only: str | None = None
         self.padding_verdict: PaddingVerdict | None = None
         # Autocast and default dtype at capture (``ambient``): part of every call's template.
-        self.ambient: tuple[Any, ...] | None = None
+        self.ambient: Ambient | None = None
 
     def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         """The call ``fn(*args, **kwargs)``, classified (raises ``Unsupported``)."""
@@ -280,11 +280,15 @@ class StaticInputs:
         return out
 
 
+#: What a call's results depend on besides its arguments (``ambient``): autocast on, its dtype, the
+#: default dtype.
+Ambient = tuple[bool, torch.dtype | None, torch.dtype]
+
 #: whether autocast is on for any device type (one cheap call; None on a torch without it)
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
-def ambient(device_type: str) -> tuple[Any, ...]:
+def ambient(device_type: str) -> Ambient:
     """What a call's results depend on besides its arguments: autocast (on, dtype) for the device
     type, and the default dtype."""
     try:
@@ -295,6 +299,6 @@ def ambient(device_type: str) -> tuple[Any, ...]:
     return on, dtype, torch.get_default_dtype()
 
 
-def _ambient_words(state: tuple[Any, ...]) -> str:
+def _ambient_words(state: Ambient) -> str:
     on, dtype, default = state
     return f"(autocast {'on, ' + str(dtype) if on else 'off'}, default dtype {default})"

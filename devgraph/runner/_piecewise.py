@@ -3,7 +3,7 @@
 The runner reads calls like ``GraphRunner`` (both are composed of a ``StaticInputs`` and the
 pieces of ``_shared.py``: batched tensors padded into static buffers, host lists padded and
 forwarded, outputs sliced back, every size captured or none), but instead of one graph per size
-it traces the model once with Dynamo (``DevgraphBackend``: aten lowering, passes, split,
+it traces the model once with Dynamo (``DevgraphCompiler``: aten lowering, passes, split,
 per-piece compile), then captures every piece per size into one shared pool, largest size first. A call replays the pieces' graphs with the
 splitting ops (attention) run eagerly in between, so attention sees the call's real metadata. A
 call larger than every captured size runs the compiled pieces uncaptured.
@@ -31,8 +31,9 @@ from torch.utils._pytree import tree_unflatten
 
 from devgraph._errors import DevgraphError
 from devgraph.compile._config import CompileConfig
+from devgraph.compile._pieces import PiecewiseModule
 from devgraph.compile._planner import CapturePlan, plan_capture_sizes
-from devgraph.compile._trace import DevgraphBackend, Traced, trace_call
+from devgraph.compile._trace import DevgraphCompiler, Traced, trace_call
 from devgraph.graph._contract import Device, MemoryPool, Stream
 from devgraph.runner._buckets import choose_bucket, normalise_batch_sizes
 from devgraph.runner._calls import Call, Unsupported
@@ -73,10 +74,10 @@ class PiecewiseRunner:
         fn: the model (an ``nn.Module`` or callable taking tensors).
         device: the devgraph device to capture on.
         config: a ``RunnerConfig`` (pad values, host args, batch dims, the full graph's batch sizes).
-        compile_config: a ``CompileConfig`` (mode, splitting ops, compile backend, passes, sizes).
+        compile_config: a ``CompileConfig`` (mode, splitting ops, compiler, passes, sizes).
     Raises:
         DevgraphError: ``full_and_piecewise`` without a way to tell decode batches (``is_decode``);
-            a compile backend this device cannot run (``torchair`` off an NPU); an unknown pass.
+            a compiler (``compile_backend``) this device cannot run (``torchair`` off an NPU); an unknown pass.
     """
 
     def __init__(
@@ -136,12 +137,12 @@ class PiecewiseRunner:
             shared.users.append(self)
         self.plan: CapturePlan | None = None
         self._traced: Traced | None = None
-        self._replay_inputs: dict[int, list[Any]] = {}
+        self._replay_inputs: dict[int, list[torch.Tensor]] = {}
 
     # -- public --------------------------------------------------------------------------------
 
     @property
-    def module(self) -> Any:
+    def module(self) -> PiecewiseModule | None:
         """The ``PiecewiseModule`` (None before the first call or ``capture``)."""
         return self._traced.compiled.module if self._traced else None
 
@@ -349,9 +350,11 @@ class PiecewiseRunner:
         tensors.update(example.static)
         dynamic = {n: cfg.batch_dim(n) for n in example.batched}
         host = inputs.padded_host_args({}, trace_size)
-        backend = DevgraphBackend(self.device, self.compile_config, host_args=[op for _, op in cfg.host_args])
+        compiler = DevgraphCompiler(
+            self.device, self.compile_config, host_args=[op for _, op in cfg.host_args]
+        )
         start = time.perf_counter()
-        self._traced = traced = trace_call(invoke, tensors, dynamic, backend, host, self._run_sizes())
+        self._traced = traced = trace_call(invoke, tensors, dynamic, compiler, host, self._run_sizes())
         self.stats.compile_seconds = time.perf_counter() - start
         module = traced.compiled.module
         self.stats.pieces = module.captured_pieces
@@ -410,18 +413,20 @@ class PiecewiseRunner:
             max_sizes=getattr(self.device, "max_capture_sizes", None),
         )
 
-    def _piece_inputs(self, call: Call, size: int | None) -> list[Any]:
+    def _piece_inputs(self, call: Call, size: int | None) -> list[torch.Tensor]:
         assert self._traced is not None
         inputs = []
-        for kind, value in self._traced.inputs:
-            if kind == "fixed":
-                inputs.append(value)
-            elif value in call.static:
-                inputs.append(call.static[value])
+        for slot in self._traced.inputs:
+            if slot[0] == "fixed":
+                inputs.append(slot[1])
+                continue
+            name = slot[1]
+            if name in call.static:
+                inputs.append(call.static[name])
             elif size is None:
-                inputs.append(call.batched[value])
+                inputs.append(call.batched[name])
             else:
-                inputs.append(self.inputs.buffers[value].narrow(self.config.batch_dim(value), 0, size))
+                inputs.append(self.inputs.buffers[name].narrow(self.config.batch_dim(name), 0, size))
         return inputs
 
     # -- serve ---------------------------------------------------------------------------------
@@ -459,13 +464,14 @@ class PiecewiseRunner:
                     t = t[:batch] if d == 0 else t.narrow(d, 0, batch)
             return t.clone() if self.config.clone_outputs else t
         leaves = []
-        for kind, value in traced.outputs:
-            if kind == "const":
-                leaves.append(value)
+        for slot in traced.outputs:
+            if slot[0] == "const":
+                leaves.append(slot[1])
                 continue
-            t = outputs[value]
+            index = slot[1]
+            t = outputs[index]
             if size != batch:
-                for d in traced.batch_dims[value]:
+                for d in traced.batch_dims[index]:
                     t = t.narrow(d, 0, batch)
             leaves.append(t.clone() if self.config.clone_outputs else t)
         return tree_unflatten(leaves, traced.spec)

@@ -31,6 +31,8 @@ import torch
 from devgraph._errors import RankMismatchError
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from devgraph.runner._config import RunnerConfig
 
 __all__ = ["RankCheck", "capture_context", "check_capture", "resolve_group"]
@@ -39,13 +41,12 @@ __all__ = ["RankCheck", "capture_context", "check_capture", "resolve_group"]
 AUTO = "auto"
 
 
-def resolve_group(option: Any) -> Any:
+def resolve_group(option: ProcessGroup | str | None) -> ProcessGroup | None:
     """The process group a runner checks ranks on: ``option`` itself, the default group for
     ``"auto"`` when torch.distributed is initialised with more than one rank, else None."""
-    if option is None:
-        return None
-    if option != AUTO:
-        return option
+    if not isinstance(option, str):
+        return option  # a group, or None
+    # ``"auto"``: ``RunnerConfig`` refuses any other string
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return None
     group = torch.distributed.group.WORLD
@@ -56,7 +57,7 @@ class RankCheck:
     """The exchanges of one runner's ranks over ``group`` (tensors on ``device_type`` if the group
     has a backend for it, else on the CPU)."""
 
-    def __init__(self, group: Any, device_type: str, every_call: bool) -> None:
+    def __init__(self, group: ProcessGroup, device_type: str, every_call: bool) -> None:
         dist = torch.distributed
         self.group = group
         self.rank = dist.get_rank(group)

@@ -112,7 +112,9 @@ class Accounts:
     ``serve_what`` says in ``strict=True`` errors what could not be done ("from a graph").
     """
 
-    def __init__(self, config: RunnerConfig, stats: RunnerStats, lock: Any, serve_what: str) -> None:
+    def __init__(
+        self, config: RunnerConfig, stats: RunnerStats, lock: threading.RLock, serve_what: str
+    ) -> None:
         self.config = config
         self.stats = stats
         self.lock = lock

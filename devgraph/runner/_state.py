@@ -29,7 +29,7 @@ _installed = False
 _install_lock = threading.Lock()
 
 
-def _bump(*_: Any) -> None:
+def _bump(*_: object) -> None:
     registrations[0] += 1
 
 
@@ -46,7 +46,7 @@ def _install_hooks() -> None:
         _installed = True
 
 
-def _slots(fn: Any) -> Iterator[tuple[dict[str, Any], str, str, Any]]:
+def _slots(fn: torch.nn.Module) -> Iterator[tuple[dict[str, Any], str, str, torch.Tensor | torch.nn.Module]]:
     """``(owner dict, key, description, value)`` for every parameter, buffer and submodule of ``fn``."""
     for prefix, module in fn.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
@@ -76,7 +76,7 @@ class WeightWatch:
         self._pending = -1
         self._slots: list[tuple[dict[str, Any], str, str, int, int | None]] = []
 
-    def remember(self, fn: Any) -> None:
+    def remember(self, fn: object) -> None:
         self._slots = []
         self.seen = -1
         if not isinstance(fn, torch.nn.Module):
@@ -119,7 +119,7 @@ class ModuleState:
     """What a model's forward may change outside its outputs: buffer values, and Python scalars
     (``int``, ``float``, ``bool``, ``str``, ``None``) in every submodule's ``__dict__``."""
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: object) -> None:
         self.fn = fn
         self.buffers: list[tuple[str, dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
         self.attrs: list[tuple[str, Any, str, Any]] = []
@@ -162,7 +162,7 @@ class ModuleState:
 _MISSING = object()
 
 
-def capture_warnings(fn: Any, warned: set[str]) -> None:
+def capture_warnings(fn: object, warned: set[str]) -> None:
     """Warn once per runner (``warned``) about what replay cannot do like eager: hooks on the model
     (they run while capturing, never at replay) and dropout or batch norm left in training mode."""
     if not isinstance(fn, torch.nn.Module):

@@ -1,4 +1,4 @@
-"""CompileConfig, splitting-op names, compile backends, and how devgraph.wrap routes piecewise options."""
+"""CompileConfig, splitting-op names, compilers (compile_backend), and how devgraph.wrap routes piecewise options."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ import torch
 import devgraph
 from devgraph import DevgraphError
 from devgraph.compile import (
-    AddRmsNormFusion,
     CompileConfig,
     Pass,
-    PiecewiseRunner,
     compile_option_names,
     compile_piece,
     resolve_passes,
     resolve_splitting_ops,
 )
-from devgraph.runner import RunnerConfig
+from devgraph.compile.passes import AddRmsNormFusion
+from devgraph.runner import PiecewiseRunner, RunnerConfig
 
 
 class _Renamed(AddRmsNormFusion):
@@ -102,8 +101,8 @@ def test_default_passes_are_the_builtins_in_order():
 
 def test_device_default_compile_backend_is_eager_unless_the_device_says_otherwise():
     dev = devgraph.device("cpu")
-    assert CompileConfig().backend_for(dev) == "eager"
-    assert CompileConfig(compile_backend="inductor").backend_for(dev) == "inductor"
+    assert CompileConfig().compiler_for(dev) == "eager"
+    assert CompileConfig(compile_backend="inductor").compiler_for(dev) == "inductor"
 
 
 def test_torchair_without_torch_npu_is_a_clear_error():

@@ -41,7 +41,7 @@ def test_each_compiled_piece_is_one_opaque_task(decoders):
     graphed, _, manager = decoders
     graphed(**manager.decode_batch([99], [5]))
     module = graphed.runner.module
-    assert [r.compiled.backend for r in module.runners] == ["inductor", "inductor"]
+    assert [r.compiled.compiler for r in module.piece_graphs] == ["inductor", "inductor"]
     for graph in module.graphs(2):
         assert graph.recorded_ops == [
             f"{graph_piece} (inductor)" for graph_piece in _piece_names(module, graph)
@@ -49,4 +49,4 @@ def test_each_compiled_piece_is_one_opaque_task(decoders):
 
 
 def _piece_names(module, graph):
-    return [r.piece.name for r in module.runners if any(e.graph is graph for e in r.entries.values())]
+    return [r.piece.name for r in module.piece_graphs if any(e.graph is graph for e in r.entries.values())]

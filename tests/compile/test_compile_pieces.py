@@ -10,8 +10,8 @@ import torch
 import devgraph
 from devgraph import DevgraphError
 from devgraph.backends.cpu._pool import block_of
-from devgraph.compile import CompileConfig, DevgraphBackend, PiecewiseRunner
-from devgraph.runner import RunnerConfig
+from devgraph.compile import CompileConfig, DevgraphCompiler
+from devgraph.runner import PiecewiseRunner, RunnerConfig
 
 _lib = torch.library.Library("devgraph_test", "FRAGMENT")
 _lib.define("scale_rows(Tensor x, int[] factors) -> Tensor")
@@ -86,7 +86,7 @@ def test_piece_outputs_are_weak_references_so_the_pool_can_reuse_them(toy):
     module = graphed.runner.module
     outputs = [
         t
-        for runner in module.runners
+        for runner in module.piece_graphs
         for entry in runner.entries.values()
         for t in (entry.output if isinstance(entry.output, (tuple, list)) else [entry.output])
         if isinstance(t, torch.Tensor) and block_of(t) is not None
@@ -205,7 +205,7 @@ def test_graph_breaks_are_a_clear_error():
 
 def test_devgraph_backend_works_as_a_plain_torch_compile_backend():
     model = Toy().requires_grad_(False)
-    backend = DevgraphBackend(devgraph.device("cpu"), CompileConfig(splitting_ops=["devgraph::rms_norm"]))
+    backend = DevgraphCompiler(devgraph.device("cpu"), CompileConfig(splitting_ops=["devgraph::rms_norm"]))
     x = _x(5)
     with torch.no_grad():
         got = torch.compile(model, backend=backend, fullgraph=True)(x)
@@ -240,10 +240,10 @@ def test_strict_mode_raises_instead_of_falling_back():
 
 def test_a_failed_capture_leaves_nothing_half_captured(monkeypatch):
     from devgraph import CaptureError
-    from devgraph.compile._pieces import PieceRunner
+    from devgraph.compile._pieces import PieceGraphs
 
     model, graphed = _toy(capture_sizes=[2, 4, 8])
-    real = PieceRunner._capture
+    real = PieceGraphs._capture
     seen = []
 
     def fails_at_size_2(self, args):
@@ -252,14 +252,14 @@ def test_a_failed_capture_leaves_nothing_half_captured(monkeypatch):
             raise CaptureError("refused for the test", op="test::op", remedy="none")
         return real(self, args)
 
-    monkeypatch.setattr(PieceRunner, "_capture", fails_at_size_2)
+    monkeypatch.setattr(PieceGraphs, "_capture", fails_at_size_2)
     with pytest.raises(CaptureError) as info:
         graphed(_x(3))
     assert info.value.batch_size == 2 and "capture_sizes" in info.value.remedy
     runner = graphed.runner
     assert not runner.captured and runner.module is None and runner.plan is None
     assert all(not piece.entries for piece in seen)  # every graph of 8, 4 and 2 was reset
-    monkeypatch.setattr(PieceRunner, "_capture", real)
+    monkeypatch.setattr(PieceGraphs, "_capture", real)
     got = graphed(_x(3))  # builds again from scratch; never "submod_0 has no graph for size 2"
     torch.testing.assert_close(got["y"], model(_x(3))["y"])
     assert graphed.stats.replays == 1
@@ -304,7 +304,7 @@ def test_a_view_of_an_eager_output_read_by_a_later_piece_is_held_strongly():
         False,
         True,
     ]
-    last = runner.module.runners[-1]
+    last = runner.module.piece_graphs[-1]
     staged = {b.untyped_storage().data_ptr() for b in last.staging.values()}
     owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *runner.inputs.buffers.values()]}
     for entry in last.entries.values():
@@ -319,7 +319,7 @@ def test_a_view_of_an_eager_output_read_by_a_later_piece_is_held_strongly():
 def test_eager_outputs_are_staged_in_one_buffer_per_argument_for_all_sizes():
     _, graphed = _toy(capture_sizes=[2, 4, 8])
     graphed(_x(3))
-    last = graphed.runner.module.runners[-1]
+    last = graphed.runner.module.piece_graphs[-1]
     assert len(last.staging) == 1
     (index, buffer), *_ = last.staging.items()
     assert buffer.numel() == 8 * 8  # the largest size's rms_norm output

@@ -13,7 +13,7 @@ from devgraph import hookimpl
 from devgraph._plugins import plugin_manager
 from devgraph.compile import (
     CompileConfig,
-    DevgraphBackend,
+    DevgraphCompiler,
     Pass,
     PassContext,
     PassManager,
@@ -33,7 +33,7 @@ def _inputs(kind: str) -> tuple[torch.Tensor, ...]:
 
 def _compile(model, kind: str, passes=None):
     """Trace ``model`` as the piecewise runner does (Dynamo, token dim dynamic); run the fused graph."""
-    backend = DevgraphBackend(devgraph.device("cpu"), CompileConfig(passes=passes))
+    backend = DevgraphCompiler(devgraph.device("cpu"), CompileConfig(passes=passes))
     args = _inputs(kind)
     for a in args:
         torch._dynamo.mark_dynamic(a, 0)

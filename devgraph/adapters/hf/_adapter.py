@@ -197,6 +197,8 @@ class GraphedCausalLM(GraphedModule):
     by ``capture()``); ``stats`` counts replays and eager fallbacks by reason.
     """
 
+    runner: GraphRunner  # the decode steps' runner
+
     def __init__(
         self,
         model: Any,

@@ -48,7 +48,7 @@ def _attend(q, key_cache, value_cache, block_table, seq_lens, seq_lens_host, sca
     )
 
 
-class DevgraphAttnBackend(TorchNativeAttnBackend):
+class DevgraphAttentionBackend(TorchNativeAttnBackend):
     """``torch_native`` for prefill; decode via ``devgraph.ops.paged_decode_attention`` with host lengths."""
 
     def __init__(self, model_runner: Any) -> None:

@@ -63,6 +63,6 @@ def register() -> None:
 
 
 def _create_attention_backend(model_runner):
-    from devgraph.adapters.sglang._attention import DevgraphAttnBackend
+    from devgraph.adapters.sglang._attention import DevgraphAttentionBackend
 
-    return DevgraphAttnBackend(model_runner)
+    return DevgraphAttentionBackend(model_runner)

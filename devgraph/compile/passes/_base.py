@@ -3,7 +3,7 @@
 A pass is a small object over an aten-level FX graph (before the split):
 
 * ``name``: how configs and reports refer to it;
-* ``is_applicable(ctx)``: whether it should run for this device / compile backend (a fusion whose
+* ``is_applicable(ctx)``: whether it should run for this device / compiler (a fusion whose
   fused op has no kernel for the device's dispatch key is not);
 * ``__call__(graph) -> int``: rewrite the graph in place, return how many matches it rewrote;
 * ``uuid()``: a stable hash of what it does (class, ``version``, parameters), folded into cache keys.

@@ -14,7 +14,7 @@ import torch
 from sglang.srt.layers.radix_attention import RadixAttention
 
 from devgraph import DevgraphError
-from devgraph.adapters.sglang._attention import DevgraphAttnBackend, check_model
+from devgraph.adapters.sglang._attention import DevgraphAttentionBackend, check_model
 
 
 def _model(**attention) -> torch.nn.Module:
@@ -40,7 +40,7 @@ def _model(**attention) -> torch.nn.Module:
 def test_backend_refuses_unsupported_layers_when_built(attention, named):
     runner = SimpleNamespace(model=_model(**attention))  # nothing else: the check runs first
     with pytest.raises(DevgraphError, match=re.escape(f"layers.2 (layer 2) uses {named}")):
-        DevgraphAttnBackend(runner)
+        DevgraphAttentionBackend(runner)
 
 
 def test_plain_layers_pass_the_check():

@@ -785,7 +785,7 @@ def test_torchair_pieces_inside_an_acl_graph_capture_are_refused(monkeypatch):
     # then captured them into ACL graphs; vllm-ascend treats the two as exclusive.
     import types
 
-    from devgraph.compile._backends import compile_piece
+    from devgraph.compile._compilers import compile_piece
 
     monkeypatch.setitem(sys.modules, "torchair", types.ModuleType("torchair"))  # importable here
     gm = torch.fx.symbolic_trace(torch.nn.ReLU())

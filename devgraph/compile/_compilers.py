@@ -1,4 +1,7 @@
-"""Compile backends for one piece: eager, inductor, torchair.
+"""The compilers a piece can be compiled with: eager, inductor, torchair.
+
+devgraph calls them *compilers* (a "backend" in devgraph is a device plugin); the public option
+that picks one, ``compile_backend=``, keeps torch's word (``torch.compile(backend=...)``).
 
 A compiled piece is a callable over the piece's inputs plus a flag, ``opaque``: True when the
 compiled code may launch kernels without going through the torch dispatcher (inductor's CPU
@@ -29,7 +32,7 @@ class CompiledPiece:
     """A piece ready to run: ``fn(*inputs)``; ``opaque`` as in the module docstring."""
 
     fn: Callable[..., Any]
-    backend: str
+    compiler: str
     opaque: bool
     seconds: float = 0.0
 
@@ -66,7 +69,7 @@ def _torchair(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[...
     )
 
 
-_BACKENDS: dict[str, tuple[Callable[..., Callable[..., Any]], bool]] = {
+_COMPILERS: dict[str, tuple[Callable[..., Callable[..., Any]], bool]] = {
     "eager": (_eager, False),
     "inductor": (_inductor, True),
     "torchair": (_torchair, True),
@@ -74,19 +77,19 @@ _BACKENDS: dict[str, tuple[Callable[..., Callable[..., Any]], bool]] = {
 
 
 def compile_piece(
-    backend: str, name: str, gm: fx.GraphModule, example_inputs: Sequence[Any]
+    compiler: str, name: str, gm: fx.GraphModule, example_inputs: Sequence[Any]
 ) -> CompiledPiece:
-    """Compile piece ``name`` with ``backend`` for fake ``example_inputs`` (symbolic sizes kept).
+    """Compile piece ``name`` with ``compiler`` for fake ``example_inputs`` (symbolic sizes kept).
 
     Raises:
-        DevgraphError: an unknown backend, or one that cannot run here (torchair without torch_npu).
+        DevgraphError: an unknown compiler, or one that cannot run here (torchair without torch_npu).
     """
-    if backend not in _BACKENDS:
-        raise DevgraphError(f"unknown compile backend {backend!r}; choose one of {sorted(_BACKENDS)}")
-    compile_fn, opaque = _BACKENDS[backend]
+    if compiler not in _COMPILERS:
+        raise DevgraphError(f"unknown compile_backend {compiler!r}; choose one of {sorted(_COMPILERS)}")
+    compile_fn, opaque = _COMPILERS[compiler]
     start = time.perf_counter()
     fn = compile_fn(gm, example_inputs)
     seconds = time.perf_counter() - start
-    if backend != "eager":
-        logger.debug("devgraph: compiled %s with %s in %.2f s", name, backend, seconds)
-    return CompiledPiece(fn, backend, opaque, seconds)
+    if compiler != "eager":
+        logger.debug("devgraph: compiled %s with %s in %.2f s", name, compiler, seconds)
+    return CompiledPiece(fn, compiler, opaque, seconds)
