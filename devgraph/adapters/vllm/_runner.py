@@ -89,13 +89,16 @@ class DevgraphModelRunnerMixin:
     """What devgraph adds to a vLLM model runner (see the module docstring)."""
 
     devgraph_over_size_logged: bool = False
+    #: the vLLM model runner's own attributes (set by vLLM's GPUModelRunner this mixes into)
+    model: Any
+    vllm_config: Any
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
-        self.model = wrap_full_model(self.model, self.vllm_config)  # type: ignore[attr-defined]
+        self.model = wrap_full_model(self.model, self.vllm_config)
 
     def get_model(self) -> Any:
-        model: Any = self.model  # type: ignore[attr-defined]
+        model: Any = self.model
         if isinstance(model, DevgraphGraphWrapper):
             return model.unwrap()
         return super().get_model()  # type: ignore[misc]
