@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import attrs
 
-__all__ = ["Import", "circles", "imports", "modules"]
+__all__ = ["Import", "circles", "imported_names", "imports", "modules"]
 
 
 @attrs.frozen
@@ -80,6 +80,18 @@ def _owner(name: str, known: dict[str, pathlib.Path]) -> str | None:
     while name and name not in known:
         name = name.rpartition(".")[0]
     return name or None
+
+
+def imported_names(path: pathlib.Path) -> list[tuple[str, int]]:
+    """Every absolute module name the file at ``path`` imports, anywhere in it, with its line
+    (relative imports are left out: they cannot leave the package)."""
+    found = []
+    for node, _, _ in _statements(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif node.module and not node.level:
+            found.append((node.module, node.lineno))
+    return found
 
 
 def imports(package_dir: pathlib.Path) -> list[Import]:

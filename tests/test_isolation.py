@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from _import_graph import Import, circles, imports
+from _import_graph import Import, circles, imported_names, imports
 
 import devgraph
 from devgraph.testing import conformance
@@ -262,19 +262,6 @@ def test_compile_modules_import_no_runner_module(import_graph):
     assert [(e.source, e.target, e.lazy) for e in reach] == []
 
 
-def _imported_names(path: pathlib.Path) -> list[tuple[str, int]]:
-    import ast
-
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(alias.name, node.lineno) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.append((node.module, node.lineno))
-    return found
-
-
 def test_the_package_imports_none_of_its_test_doubles():
     """The torch_npu simulator and the accelerator stand-in live with the tests (tests/sim), not in
     the wheel: no module of devgraph imports them, at any level (demo and testing/ included)."""
@@ -282,7 +269,7 @@ def test_the_package_imports_none_of_its_test_doubles():
     offenders = [
         f"{path.relative_to(root.parent)}:{line}: import {name}"
         for path in sorted(root.rglob("*.py"))
-        for name, line in _imported_names(path)
+        for name, line in imported_names(path)
         if name.split(".")[0] in ("devgraph_sim", "devgraph_toy_backend")
     ]
     assert not offenders, offenders
@@ -292,4 +279,4 @@ def test_the_package_imports_none_of_its_test_doubles():
 def test_the_test_double_check_sees_an_import(tmp_path):
     bad = tmp_path / "m.py"
     bad.write_text("def f():\n    from devgraph_sim.npu import simulated_torch_npu\n")
-    assert _imported_names(bad) == [("devgraph_sim.npu", 2)]
+    assert imported_names(bad) == [("devgraph_sim.npu", 2)]
