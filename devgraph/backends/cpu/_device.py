@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -136,14 +135,6 @@ class CpuGraph(Graph):
         recorder, _, _ = self._update
         recorder.__exit__(None, None, None)
         del self._update  # the captured segment stays in place
-
-    def _call_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
-        """Run ``fn(*args)`` and, when capturing, record it as one task replayed on the same tensors.
-
-        For code that calls kernels without going through the dispatcher (inductor's CPU code), which
-        an op recorder cannot see into.
-        """
-        return self._tape.record_opaque(fn, args, name)
 
     @property
     def recorded_ops(self) -> list[str]:

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from devgraph._errors import CaptureError, DevgraphError
@@ -571,13 +571,6 @@ class Tape:
         with torch.inference_mode():
             for segment in self.segments:
                 segment.run()
-
-    def record_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
-        """Run ``fn(*args)``; while recording, record it as one entry (see ``Recorder.record_call``)."""
-        if self.recorder is None:
-            return fn(*args)
-        with _disable_current_modes():
-            return self.recorder.record_call(fn, args, name)
 
     @property
     def ops(self) -> list[str]:
