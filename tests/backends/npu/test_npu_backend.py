@@ -28,17 +28,6 @@ IFA = "devgraph_npu_sim::npu_fused_infer_attention_score"  # the simulated torch
 SCALE = 0.5
 
 
-@pytest.fixture
-def sim():
-    with simulated_torch_npu(hang_timeout=0.2) as torch_npu:
-        yield torch_npu
-
-
-@pytest.fixture
-def npu(sim):
-    return devgraph.device("npu")
-
-
 def _real_torch_npu_installed() -> bool:
     import importlib.util
 

@@ -9,13 +9,6 @@ import devgraph
 from devgraph import CaptureError
 from devgraph.backends.npu import _capture_errors
 from devgraph_sim.npu import _runtime as _npu_sim_runtime
-from devgraph_sim.npu import simulated_torch_npu
-
-
-@pytest.fixture
-def npu():
-    with simulated_torch_npu(hang_timeout=0.2):
-        yield devgraph.device("npu")
 
 
 @pytest.mark.parametrize(

@@ -9,23 +9,11 @@ import devgraph
 from devgraph import DevgraphError
 from devgraph.backends import _reference
 from devgraph.backends.npu import _handlers
-from devgraph_sim.npu import simulated_torch_npu
 
 SCALE = 0.5
 DTYPE = torch.bfloat16
 IFA = "devgraph_npu_sim::npu_fused_infer_attention_score"
 PA = "devgraph_npu_sim::_npu_paged_attention"
-
-
-@pytest.fixture
-def sim():
-    with simulated_torch_npu(hang_timeout=0.2) as torch_npu:
-        yield torch_npu
-
-
-@pytest.fixture
-def npu(sim):
-    return devgraph.device("npu")
 
 
 def _case(batch=2, heads=4, kv_heads=2, dim=8, block_size=16, blocks=8, max_blocks=2):
