@@ -52,7 +52,7 @@ from _common import DEFAULT_OUT, logger, report_header, write_json
 
 import devgraph
 from devgraph.backends.cuda._device import DeviceMetadataGraph
-from devgraph.compile._ops import host_values
+from devgraph.compile._splitting_ops import host_values
 from devgraph.testing.models import DecoderConfig, KVBlockManager, make_decoder
 
 NOTE = (
@@ -121,7 +121,7 @@ def full_cases(
     model = make_decoder(config, device=dev.torch_device)
     graphed = devgraph.wrap(model, device=dev, batch_sizes=sizes)
     graphed.capture(**decode_batch(config, dev.torch_device, 1))
-    stub_replay(iter(graphed.runner._graphs.values()))
+    stub_replay(graph for _, graph in graphed.runner.full.graphs.items())
     return [_full_case(graphed, config, layers, rows, sizes, args) for rows in batches]
 
 
@@ -190,8 +190,8 @@ def stub_splitting_ops(split: Any, names: list[str], state: Any, calls: list[Cal
 class _VllmPiece:
     """A piece as vLLM's PIECEWISE graph wrapper runs it: a dict lookup by size, a replay, the output."""
 
-    def __init__(self, entries: dict[int, Any], state: Any) -> None:
-        self.entries = {size: (e.graph._replay, e.output) for size, e in entries.items()}
+    def __init__(self, graphs: Any, state: Any) -> None:
+        self.entries = {size: (graph._replay, graphs.output(size)) for size, graph in graphs.items()}
         self.state = state
 
     def __call__(self, *args: Any) -> Any:
@@ -210,8 +210,8 @@ def piecewise_cases(
     # and inductor would spend minutes compiling 32 layers on a GPU.
     graphed = devgraph.wrap(model, device=dev, mode="piecewise", capture_sizes=sizes, compile_backend="eager")
     graphed.capture(**decode_batch(config, dev.torch_device, 1))
-    module = graphed.runner.module
-    stub_replay(e.graph for r in module.piece_graphs for e in r.entries.values())
+    module = graphed.runner.pieces.module
+    stub_replay(graph for r in module.piece_graphs for _, graph in r.graphs.items())
     step = {rows: decode_batch(config, dev.torch_device, rows) for rows in batches}
     with torch.no_grad():
         stub_splitting_ops(
@@ -227,17 +227,17 @@ def _piecewise_case(
     graphed: Any, layers: int, rows: int, batch: dict[str, Any], sizes: list[int], args: Any
 ) -> dict[str, Any]:
     runner = graphed.runner
-    module = runner.module
+    module = runner.pieces.module
     size = min(s for s in sizes if s >= rows)
     split = module.split.module
 
     # The vLLM-style loop over the same split module: captured pieces swapped for _VllmPiece, the
     # same (stubbed) splitting ops and view-only pieces in between.
     ours_pieces = {r.piece.name: r for r in module.piece_graphs if r.entries}
-    theirs_pieces = {name: _VllmPiece(r.entries, module.state) for name, r in ours_pieces.items()}
+    theirs_pieces = {name: _VllmPiece(r.graphs, module.state) for name, r in ours_pieces.items()}
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     buffers = runner.inputs.buffers
-    traced_inputs = runner.traced.inputs
+    traced_inputs = runner.pieces.traced.inputs
     pad = runner.config.pad_value("seq_lens_host")
     state = module.state
 

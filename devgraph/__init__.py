@@ -23,10 +23,17 @@ from devgraph._errors import (
 from devgraph._hookspecs import hookimpl
 from devgraph._plugins import BackendInfo, BackendSpec, Probe, device, list_backends
 from devgraph._wrap import wrap
-from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
-from devgraph.graph._graphed import GraphedModule
-from devgraph.graph._tasks import TaskGroup
-from devgraph.graph._weakref import weak_ref_tensor, weak_ref_tensors
+from devgraph.graph import (
+    Device,
+    Event,
+    Graph,
+    MemoryPool,
+    MemoryStats,
+    Stream,
+    TaskGroup,
+    weak_ref_tensor,
+    weak_ref_tensors,
+)
 
 __version__ = "0.1.0"
 
@@ -36,6 +43,10 @@ _LAZY_SUBPACKAGES = ("compile", "ops", "runner")
 
 
 def __getattr__(name: str) -> Any:
+    if name == "GraphedModule":  # the runner layer imports torch: loaded on first use
+        from devgraph.runner import GraphedModule
+
+        return GraphedModule
     if name in _LAZY_SUBPACKAGES:
         return importlib.import_module(f"devgraph.{name}")
     if name == "backends":

@@ -18,7 +18,7 @@ import torch
 
 import devgraph
 from devgraph._errors import DevgraphError
-from devgraph.graph._contract import Device
+from devgraph.graph import Device
 
 __all__ = ["run_demo", "run_tp_demo"]
 

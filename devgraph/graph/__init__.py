@@ -8,27 +8,46 @@
 * ``_collectives``: which collectives a capture replays and which it refuses.
 * ``_opnames``: op names (``namespace::op``) and which ops have Python bodies.
 * ``_weakref``: weak references to graph outputs.
-* ``_graphed``: ``GraphedModule``, what ``devgraph.wrap`` returns.
+* ``_graph_set``: ``GraphSet``, graphs by key in one shared pool (``SharedPool``), outputs held weakly:
+  the core of every holder of graphs (the runner's parts, the pieces, the engine adapters).
 
-Importing this package imports no torch; the public names are re-exported by ``devgraph``.
+Importing this package imports no torch. Its face (``__all__``) is what other packages and third-party
+backends use: the contract, the graph set, task groups and host-argument application, and the refusal
+helpers a backend's capture needs (``raise_refusal``, ``is_collective``/``refuse_collective``,
+``has_python_kernel``, ``lookup_op``, ``FUNCTION_SYNCS``/``SHAPE_REMEDY``). ``devgraph`` re-exports the
+user-facing names.
 """
 
 from __future__ import annotations
 
-from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
-from devgraph.graph._graphed import GraphedModule
-from devgraph.graph._tasks import TaskGroup
+from devgraph.graph._capture import FUNCTION_SYNCS, SHAPE_REMEDY, raise_refusal
+from devgraph.graph._collectives import is_collective, refuse_collective
+from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream, current_graph
+from devgraph.graph._graph_set import GraphSet, SharedPool
+from devgraph.graph._opnames import has_python_kernel, lookup_op
+from devgraph.graph._tasks import TaskGroup, apply_host_args, holds_tensor
 from devgraph.graph._weakref import weak_ref_tensor, weak_ref_tensors
 
 __all__ = [
+    "FUNCTION_SYNCS",
+    "SHAPE_REMEDY",
     "Device",
     "Event",
     "Graph",
-    "GraphedModule",
+    "GraphSet",
     "MemoryPool",
     "MemoryStats",
+    "SharedPool",
     "Stream",
     "TaskGroup",
+    "apply_host_args",
+    "current_graph",
+    "has_python_kernel",
+    "holds_tensor",
+    "is_collective",
+    "lookup_op",
+    "raise_refusal",
+    "refuse_collective",
     "weak_ref_tensor",
     "weak_ref_tensors",
 ]

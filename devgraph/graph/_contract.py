@@ -100,13 +100,24 @@ class MemoryPool(abc.ABC):
         # Made on first use: a backend's pool may not call this __init__.
         return self.__dict__.setdefault("_devgraph_users", weakref.WeakSet())
 
+    @property
+    def in_use(self) -> int:
+        """How many graphs hold this pool now (captured or capturing, not reset, not freed)."""
+        return len(self._users())
+
+    @property
+    def retired(self) -> bool:
+        """True once every graph that captured into this pool let go of it: it is never captured
+        into again (CUDA's allocator asserts on it); mint a fresh one (``SharedPool`` does)."""
+        return bool(self.__dict__.get("_devgraph_used")) and not self._users()
+
     def _enlist(self, graph: Graph) -> None:
         """Count ``graph`` as a user of this pool; refuse a pool whose every user let go of it.
 
         CUDA's allocator (and torch_npu's port of it) asserts when a capture joins a pool whose
         last graph was reset or freed, so every backend refuses it, the CPU reference included.
         """
-        if self.__dict__.get("_devgraph_used") and not self._users():
+        if self.retired:
             raise DevgraphError(
                 "this pool's graphs were all reset, freed or failed to capture: a pool is not captured "
                 "into again once its last graph lets go of it (CUDA's allocator asserts on it). Capture "

@@ -1,116 +1,20 @@
-"""What a model's graphs depend on besides its inputs: its weights, buffers and Python attributes.
+"""What a model's forward may change besides its outputs, put back after warm-ups and capture.
 
-Graphs read weights by address, and a capture freezes whatever the model's Python code computed.
-``WeightWatch`` notices a weight, buffer or submodule replaced after capture, cheaply per call:
-torch's public module registration hooks (``module.w = nn.Parameter(...)``,
-``load_state_dict(..., assign=True)``, ``module.sub = ...`` all register through them) bump a
-counter, and only when it moved are the model's slots scanned. ``param.data = new`` goes through
-no hook; a scan of every weight per call would cost about 0.15 us per tensor, so it is seen with
-``debug=True`` only (``WeightAddresses.check``). ``ModuleState`` snapshots what warm-ups and
-capture may change (buffer values, Python scalars in module ``__dict__``s) and restores it.
+A capture freezes whatever the model's Python code computed. ``ModuleState`` snapshots what
+warm-ups and capture may change (buffer values, Python scalars in module ``__dict__``s) and restores
+it; ``capture_warnings`` names what replay cannot do like eager (hooks, training-mode layers).
 """
 
 from __future__ import annotations
 
-import threading
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from devgraph._source import user_stacklevel
 
-__all__ = ["ModuleState", "WeightWatch", "capture_warnings"]
-
-# Bumped by every parameter, buffer or submodule registration in the process (any module).
-registrations = [0]
-_installed = False
-_install_lock = threading.Lock()
-
-
-def _bump(*_: object) -> None:
-    registrations[0] += 1
-
-
-def _install_hooks() -> None:
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        from torch.nn.modules import module as nn_module
-
-        nn_module.register_module_parameter_registration_hook(_bump)
-        nn_module.register_module_buffer_registration_hook(_bump)
-        nn_module.register_module_module_registration_hook(_bump)
-        _installed = True
-
-
-def _slots(fn: torch.nn.Module) -> Iterator[tuple[dict[str, Any], str, str, torch.Tensor | torch.nn.Module]]:
-    """``(owner dict, key, description, value)`` for every parameter, buffer and submodule of ``fn``."""
-    for prefix, module in fn.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for kind, table in (
-            ("parameter", module._parameters),
-            ("buffer", module._buffers),
-            ("submodule", module._modules),
-        ):
-            for key, value in table.items():
-                if value is not None:
-                    yield table, key, f"{kind} {dot + key!r}", value
-
-
-class WeightWatch:
-    """Whether any weight, buffer or submodule of a model was replaced since ``remember``.
-
-    Holds the model's own slot dicts and, per slot, the id and address of what it held: never the
-    tensors themselves, so a replaced weight's memory is freed as it would be without devgraph.
-
-    ``seen`` (the registration count up to which nothing was replaced) advances only to a count that
-    two looks in a row found: torch runs the registration hook before it stores the new value, so a
-    look racing with a replacement on another thread is followed by one more.
-    """
-
-    def __init__(self) -> None:
-        self.seen = -1
-        self._pending = -1
-        self._slots: list[tuple[dict[str, Any], str, str, int, int | None]] = []
-
-    def remember(self, fn: object) -> None:
-        self._slots = []
-        self.seen = -1
-        if not isinstance(fn, torch.nn.Module):
-            return
-        _install_hooks()
-        # Recording the slots is a look: trusted at once (a capture racing with a replacement on
-        # another thread is the caller's race).
-        self.seen = self._pending = registrations[0]
-        for table, key, what, value in _slots(fn):
-            ptr = value.data_ptr() if isinstance(value, torch.Tensor) else None
-            self._slots.append((table, key, what, id(value), ptr))
-
-    def clear(self) -> None:
-        self._slots = []
-        self.seen = -1
-
-    def replaced(self) -> str | None:
-        """The first slot whose value was replaced (a description), or None; O(1) when no module
-        anywhere registered anything since the last look."""
-        now = registrations[0]
-        if self.seen == now:
-            return None
-        if not self._slots:
-            self.seen = now
-            return None
-        for table, key, what, ident, ptr in self._slots:
-            value = table.get(key)
-            if value is None or id(value) != ident or (ptr is not None and value.data_ptr() != ptr):
-                return what
-        if now == self._pending:
-            self.seen = now
-        self._pending = now
-        return None
-
+__all__ = ["ModuleState", "capture_warnings"]
 
 _SCALARS = (int, float, bool, str, type(None))
 

@@ -294,7 +294,7 @@ def _piecewise(debug):
 
 def test_debug_mode_checks_every_piece_input_and_names_a_moved_weight():
     model, graphed, batch = _piecewise(debug=True)
-    module = graphed.runner.module
+    module = graphed.runner.pieces.module
     entries = [e for r in module.piece_graphs for e in r.entries.values()]
     assert any(len(e.moving) < len(e.tensors) for e in entries)  # some inputs cannot move...
     model.lm_head.weight.data = model.lm_head.weight.data.clone()
@@ -304,13 +304,13 @@ def test_debug_mode_checks_every_piece_input_and_names_a_moved_weight():
 
 def test_pieces_check_only_inputs_that_may_move_outside_debug_mode():
     _, graphed, _batch = _piecewise(debug=False)
-    module = graphed.runner.module
+    module = graphed.runner.pieces.module
     # Moving a piece's stable input (a runner buffer) is not looked for outside debug mode...
     (runner,) = [r for r in module.piece_graphs if r.entries][:1]
     entry = runner.entries[2]
     stable = [i for i, _, _ in entry.tensors if all(i != j for j, _, _ in entry.moving)]
     assert stable
-    inputs = graphed.runner._replay_inputs[2]
+    inputs = graphed.runner.pieces._replay_inputs[2]
     before = module.input_copies
     module.replay(inputs, 2, graphed.runner.padded_host_args({}, 2))
     assert module.input_copies == before

@@ -47,10 +47,15 @@ from devgraph.adapters.hf._compat import cache_kwarg
 from devgraph.adapters.hf._plan import eager_reason, read_generate_call
 from devgraph.adapters.hf._prefill import PiecewisePrefill
 from devgraph.adapters.hf._step import MAX_MASKS, DecodeRoute, DecodeStep
-from devgraph.graph._contract import Device
-from devgraph.graph._graphed import GraphedModule
-from devgraph.runner import GraphRunner, RunnerConfig, make_config, normalise_batch_sizes
-from devgraph.runner._config import positive_ints
+from devgraph.graph import Device
+from devgraph.runner import (
+    GraphedModule,
+    GraphRunner,
+    RunnerConfig,
+    make_config,
+    normalise_batch_sizes,
+    positive_ints,
+)
 
 __all__ = ["GraphedCausalLM", "HFOptions", "wrap_hf"]
 
@@ -151,8 +156,8 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
 
 
 def _prefill_factory(dev: Device, hf: HFOptions, runner_config: RunnerConfig, options: dict[str, Any]) -> Any:
-    """A function building the prefill's ``PiecewiseRunner`` for a ``PrefillRow``."""
-    from devgraph.runner._piecewise import piecewise_runner
+    """A function building the prefill's piecewise ``GraphRunner`` for a ``PrefillRow``."""
+    from devgraph.runner import piecewise_runner
 
     options = {
         "splitting_ops": ("aten::scaled_dot_product_attention",),

@@ -35,7 +35,7 @@ from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCuda
 
 from devgraph.adapters.sglang import _stats
 from devgraph.adapters.sglang._backend import DevgraphGraphBackend
-from devgraph.graph._contract import Device
+from devgraph.graph import Device
 
 logger = logging.getLogger(__name__)
 

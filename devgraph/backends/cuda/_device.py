@@ -38,8 +38,7 @@ import torch
 
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph._source import user_source_line
-from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
-from devgraph.graph._tasks import TaskGroup, apply_host_args
+from devgraph.graph import Device, Event, Graph, MemoryPool, MemoryStats, Stream, TaskGroup, apply_host_args
 
 __all__ = [
     "DEVICE_METADATA_OPS",

@@ -769,17 +769,17 @@ def test_demo_runs_on_the_npu_simulator_in_bfloat16(capsys):
     assert "torch.bfloat16" in out and "graphed logits match eager" in out
 
 
-def test_torchair_pieces_inside_an_acl_graph_capture_are_refused(monkeypatch):
+def test_torchair_pieces_inside_an_acl_graph_capture_are_refused(sim, monkeypatch):
     # Regression: the npu default compiled pieces with torchair (default max-autotune: a GE graph),
     # then captured them into ACL graphs; vllm-ascend treats the two as exclusive.
     import types
 
-    from devgraph.compile._compilers import compile_piece
+    from devgraph.compile import compile_piece
 
     monkeypatch.setitem(sys.modules, "torchair", types.ModuleType("torchair"))  # importable here
     gm = torch.fx.symbolic_trace(torch.nn.ReLU())
     with pytest.raises(DevgraphError, match="cannot compile pieces that devgraph captures into ACL graphs"):
-        compile_piece("torchair", "submod_0", gm, [torch.zeros(2)])
+        compile_piece("torchair", "submod_0", gm, [torch.zeros(2)], npu_device.NpuDevice(0))
 
 
 def test_npu_default_compile_backend_is_eager_even_with_torchair(sim, monkeypatch):
