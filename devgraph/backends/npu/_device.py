@@ -12,7 +12,15 @@ update stream between ``graph_task_update_begin/end`` and records the event. A g
 updated since the last replay has its event recorded just before the next replay, so the graph
 never hangs: it replays with the arguments it last had (stale, as on the CPU reference backend).
 ``replay(host_args)`` overlaps the updates with the replay by default (``NpuDevice.update_order``;
-see ``NpuGraph.replay``). The ordering steps are small methods of ``NpuGraph``
+see ``NpuGraph.replay``).
+
+One step's updates are one submission: the device's update lock (one submitter per device: CANN
+fails on task updates submitted from two host threads at once, sglang-omni #2160), one fence, one
+entry onto the update stream, then per task group the begin / re-issue / end / event record that
+torch_npu needs (``graph_task_update_begin`` takes one group's handle). The host lists are built
+once per step and shared by every layer; an attention task whose only new argument is its lengths
+is re-issued from the torch_npu call it launched (``_kernels.Launch``), not by running the devgraph
+op again. The ordering steps are small methods of ``NpuGraph``
 (``_fence_update_stream``, ``_release_updated``, ``_release_stale``): tests/backends/npu/test_npu_async.py
 removes each in turn on the asynchronous simulator and watches a test fail.
 """
@@ -20,11 +28,12 @@ removes each in turn on the asynchronous simulator and watches a test fail.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -172,6 +181,10 @@ class NpuPool(MemoryPool):
 #: How ``replay(host_args)`` orders the task updates and the replay (``NpuDevice.update_order``).
 UPDATE_ORDERS = ("overlap", "serial")
 
+#: One task's re-issue in a step: the group, its new host arguments, and the call that re-issues it
+#: (None: run the group's op again). See ``NpuGraph._plan``.
+_Reissue = tuple[TaskGroup, dict[str, Any], "Callable[[], Any] | None"]
+
 _thread = threading.local()  # .updating: what this thread is updating now (nesting is refused)
 
 
@@ -186,6 +199,13 @@ class NpuGraph(Graph):
         self._scratch: _kernels.Scratch = {}  # attention workspaces of this graph's capture
         self._capture_work: Any = None
         self._poisoned: str | None = None  # why replay() refuses until reset()
+        #: per auto task group (index): the attention launch a lengths-only update re-issues
+        self._launches: dict[int, _kernels.Launch] = {}
+        #: per auto task group: the tensors its attention call passed (``_kernels.call_signature``)
+        self._call_signatures: dict[int, Any] = {}
+        self._next_call: Any = None  # the signature of the auto task about to be captured
+        self._sink: Any = None  # the launch sink of the auto task being captured
+        self._sink_launches: list[_kernels.Launch] = []
 
     @property
     def _npu(self) -> Any:
@@ -200,6 +220,7 @@ class NpuGraph(Graph):
         self.native = self._npu.NPUGraph()
         self._released = set()
         self._scratch = {}
+        self._launches, self._call_signatures = {}, {}
         self._poisoned = None
         mode = "global" if self.capture_error_mode == "default" else self.capture_error_mode
         self.native.capture_begin(pool=pool.handle, capture_error_mode=mode)
@@ -218,6 +239,7 @@ class NpuGraph(Graph):
     def _abort_capture(self) -> None:
         self._leave_capture_work()
         self._scratch = {}
+        self._launches, self._call_signatures = {}, {}
         native, self.native = self.native, None
         if native is None:
             return
@@ -250,6 +272,7 @@ class NpuGraph(Graph):
         self.native = None
         self._released = set()
         self._scratch = {}  # the workspaces pointed into this graph's pool: free them with it
+        self._launches, self._call_signatures = {}, {}
         self._poisoned = None
 
     # -- the ordering steps of task update (tests/backends/npu/test_npu_async.py removes each in turn) ---------
@@ -305,14 +328,15 @@ class NpuGraph(Graph):
             self.update(host_args)
             self._replay()
             return
+        plan = self._plan(pairs)  # the lengths checked and built before anything is queued
         with self._updating() as update_stream:
             self._release_stale(self._npu.current_stream(self.device.index), updating)
             self._launch()
             try:
-                self._reissue_all(pairs, update_stream)
+                self._reissue_all(plan, update_stream)
             except BaseException:
                 # The replay in flight must not wait forever on the tasks left un-updated.
-                for group, _ in pairs:
+                for group, _, _ in plan:
                     if group.index not in self._released:
                         group.handle[1].record(update_stream)
                 raise
@@ -322,9 +346,9 @@ class NpuGraph(Graph):
     def _update_tasks(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Re-issue the updatable tasks with ``host_args`` before the next replay, all or nothing:
         if one re-issue fails, the tasks already re-issued get their previous arguments back."""
-        pairs = list(apply_host_args(self._tasks, host_args))
+        plan = self._plan(list(apply_host_args(self._tasks, host_args)))
         with self._updating() as update_stream:
-            self._reissue_all(pairs, update_stream)
+            self._reissue_all(plan, update_stream)
 
     def _check_update_allowed(self, what: str) -> None:
         """Refuse an update nested in another one on this thread, before the graph lock is taken:
@@ -345,50 +369,97 @@ class NpuGraph(Graph):
             finally:
                 _thread.updating = None
 
-    def _reissue(self, group: TaskGroup, host_args: Mapping[str, Any], update_stream: Any) -> None:
-        """Rewrite one auto task with ``host_args`` and release it."""
+    def _plan(self, pairs: list[tuple[TaskGroup, dict[str, Any]]]) -> list[_Reissue]:
+        """Each task's re-issue: an attention task whose only new argument is its lengths re-issues
+        its launch with them, the lengths built once per step for every task given the same list;
+        any other task runs its op again (and keeps the launch that makes)."""
+        built: dict[tuple[int, int], list[int]] = {}
+        plan: list[_Reissue] = []
+        for group, host_args in pairs:
+            launch = self._launches.get(group.index)
+            if launch is not None and host_args.keys() == {_kernels.LENGTHS}:
+                given = host_args[_kernels.LENGTHS]  # alive in host_args: its id stays unique
+                lengths = built.get((id(given), launch.batch))
+                if lengths is None:
+                    try:
+                        lengths = _kernels.attention_lengths(given, launch.batch)
+                    except ValueError as exc:
+                        raise DevgraphError(
+                            f"task update of task {group.index} ({group.op}) with {dict(host_args)} failed "
+                            f"(ValueError: {exc}). Nothing was re-issued: every task keeps its previous "
+                            "arguments."
+                        ) from exc
+                    built[id(given), launch.batch] = lengths
+                plan.append((group, host_args, functools.partial(launch.reissue, lengths)))
+            else:
+                plan.append((group, host_args, None))
+        return plan
+
+    def _reissue(self, group: TaskGroup, call: Callable[[], Any] | None, host_args: Mapping[str, Any],
+                 update_stream: Any) -> None:  # fmt: skip
+        """Rewrite one auto task and release it: ``call`` re-issues it (None: its op, run again with
+        ``host_args`` over the ones it holds). Runs on the update stream, in the graph's work
+        (``_reissue_all``)."""
         npu = self._npu
-        call = group.call_with(host_args)
-        with npu.stream(update_stream), _kernels.graph_work(self._scratch):
-            npu.graph_task_update_begin(update_stream, group.handle[0])
-            try:
-                call()
-            except BaseException:
-                with contextlib.suppress(
-                    Exception
-                ):  # torch_npu has no abort: end it, report the call's error
-                    npu.graph_task_update_end(update_stream)
-                raise
-            npu.graph_task_update_end(update_stream)
+        if call is None:
+            # The arguments not given keep the values the task holds now (as torch_npu's own
+            # update records do), not their capture-time ones.
+            op_call = group.call_with({**group.host_args, **host_args})
+            call = functools.partial(self._call_keeping_launch, group, op_call, _kernels.launch_sink())
+        npu.graph_task_update_begin(update_stream, group.handle[0])
+        try:
+            call()
+        except BaseException:
+            with contextlib.suppress(Exception):  # torch_npu has no abort: end it, report the call's error
+                npu.graph_task_update_end(update_stream)
+            raise
+        npu.graph_task_update_end(update_stream)
         self._release_updated(group, update_stream)
 
-    def _reissue_all(self, pairs: list[tuple[TaskGroup, dict[str, Any]]], update_stream: Any) -> None:
+    def _call_keeping_launch(self, group: TaskGroup, call: Callable[[], Any], sink: Any) -> None:
+        """Run ``call`` (the group's op, again); the launch it makes is the one the group re-issues next."""
+        with sink as launches:
+            call()
+        self._keep_launch(group, launches)
+
+    def _keep_launch(self, group: TaskGroup, launches: list[_kernels.Launch]) -> None:
+        called_with = self._call_signatures.get(group.index)
+        if len(launches) == 1 and called_with is not None and launches[0].called_with == called_with:
+            self._launches[group.index] = launches[0]
+        else:  # not one attention launch: the group is always re-issued through its op
+            self._launches.pop(group.index, None)
+
+    def _reissue_all(self, plan: list[_Reissue], update_stream: Any) -> None:
+        """Re-issue ``plan`` in one submission on the update stream, all or nothing: if one re-issue
+        fails, the tasks already re-issued get their previous arguments back."""
         done: list[tuple[TaskGroup, dict[str, Any]]] = []
-        for group, host_args in pairs:
-            previous = dict(group.host_args)
-            try:
-                self._reissue(group, host_args, update_stream)
-            except Exception as exc:
-                restored = self._restore([*done, (group, previous)], update_stream)
-                raise DevgraphError(
-                    f"task update of task {group.index} ({group.op}) with {host_args} failed "
-                    f"({type(exc).__name__}: {exc}). "
-                    + (
-                        "Every task of this update keeps its previous arguments (a replay already in "
-                        "flight ran with some new ones: do not use its outputs)."
-                        if restored
-                        else "Restoring the previous arguments failed too: the graph is poisoned; "
-                        "reset() and capture it again."
-                    )
-                ) from exc
-            done.append((group, previous))
-            group.remember(host_args)
+        with self._npu.stream(update_stream), _kernels.graph_work(self._scratch):
+            for group, host_args, call in plan:
+                previous = dict(group.host_args)
+                try:
+                    self._reissue(group, call, host_args, update_stream)
+                except Exception as exc:
+                    restored = self._restore([*done, (group, previous)], update_stream)
+                    raise DevgraphError(
+                        f"task update of task {group.index} ({group.op}) with {dict(host_args)} failed "
+                        f"({type(exc).__name__}: {exc}). "
+                        + (
+                            "Every task of this update keeps its previous arguments (a replay already in "
+                            "flight ran with some new ones: do not use its outputs)."
+                            if restored
+                            else "Restoring the previous arguments failed too: the graph is poisoned; "
+                            "reset() and capture it again."
+                        )
+                    ) from exc
+                done.append((group, previous))
+                group.remember(host_args)
 
     def _restore(self, items: list[tuple[TaskGroup, dict[str, Any]]], update_stream: Any) -> bool:
-        """Re-issue ``items`` with their previous arguments; poison the graph if that fails."""
+        """Re-issue ``items`` with their previous arguments (on the update stream, in the graph's
+        work); poison the graph if that fails."""
         for group, previous in reversed(items):
             try:
-                self._reissue(group, previous, update_stream)
+                self._reissue(group, None, previous, update_stream)
             except Exception as exc:
                 self._poison(f"restoring task {group.index} ({group.op}) after a failed update failed: {exc}")
                 return False
@@ -416,8 +487,16 @@ class NpuGraph(Graph):
         event.reset(stream)
         npu.graph_task_group_begin(stream)
         group.handle = (None, event)
+        if group.is_auto:  # the attention launch the op makes now is what a lengths update re-issues
+            self._call_signatures[group.index], self._next_call = self._next_call, None
+            self._sink = _kernels.launch_sink()
+            self._sink_launches = self._sink.__enter__()
 
     def _task_group_end(self, group: TaskGroup) -> None:
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            sink.__exit__(None, None, None)
+            self._keep_launch(group, self._sink_launches)
         handle = self._npu.graph_task_group_end(self._npu.current_stream(self.device.index))
         group.handle = (handle, group.handle[1])
 
@@ -428,24 +507,28 @@ class NpuGraph(Graph):
             update_stream = stack.enter_context(self._updating())
             stack.enter_context(npu.stream(update_stream))
             stack.enter_context(_kernels.graph_work(self._scratch))
+            # What the block re-issues is what a later lengths-only update re-issues (auto tasks).
+            launches = stack.enter_context(_kernels.launch_sink())
             npu.graph_task_update_begin(update_stream, group.handle[0])
         except BaseException:
             stack.close()
             raise
-        self._update = (update_stream, stack)
+        self._update = (update_stream, stack, launches)
 
     def _task_update_end(self, group: TaskGroup) -> None:
-        update_stream, stack = self._update
+        update_stream, stack, launches = self._update
         self._update = None
         with stack:
             self._npu.graph_task_update_end(update_stream)
+            if group.is_auto:
+                self._keep_launch(group, launches)
             self._release_updated(group, update_stream)
 
     def _task_update_abort(self, group: TaskGroup) -> None:
         """The re-issue block raised. torch_npu commits whatever it re-issued (no abort): an auto
         task gets its previous arguments back; an explicit group, whose work devgraph cannot
         re-issue, poisons the graph."""
-        update_stream, stack = self._update
+        update_stream, stack, _ = self._update
         self._update = None
         with stack:
             with contextlib.suppress(Exception):  # the block's error is the one to report
@@ -466,6 +549,7 @@ class NpuGraph(Graph):
         ``postprocess_result``. Other ops are captured as called. What the handler allocates (workspace,
         outputs) the task holds weakly, as torch_npu's records do: ordinary pool memory, ordered by the
         stream like any other temporary of the graph."""
+        self._next_call = _kernels.call_signature(func, args, kwargs)
         registry = self.device._handlers  # type: ignore[attr-defined]
         handler = registry.get(getattr(func, "__name__", "")) if registry else None
         if handler is None:
