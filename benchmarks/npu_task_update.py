@@ -163,7 +163,7 @@ def measure(layers: int, iters: int, probe_iters: int) -> dict[str, Any]:
             order = list(ways) if i % 2 == 0 else list(reversed(ways))
             for name in order:
                 lens = _lengths(i, batch)
-                us = _cpu_us(lambda: ways[name](lens))
+                us = _cpu_us(lambda way=ways[name], lens=lens: way(lens))
                 device.synchronize()  # the device work, untimed
                 if i >= 3:
                     samples[name].append(us / layers)
@@ -173,7 +173,7 @@ def measure(layers: int, iters: int, probe_iters: int) -> dict[str, Any]:
             for i in range(probe_iters):
                 lens = _lengths(1000 + i, batch)
                 with instrument(sim, time.thread_time) as probe:
-                    total = _cpu_us(lambda: step(lens))
+                    total = _cpu_us(lambda step=step, lens=lens: step(lens))
                 device.synchronize()
                 split.append((total / layers, probe.seconds * 1e6 / layers))
                 counts.append(dict(probe.counts))
@@ -192,7 +192,6 @@ def measure(layers: int, iters: int, probe_iters: int) -> dict[str, Any]:
         dg, lp = result["devgraph"], result["loop"]
         result["ratio_host_devgraph_over_loop"] = dg["host_us_per_layer"] / lp["host_us_per_layer"]
         result["ratio_own_devgraph_over_loop"] = dg["own_us_per_layer"] / lp["own_us_per_layer"]
-        del graph, loop
     return result
 
 

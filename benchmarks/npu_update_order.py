@@ -55,7 +55,14 @@ METHODS = {
     "NPUGraph": ("replay",),
 }
 #: torch_npu.npu functions ``instrument`` wraps.
-FUNCTIONS = ("synchronize", "stream", "set_stream", "current_stream", "graph_task_update_begin", "graph_task_update_end")
+FUNCTIONS = (
+    "synchronize",
+    "stream",
+    "set_stream",
+    "current_stream",
+    "graph_task_update_begin",
+    "graph_task_update_end",
+)
 
 
 class Instrument:

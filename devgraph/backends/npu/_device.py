@@ -395,8 +395,13 @@ class NpuGraph(Graph):
                 plan.append((group, host_args, None))
         return plan
 
-    def _reissue(self, group: TaskGroup, call: Callable[[], Any] | None, host_args: Mapping[str, Any],
-                 update_stream: Any) -> None:  # fmt: skip
+    def _reissue(
+        self,
+        group: TaskGroup,
+        call: Callable[[], Any] | None,
+        host_args: Mapping[str, Any],
+        update_stream: Any,
+    ) -> None:
         """Rewrite one auto task and release it: ``call`` re-issues it (None: its op, run again with
         ``host_args`` over the ones it holds). Runs on the update stream, in the graph's work
         (``_reissue_all``)."""

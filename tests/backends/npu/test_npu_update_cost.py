@@ -166,7 +166,9 @@ def test_the_lengths_are_built_once_per_step(npu, monkeypatch):
     model = Layers(npu)
     built = []
     real = npu_kernels.attention_lengths
-    monkeypatch.setattr(npu_kernels, "attention_lengths", lambda lens, batch: built.append(1) or real(lens, batch))
+    monkeypatch.setattr(
+        npu_kernels, "attention_lengths", lambda lens, batch: built.append(1) or real(lens, batch)
+    )
     model.graph.replay(host_args={"seq_lens_host": NEW})  # one list for every layer
     assert len(built) == 1
     model.check(NEW)
@@ -203,7 +205,9 @@ def test_wrong_lengths_are_refused_before_anything_is_queued(npu):
     model = Layers(npu)
     model.graph.replay(host_args={"seq_lens_host": NEW})
     with counting(npu._npu) as counts:
-        with pytest.raises(DevgraphError, match=r"task update of task 0 .*B = 2 lengths.* Nothing was re-issued"):
+        with pytest.raises(
+            DevgraphError, match=r"task update of task 0 .*B = 2 lengths.* Nothing was re-issued"
+        ):
             model.graph.replay(host_args={"seq_lens_host": [7]})
     assert counts == {}
     model.graph.replay()

@@ -707,7 +707,9 @@ def graph_task_update_end(stream):
     update = _STATE.updating.pop(stream.stream_id, None)
     if update is None:
         raise RuntimeError("graph_task_update_end without graph_task_update_begin on this stream")
-    _STATE.update_log.append((threading.get_ident(), "end", update.handle.graph._id, update.segment.group_index))
+    _STATE.update_log.append(
+        (threading.get_ident(), "end", update.handle.graph._id, update.segment.group_index)
+    )
     update.recorder.__exit__(None, None, None)
     old, new = update.handle.segment, update.segment
     issued, captured = _tasks(new), _tasks(old)
