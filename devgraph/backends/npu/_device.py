@@ -181,9 +181,9 @@ class NpuPool(MemoryPool):
 #: How ``replay(host_args)`` orders the task updates and the replay (``NpuDevice.update_order``).
 UPDATE_ORDERS = ("overlap", "serial")
 
-#: One task's re-issue in a step: the group, its new host arguments, and the call that re-issues it
-#: (None: run the group's op again). See ``NpuGraph._plan``.
-_Reissue = tuple[TaskGroup, dict[str, Any], "Callable[[], Any] | None"]
+#: One task's re-issue in a step: the group, its new host arguments, and the lengths its launch is
+#: re-issued with (None: run the group's op again). See ``NpuGraph._plan``.
+_Reissue = tuple[TaskGroup, Mapping[str, Any], "list[int] | None"]
 
 _thread = threading.local()  # .updating: what this thread is updating now (nesting is refused)
 
@@ -205,6 +205,7 @@ class NpuGraph(Graph):
         self._call_signatures: dict[int, Any] = {}
         self._next_call: Any = None  # the signature of the auto task about to be captured
         self._sink: Any = None  # the launch sink of the auto task being captured
+        self._lengths_groups: list[TaskGroup] | None = None  # the tasks taking the lengths (made once)
         self._sink_launches: list[_kernels.Launch] = []
 
     @property
@@ -221,6 +222,7 @@ class NpuGraph(Graph):
         self._released = set()
         self._scratch = {}
         self._launches, self._call_signatures = {}, {}
+        self._lengths_groups = None
         self._poisoned = None
         mode = "global" if self.capture_error_mode == "default" else self.capture_error_mode
         self.native.capture_begin(pool=pool.handle, capture_error_mode=mode)
@@ -240,6 +242,7 @@ class NpuGraph(Graph):
         self._leave_capture_work()
         self._scratch = {}
         self._launches, self._call_signatures = {}, {}
+        self._lengths_groups = None
         native, self.native = self.native, None
         if native is None:
             return
@@ -273,6 +276,7 @@ class NpuGraph(Graph):
         self._released = set()
         self._scratch = {}  # the workspaces pointed into this graph's pool: free them with it
         self._launches, self._call_signatures = {}, {}
+        self._lengths_groups = None
         self._poisoned = None
 
     # -- the ordering steps of task update (tests/backends/npu/test_npu_async.py removes each in turn) ---------
@@ -320,15 +324,14 @@ class NpuGraph(Graph):
             super()._replay_with_host_args(host_args)
             return
         self._check_poisoned()
-        pairs = list(apply_host_args(self._tasks, host_args))  # every check before anything is queued
-        updating = {group.index for group, _ in pairs}
+        plan = self._plan(host_args)  # every check, and the lengths built, before anything is queued
+        updating = {group.index for group, _, _ in plan}
         if updating & self._released:
             # An event already recorded (an update() since the last replay) would let the
             # replay run that task before this update rewrites it: update first, then replay.
             self.update(host_args)
             self._replay()
             return
-        plan = self._plan(pairs)  # the lengths checked and built before anything is queued
         with self._updating() as update_stream:
             self._release_stale(self._npu.current_stream(self.device.index), updating)
             self._launch()
@@ -346,7 +349,7 @@ class NpuGraph(Graph):
     def _update_tasks(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Re-issue the updatable tasks with ``host_args`` before the next replay, all or nothing:
         if one re-issue fails, the tasks already re-issued get their previous arguments back."""
-        plan = self._plan(list(apply_host_args(self._tasks, host_args)))
+        plan = self._plan(host_args)
         with self._updating() as update_stream:
             self._reissue_all(plan, update_stream)
 
@@ -369,44 +372,61 @@ class NpuGraph(Graph):
             finally:
                 _thread.updating = None
 
-    def _plan(self, pairs: list[tuple[TaskGroup, dict[str, Any]]]) -> list[_Reissue]:
-        """Each task's re-issue: an attention task whose only new argument is its lengths re-issues
-        its launch with them, the lengths built once per step for every task given the same list;
-        any other task runs its op again (and keeps the launch that makes)."""
+    def _plan(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[_Reissue]:
+        """Each task's re-issue, every check done: an attention task whose only new argument is its
+        lengths re-issues its launch with them, built once per step for every task given the same
+        list; any other task runs its op again (and keeps the launch that makes)."""
+        lengths_only = self._lengths_only(host_args)
+        pairs = lengths_only if lengths_only is not None else apply_host_args(self._tasks, host_args)
         built: dict[tuple[int, int], list[int]] = {}
         plan: list[_Reissue] = []
-        for group, host_args in pairs:
+        for group, given_args in pairs:
             launch = self._launches.get(group.index)
-            if launch is not None and host_args.keys() == {_kernels.LENGTHS}:
-                given = host_args[_kernels.LENGTHS]  # alive in host_args: its id stays unique
-                lengths = built.get((id(given), launch.batch))
-                if lengths is None:
-                    try:
-                        lengths = _kernels.attention_lengths(given, launch.batch)
-                    except ValueError as exc:
-                        raise DevgraphError(
-                            f"task update of task {group.index} ({group.op}) with {dict(host_args)} failed "
-                            f"(ValueError: {exc}). Nothing was re-issued: every task keeps its previous "
-                            "arguments."
-                        ) from exc
-                    built[id(given), launch.batch] = lengths
-                plan.append((group, host_args, functools.partial(launch.reissue, lengths)))
-            else:
-                plan.append((group, host_args, None))
+            if launch is None or given_args.keys() != {_kernels.LENGTHS}:
+                plan.append((group, dict(given_args), None))
+                continue
+            given = given_args[_kernels.LENGTHS]  # alive in given_args: its id stays unique
+            lengths = built.get((id(given), launch.batch))
+            if lengths is None:
+                try:
+                    lengths = _kernels.attention_lengths(given, launch.batch)
+                except ValueError as exc:
+                    raise DevgraphError(
+                        f"task update of task {group.index} ({group.op}) with {dict(given_args)} failed "
+                        f"(ValueError: {exc}). Nothing was re-issued: every task keeps its previous "
+                        "arguments."
+                    ) from exc
+                built[id(given), launch.batch] = lengths
+            plan.append((group, given_args, lengths))
         return plan
+
+    def _lengths_only(
+        self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    ) -> list[tuple[TaskGroup, Mapping[str, Any]]] | None:
+        """``apply_host_args``'s pairs for the common step, ``{"seq_lens_host": lens}`` given to every
+        task that takes it, without matching names per task (None: another kind of update)."""
+        if not (isinstance(host_args, Mapping) and len(host_args) == 1 and _kernels.LENGTHS in host_args):
+            return None
+        if self._lengths_groups is None:
+            self._lengths_groups = [g for g in self._tasks if g.is_auto and g.takes(_kernels.LENGTHS)]
+        if not self._lengths_groups:
+            return None  # apply_host_args names the error
+        return [(group, host_args) for group in self._lengths_groups]
 
     def _reissue(
         self,
         group: TaskGroup,
-        call: Callable[[], Any] | None,
         host_args: Mapping[str, Any],
+        lengths: list[int] | None,
         update_stream: Any,
     ) -> None:
-        """Rewrite one auto task and release it: ``call`` re-issues it (None: its op, run again with
-        ``host_args`` over the ones it holds). Runs on the update stream, in the graph's work
-        (``_reissue_all``)."""
+        """Rewrite one auto task and release it: its launch re-issued with ``lengths``, or (None) its
+        op run again with ``host_args`` over the ones it holds. Runs on the update stream, in the
+        graph's work (``_reissue_all``)."""
         npu = self._npu
-        if call is None:
+        if lengths is not None:
+            call = functools.partial(self._launches[group.index].reissue, lengths)
+        else:
             # The arguments not given keep the values the task holds now (as torch_npu's own
             # update records do), not their capture-time ones.
             op_call = group.call_with({**group.host_args, **host_args})
@@ -439,10 +459,10 @@ class NpuGraph(Graph):
         fails, the tasks already re-issued get their previous arguments back."""
         done: list[tuple[TaskGroup, dict[str, Any]]] = []
         with self._npu.stream(update_stream), _kernels.graph_work(self._scratch):
-            for group, host_args, call in plan:
-                previous = dict(group.host_args)
+            for group, host_args, lengths in plan:
+                previous = group.host_args  # replaced below, never changed in place
                 try:
-                    self._reissue(group, call, host_args, update_stream)
+                    self._reissue(group, host_args, lengths, update_stream)
                 except Exception as exc:
                     restored = self._restore([*done, (group, previous)], update_stream)
                     raise DevgraphError(
@@ -457,14 +477,14 @@ class NpuGraph(Graph):
                         )
                     ) from exc
                 done.append((group, previous))
-                group.remember(host_args)
+                group.host_args = {**previous, **host_args}
 
     def _restore(self, items: list[tuple[TaskGroup, dict[str, Any]]], update_stream: Any) -> bool:
         """Re-issue ``items`` with their previous arguments (on the update stream, in the graph's
         work); poison the graph if that fails."""
         for group, previous in reversed(items):
             try:
-                self._reissue(group, None, previous, update_stream)
+                self._reissue(group, previous, None, update_stream)
             except Exception as exc:
                 self._poison(f"restoring task {group.index} ({group.op}) after a failed update failed: {exc}")
                 return False
