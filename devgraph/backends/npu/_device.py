@@ -34,15 +34,16 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Set as AbstractSet
+from typing import Any, TypeAlias
 
 import torch
 
 from devgraph._errors import DevgraphError
 from devgraph._source import user_source_line
-from devgraph.backends.npu import _capture_errors, _handlers, _kernels
+from devgraph.backends.npu import _capture_errors, _handlers, _kernels, _update_plan
 from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
-from devgraph.graph._tasks import TaskGroup, apply_host_args
+from devgraph.graph._tasks import TaskGroup
 
 __all__ = [
     "NPU_HARDWARE_STREAMS",
@@ -181,9 +182,8 @@ class NpuPool(MemoryPool):
 #: How ``replay(host_args)`` orders the task updates and the replay (``NpuDevice.update_order``).
 UPDATE_ORDERS = ("overlap", "serial")
 
-#: One task's re-issue in a step: the group, its new host arguments, and the lengths its launch is
-#: re-issued with (None: run the group's op again). See ``NpuGraph._plan``.
-_Reissue = tuple[TaskGroup, Mapping[str, Any], "list[int] | None"]
+_UNSET = object()
+_Plan: TypeAlias = "list[_update_plan.Reissue] | _update_plan.LengthsStep"
 
 _thread = threading.local()  # .updating: what this thread is updating now (nesting is refused)
 
@@ -205,7 +205,12 @@ class NpuGraph(Graph):
         self._call_signatures: dict[int, Any] = {}
         self._next_call: Any = None  # the signature of the auto task about to be captured
         self._sink: Any = None  # the launch sink of the auto task being captured
-        self._lengths_groups: list[TaskGroup] | None = None  # the tasks taking the lengths (made once)
+        #: the tasks a lengths-only step re-issues from their launches (None: none), once made
+        self._fast: _update_plan.FastTasks | None = None
+        self._fast_made = False
+        #: the lengths the last lengths-only steps gave every task of ``_fast``, not yet written into
+        #: their ``host_args`` (``_settle_host_args``): a step copies no task's dict
+        self._pending_lengths: Any = _UNSET
         self._sink_launches: list[_kernels.Launch] = []
 
     @property
@@ -222,7 +227,7 @@ class NpuGraph(Graph):
         self._released = set()
         self._scratch = {}
         self._launches, self._call_signatures = {}, {}
-        self._lengths_groups = None
+        self._fast_made, self._pending_lengths = False, _UNSET
         self._poisoned = None
         mode = "global" if self.capture_error_mode == "default" else self.capture_error_mode
         self.native.capture_begin(pool=pool.handle, capture_error_mode=mode)
@@ -242,7 +247,7 @@ class NpuGraph(Graph):
         self._leave_capture_work()
         self._scratch = {}
         self._launches, self._call_signatures = {}, {}
-        self._lengths_groups = None
+        self._fast_made, self._pending_lengths = False, _UNSET
         native, self.native = self.native, None
         if native is None:
             return
@@ -276,7 +281,7 @@ class NpuGraph(Graph):
         self._released = set()
         self._scratch = {}  # the workspaces pointed into this graph's pool: free them with it
         self._launches, self._call_signatures = {}, {}
-        self._lengths_groups = None
+        self._fast_made, self._pending_lengths = False, _UNSET
         self._poisoned = None
 
     # -- the ordering steps of task update (tests/backends/npu/test_npu_async.py removes each in turn) ---------
@@ -292,7 +297,7 @@ class NpuGraph(Graph):
         group.handle[1].record(update_stream)
         self._released.add(group.index)
 
-    def _release_stale(self, stream: Any, skip: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def _release_stale(self, stream: Any, skip: AbstractSet[int] = frozenset()) -> None:
         """Record, on ``stream``, the event of every group nobody updated since the last replay (and
         that ``skip`` does not name): it replays with the arguments it holds instead of hanging."""
         for group in self._tasks:
@@ -325,7 +330,7 @@ class NpuGraph(Graph):
             return
         self._check_poisoned()
         plan = self._plan(host_args)  # every check, and the lengths built, before anything is queued
-        updating = {group.index for group, _, _ in plan}
+        updating = _indices(plan)
         if updating & self._released:
             # An event already recorded (an update() since the last replay) would let the
             # replay run that task before this update rewrites it: update first, then replay.
@@ -339,7 +344,7 @@ class NpuGraph(Graph):
                 self._reissue_all(plan, update_stream)
             except BaseException:
                 # The replay in flight must not wait forever on the tasks left un-updated.
-                for group, _, _ in plan:
+                for group in _groups(plan):
                     if group.index not in self._released:
                         group.handle[1].record(update_stream)
                 raise
@@ -372,46 +377,22 @@ class NpuGraph(Graph):
             finally:
                 _thread.updating = None
 
-    def _plan(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[_Reissue]:
-        """Each task's re-issue, every check done: an attention task whose only new argument is its
-        lengths re-issues its launch with them, built once per step for every task given the same
-        list; any other task runs its op again (and keeps the launch that makes)."""
-        lengths_only = self._lengths_only(host_args)
-        pairs = lengths_only if lengths_only is not None else apply_host_args(self._tasks, host_args)
-        built: dict[tuple[int, int], list[int]] = {}
-        plan: list[_Reissue] = []
-        for group, given_args in pairs:
-            launch = self._launches.get(group.index)
-            if launch is None or given_args.keys() != {_kernels.LENGTHS}:
-                plan.append((group, dict(given_args), None))
-                continue
-            given = given_args[_kernels.LENGTHS]  # alive in given_args: its id stays unique
-            lengths = built.get((id(given), launch.batch))
-            if lengths is None:
-                try:
-                    lengths = _kernels.attention_lengths(given, launch.batch)
-                except ValueError as exc:
-                    raise DevgraphError(
-                        f"task update of task {group.index} ({group.op}) with {dict(given_args)} failed "
-                        f"(ValueError: {exc}). Nothing was re-issued: every task keeps its previous "
-                        "arguments."
-                    ) from exc
-                built[id(given), launch.batch] = lengths
-            plan.append((group, given_args, lengths))
-        return plan
+    def _plan(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> _Plan:
+        """What this step re-issues, every check done (``_update_plan``)."""
+        if not self._fast_made:
+            self._fast, self._fast_made = _update_plan.fast_tasks(self._tasks, self._launches), True
+        step = _update_plan.lengths_step(self._fast, host_args)
+        if step is not None:
+            return step
+        self._settle_host_args()  # a task by task update reads and writes the tasks' host_args
+        return _update_plan.plan(self._tasks, self._launches, host_args)
 
-    def _lengths_only(
-        self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]
-    ) -> list[tuple[TaskGroup, Mapping[str, Any]]] | None:
-        """``apply_host_args``'s pairs for the common step, ``{"seq_lens_host": lens}`` given to every
-        task that takes it, without matching names per task (None: another kind of update)."""
-        if not (isinstance(host_args, Mapping) and len(host_args) == 1 and _kernels.LENGTHS in host_args):
-            return None
-        if self._lengths_groups is None:
-            self._lengths_groups = [g for g in self._tasks if g.is_auto and g.takes(_kernels.LENGTHS)]
-        if not self._lengths_groups:
-            return None  # apply_host_args names the error
-        return [(group, host_args) for group in self._lengths_groups]
+    def _settle_host_args(self) -> None:
+        """Write the lengths the last lengths-only steps gave into the tasks' ``host_args``."""
+        pending, self._pending_lengths = self._pending_lengths, _UNSET
+        if pending is not _UNSET and self._fast is not None:
+            for group in self._fast.groups:
+                group.host_args = {**group.host_args, _kernels.LENGTHS: pending}
 
     def _reissue(
         self,
@@ -448,15 +429,20 @@ class NpuGraph(Graph):
         self._keep_launch(group, launches)
 
     def _keep_launch(self, group: TaskGroup, launches: list[_kernels.Launch]) -> None:
+        self._settle_host_args()  # the tasks a lengths-only step re-issues may change
+        self._fast_made = False
         called_with = self._call_signatures.get(group.index)
         if len(launches) == 1 and called_with is not None and launches[0].called_with == called_with:
             self._launches[group.index] = launches[0]
         else:  # not one attention launch: the group is always re-issued through its op
             self._launches.pop(group.index, None)
 
-    def _reissue_all(self, plan: list[_Reissue], update_stream: Any) -> None:
+    def _reissue_all(self, plan: _Plan, update_stream: Any) -> None:
         """Re-issue ``plan`` in one submission on the update stream, all or nothing: if one re-issue
         fails, the tasks already re-issued get their previous arguments back."""
+        if isinstance(plan, _update_plan.LengthsStep):
+            self._reissue_launches(plan, update_stream)
+            return
         done: list[tuple[TaskGroup, dict[str, Any]]] = []
         with self._npu.stream(update_stream), _kernels.graph_work(self._scratch):
             for group, host_args, lengths in plan:
@@ -464,20 +450,56 @@ class NpuGraph(Graph):
                 try:
                     self._reissue(group, host_args, lengths, update_stream)
                 except Exception as exc:
-                    restored = self._restore([*done, (group, previous)], update_stream)
-                    raise DevgraphError(
-                        f"task update of task {group.index} ({group.op}) with {dict(host_args)} failed "
-                        f"({type(exc).__name__}: {exc}). "
-                        + (
-                            "Every task of this update keeps its previous arguments (a replay already in "
-                            "flight ran with some new ones: do not use its outputs)."
-                            if restored
-                            else "Restoring the previous arguments failed too: the graph is poisoned; "
-                            "reset() and capture it again."
-                        )
-                    ) from exc
+                    self._fail(group, host_args, exc, [*done, (group, previous)], update_stream)
                 done.append((group, previous))
                 group.host_args = {**previous, **host_args}
+
+    def _reissue_launches(self, step: _update_plan.LengthsStep, update_stream: Any) -> None:
+        """``_reissue_all`` of a lengths-only step: per task only what torch_npu needs (begin, the
+        launch with the step's lengths, end, the event)."""
+        npu = self._npu
+        begin, end = npu.graph_task_update_begin, npu.graph_task_update_end
+        fast, lengths = step.fast, step.lengths
+        with npu.stream(update_stream), _kernels.graph_work(self._scratch):
+            for done, (group, launch) in enumerate(zip(fast.groups, fast.launches)):
+                try:
+                    begin(update_stream, group.handle[0])
+                    try:
+                        launch.reissue(lengths)
+                    except BaseException:
+                        with contextlib.suppress(Exception):  # no abort: end it, report the call's error
+                            end(update_stream)
+                        raise
+                    end(update_stream)
+                except Exception as exc:
+                    self._settle_host_args()  # the previous steps' lengths: what to restore
+                    items = [(g, g.host_args) for g in fast.groups[: done + 1]]
+                    self._fail(group, {_kernels.LENGTHS: step.given}, exc, items, update_stream)
+                self._release_updated(group, update_stream)
+        self._pending_lengths = step.given
+
+    def _fail(
+        self,
+        group: TaskGroup,
+        host_args: Mapping[str, Any],
+        exc: Exception,
+        items: list[tuple[TaskGroup, dict[str, Any]]],
+        update_stream: Any,
+    ) -> None:
+        """The re-issue of ``group`` failed with ``exc``: give ``items`` their previous arguments back
+        (``_restore``) and raise the error."""
+        restored = self._restore(items, update_stream)
+        raise DevgraphError(
+            f"task update of task {group.index} ({group.op}) with {dict(host_args)} failed "
+            f"({type(exc).__name__}: {exc}). "
+            + (
+                "Every task of this update keeps its previous arguments (a replay already in "
+                "flight ran with some new ones: do not use its outputs)."
+                if restored
+                else "Restoring the previous arguments failed too: the graph is poisoned; "
+                "reset() and capture it again."
+            )
+        ) from exc
 
     def _restore(self, items: list[tuple[TaskGroup, dict[str, Any]]], update_stream: Any) -> bool:
         """Re-issue ``items`` with their previous arguments (on the update stream, in the graph's
@@ -527,6 +549,7 @@ class NpuGraph(Graph):
 
     def _task_update_begin(self, group: TaskGroup) -> None:
         npu = self._npu
+        self._settle_host_args()  # an abort restores the task from its host_args
         stack = contextlib.ExitStack()
         try:
             update_stream = stack.enter_context(self._updating())
@@ -676,3 +699,15 @@ class NpuDevice(Device):
             reserved=int(npu.memory_reserved(self.index)),
             peak_allocated=int(npu.max_memory_allocated(self.index)),
         )
+
+
+def _groups(plan: _Plan) -> list[TaskGroup]:
+    if isinstance(plan, _update_plan.LengthsStep):
+        return plan.fast.groups
+    return [group for group, _, _ in plan]
+
+
+def _indices(plan: _Plan) -> frozenset[int] | set[int]:
+    if isinstance(plan, _update_plan.LengthsStep):
+        return plan.fast.indices
+    return {group.index for group, _, _ in plan}

@@ -293,3 +293,32 @@ def _unlocked_updating(self):
     update_stream = self.device._update_stream()
     self._fence_update_stream(update_stream)
     yield update_stream
+
+
+def test_the_tasks_record_the_lengths_of_the_last_step(npu):
+    model = Layers(npu)
+    model.graph.replay(host_args={"seq_lens_host": [1, 30]})
+    model.graph.replay(host_args={"seq_lens_host": NEW})
+    assert [task.host_args["seq_lens_host"] for task in model.graph.tasks] == [NEW] * LAYERS
+    assert {task.host_args["scale"] for task in model.graph.tasks} == {SCALE}
+
+
+def test_a_failed_lengths_step_gives_every_task_the_last_steps_lengths_back(npu, monkeypatch):
+    model = Layers(npu)
+    model.graph.replay(host_args={"seq_lens_host": NEW})
+    real, calls = npu_kernels.Launch.reissue, []
+
+    def second_fails(self, lengths):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("re-issue refused")
+        return real(self, lengths)
+
+    monkeypatch.setattr(npu_kernels.Launch, "reissue", second_fails)
+    with pytest.raises(DevgraphError, match=r"task update of task 1 .*re-issue refused.*keeps its previous"):
+        model.graph.replay(host_args={"seq_lens_host": [1, 30]})
+    monkeypatch.setattr(npu_kernels.Launch, "reissue", real)
+    npu.synchronize()
+    assert [task.host_args["seq_lens_host"] for task in model.graph.tasks] == [NEW] * LAYERS
+    model.graph.replay()
+    model.check(NEW)
