@@ -300,6 +300,8 @@ class NpuGraph(Graph):
     def _release_stale(self, stream: Any, skip: AbstractSet[int] = frozenset()) -> None:
         """Record, on ``stream``, the event of every group nobody updated since the last replay (and
         that ``skip`` does not name): it replays with the arguments it holds instead of hanging."""
+        if len(skip) == len(self._tasks):  # a step updating every task (skip names only tasks)
+            return
         for group in self._tasks:
             if group.index not in self._released and group.index not in skip:
                 group.handle[1].record(stream)
