@@ -165,6 +165,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args()
+    # One intra-op thread: on a loaded small machine OpenMP's spin-waits make every small op slow.
+    torch.set_num_threads(1)
     print(f"replay(host_args) host time per layer, {args.layers} layers, median of {args.iters} (simulator)")
     print(f"{'order':>8}  {'us/layer':>9}  " + "  ".join(f"{c:>23}" for c in COUNTED))
     for order in ("overlap", "serial"):

@@ -20,7 +20,8 @@ entry onto the update stream, then per task group the begin / re-issue / end / e
 torch_npu needs (``graph_task_update_begin`` takes one group's handle). The host lists are built
 once per step and shared by every layer; an attention task whose only new argument is its lengths
 is re-issued from the torch_npu call it launched (``_kernels.Launch``), not by running the devgraph
-op again. The ordering steps are small methods of ``NpuGraph``
+op again; what a step re-issues is planned, and checked, before anything is queued
+(``_update_plan``). The ordering steps are small methods of ``NpuGraph``
 (``_fence_update_stream``, ``_release_updated``, ``_release_stale``): tests/backends/npu/test_npu_async.py
 removes each in turn on the asynchronous simulator and watches a test fail.
 """
