@@ -47,3 +47,30 @@ def test_benchmark_script_runs_and_writes_json(script, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads((tmp_path / result).read_text())
     assert data, f"{result} is empty"
+
+
+def test_npu_task_update_benchmark_runs_and_counts_the_calls(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "npu_task_update.py"),
+            "--layers",
+            "2",
+            "--iters",
+            "2",
+            "--probe-iters",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (case,) = json.loads((tmp_path / "npu_task_update.json").read_text())["cases"]
+    devgraph_step, loop_step = case["devgraph"]["per_step"], case["loop"]["per_step"]
+    assert devgraph_step["host_syncs"] == 0 and loop_step["host_syncs"] == 1
+    assert devgraph_step["update_begin"] == loop_step["update_begin"] == 2
+    assert devgraph_step["calls"]["stream"] == loop_step["calls"]["stream"] == 1

@@ -258,8 +258,8 @@ def test_update_after_noted_replays_keeps_the_latest_values():
     assert graph.tasks == ()
 
 
-def _reissues_every_task_at_every_replay(graph, monkeypatch, hook="_task_update_begin"):
-    reissued = _Counter(monkeypatch, type(graph), hook)
+def _reissues_every_task_at_every_replay(graph, monkeypatch, hook="_task_update_begin", owner=None):
+    reissued = _Counter(monkeypatch, type(graph) if owner is None else owner, hook)
     for n in range(2):
         graph.replay(host_args={"seq_lens_host": [6 + n, 2]})
     assert reissued.calls == 2 * 3
@@ -272,9 +272,10 @@ def test_the_reference_backend_reissues_every_task_at_every_replay(monkeypatch):
 def test_the_npu_simulator_reissues_every_task_at_every_replay(monkeypatch):
     from devgraph_sim.npu import simulated_torch_npu
 
-    with simulated_torch_npu():
+    with simulated_torch_npu() as torch_npu:
         graph = _attention_graph(devgraph.device("npu"), torch.bfloat16)
-        _reissues_every_task_at_every_replay(graph, monkeypatch, hook="_reissue")  # its own update path
+        # its own update path: one torch_npu task update per task
+        _reissues_every_task_at_every_replay(graph, monkeypatch, "graph_task_update_begin", torch_npu.npu)
 
 
 # -- piecewise: address checks of inputs that cannot move, in debug mode only -------------------------

@@ -269,8 +269,11 @@ def test_update_reuses_the_captured_attention_workspace(npu, monkeypatch):
 
     monkeypatch.setattr(npu_kernels, "_attention_scratch", spy)
     graph, *_ = _capture_attention(npu, [5, 9])
-    graph.update({"seq_lens_host": [3, 3]})
+    graph.update({"seq_lens_host": [3, 3], "scale": SCALE})  # not the lengths alone: the kernel runs
     assert len(seen) == 2 and seen[0] is not None and seen[1] is seen[0]
+    # The lengths alone re-issue the launch kept from that run: over the same workspace.
+    (launch,) = graph._launches.values()
+    assert launch.kwargs["workspace"].data_ptr() == seen[0].data_ptr()
 
 
 def test_attention_workspace_is_freed_with_its_graph(npu):
