@@ -17,7 +17,7 @@ import attrs
 
 from devgraph._errors import DevgraphError
 from devgraph.backends.npu import _kernels
-from devgraph.graph._tasks import TaskGroup, apply_host_args
+from devgraph.graph import TaskGroup, apply_host_args
 
 __all__ = ["FastTasks", "LengthsStep", "Reissue", "fast_tasks", "lengths_step", "plan"]
 
