@@ -1,0 +1,225 @@
+"""``devgraph.bisect``: the first op whose replayed output differs from eager."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch.utils._pytree import tree_flatten
+
+from devgraph._errors import DevgraphError
+from devgraph.debug._compare import Diff, align, diff_tensors, max_difference
+from devgraph.debug._probe import OpProbe, OpRecord
+from devgraph.debug._report import BisectReport, OpDifference
+from devgraph.debug._subjects import Plan, callable_plan, served_plan
+from devgraph.graph import Device, Graph, GraphedModule
+
+__all__ = ["BisectOptions", "bisect"]
+
+logger = logging.getLogger("devgraph.debug")
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+        raise DevgraphError(f"BisectOptions.{attribute.name} must be a number >= 0, got {value!r}")
+
+
+@attrs.frozen
+class BisectOptions:
+    """How ``devgraph.bisect`` runs (pass as ``bisect_options=``; every field has a default).
+
+    Attributes:
+        device: where a plain callable is captured (a backend name or ``devgraph.Device``; None:
+            the device of the call's first tensor). Ignored for wrapped models and graphs.
+        capture_args / capture_kwargs: what a plain callable is captured with (None: the call's own
+            arguments); the call's tensors are then copied in and the graph replayed, host values
+            staying as captured, as on a device. Capture with other host values than the call's to
+            see an op that freezes them.
+        atol / rtol: added to the measured noise floor: an op differs when
+            ``max |graph - eager| > noise + atol + rtol * max |eager|``. 0 (the default): any difference
+            two eager runs do not show.
+    """
+
+    device: str | Device | None = None
+    capture_args: tuple[Any, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
+    capture_kwargs: dict[str, Any] | None = None
+    atol: float = attrs.field(default=0.0, validator=_non_negative)
+    rtol: float = attrs.field(default=0.0, validator=_non_negative)
+
+
+def _plan(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: BisectOptions) -> Plan:
+    if isinstance(target, GraphedModule):
+        return served_plan(target, args, kwargs)
+    if isinstance(target, Graph):
+        if not args or not callable(args[0]):
+            raise DevgraphError(
+                "bisect of a Graph takes its capture function next: devgraph.bisect(graph, step, *args), "
+                "where `with graph.capture(): step(*args)` is how the graph is captured"
+            )
+        fn, rest = args[0], args[1:]
+        return callable_plan(
+            fn,
+            rest,
+            kwargs,
+            device=target.device,
+            capture_args=options.capture_args,
+            capture_kwargs=options.capture_kwargs,
+            subject=f"a {target.device.name} graph captured from {getattr(fn, '__qualname__', fn)!s}",
+        )
+    if not callable(target):
+        raise DevgraphError(
+            f"bisect needs a model wrapped by devgraph.wrap, a callable, or a Graph and its capture "
+            f"function; got {type(target).__name__}"
+        )
+    return callable_plan(
+        target,
+        args,
+        kwargs,
+        device=options.device,
+        capture_args=options.capture_args,
+        capture_kwargs=options.capture_kwargs,
+    )
+
+
+def _noise(first: Sequence[OpRecord], second: Sequence[OpRecord]) -> dict[int, float]:
+    """Per op of ``first``, the largest difference the second eager run showed on it."""
+    pairs, _ = align(first, second)
+    out = {}
+    for i, j in pairs:
+        d = max_difference(first[i], second[j])
+        out[i] = d.max_abs if d.comparable else 0.0
+    return out
+
+
+@attrs.define
+class _Side:
+    """One eager reference: its records, its measured noise, how to name it."""
+
+    name: str
+    records: list[OpRecord]
+    noise: dict[int, float]
+    pairs: dict[int, int]  # graph op index -> this side's op index
+
+
+def _eager_side(name: str, run: Callable[[OpProbe], Any], modules: dict[int, str], graph: list[OpRecord]) -> tuple[_Side, Any, list[str]]:
+    outs, runs = [], []
+    for _ in range(2):  # twice: what differs between two eager runs is the noise floor
+        probe = OpProbe(modules, poison=True)
+        outs.append(run(probe))
+        runs.append(probe.records)
+    pairs, unmatched = align(graph, runs[0])
+    return _Side(name, runs[0], _noise(runs[0], runs[1]), dict(pairs)), outs[0], unmatched
+
+
+def _differs(d: Diff, noise: float, atol: float, rtol: float) -> bool:
+    return d.comparable and d.max_abs > noise + atol + rtol * d.scale
+
+
+def bisect(target: Any, /, *args: Any, bisect_options: BisectOptions | None = None, **kwargs: Any) -> BisectReport:
+    """Find the first op whose output, replayed from a graph, differs from eager beyond the noise floor.
+
+    Args:
+        target: a model wrapped by ``devgraph.wrap`` (the graph of the bucket serving this call is
+            captured again as the runner captures it, with a copy of every op's output, replayed as the
+            runner replays it, and compared with eager on the call, and with eager on the same padded
+            inputs when the bucket pads the call); any callable (captured for the purpose); or a
+            ``devgraph.Graph`` followed by its capture function (``bisect(graph, step, *args)``).
+        args, kwargs: the call (the target's own arguments).
+        bisect_options: a ``BisectOptions`` (device, capture arguments, tolerances).
+    Returns:
+        A ``BisectReport``: ``report.first`` is the first differing op (its aten name, ``file:line``,
+        module path, differences, noise floor, both tensors); ``str(report)`` reads as a report.
+    Raises:
+        CaptureError: the target cannot be captured (the op and line are named).
+        DevgraphError: a target of another kind, capture arguments unlike the call, or a wrapped
+            model's call that no graph serves.
+    """
+    options = bisect_options or BisectOptions()
+    if not isinstance(options, BisectOptions):
+        raise DevgraphError(f"bisect_options must be a devgraph.BisectOptions, got {type(options).__name__}")
+    plan = _plan(target, args, dict(kwargs), options)
+    try:
+        return _run(plan, options)
+    finally:
+        for graph in plan.graphs:
+            graph.reset()
+
+
+def _run(plan: Plan, options: BisectOptions) -> BisectReport:
+    records, graph_out = plan.run_graph()
+    sides = []
+    call_side, eager_out, unmatched = _eager_side("the call", plan.run_eager, plan.modules, records)
+    sides.append(call_side)
+    if plan.run_padded is not None:
+        padded, _, _ = _eager_side("the padded batch", plan.run_padded, plan.modules, records)
+        sides.append(padded)
+    atol, rtol = options.atol, options.rtol
+    found: list[OpDifference] = []
+    compared = 0
+    for i, g in enumerate(records):
+        worst: OpDifference | None = None
+        for side in sides:
+            j = side.pairs.get(i)
+            if j is None:
+                continue
+            e = side.records[j]
+            d = max_difference(g, e)
+            noise = side.noise.get(j, 0.0)
+            if side is call_side:
+                compared += 1
+            if not _differs(d, noise, atol, rtol):
+                continue
+            if worst is None:
+                worst = OpDifference(
+                    index=i,
+                    op=g.op,
+                    source=e.source or g.source,
+                    module=e.module or g.module,
+                    max_abs=d.max_abs,
+                    max_rel=d.max_rel,
+                    noise_floor=noise,
+                    against=side.name,
+                    where=d.where,
+                    graph_value=g.outputs[d.output].clone(),
+                    eager_value=e.outputs[d.output].clone(),
+                )
+        if worst is not None:
+            found.append(worst)
+    first = found[0] if found else None
+    largest = max(found, key=lambda f: f.max_rel) if found else None
+    measured = max((v for s in sides for v in s.noise.values()), default=0.0)
+    noise = (
+        "eager run twice on the same inputs"
+        + (" (the call, and the padded batch)" if len(sides) > 1 else "")
+        + (": bit-identical on every op, so any difference counts" if measured == 0 else f": up to {measured:.3g} on some ops, used per op")
+    )
+    report = BisectReport(
+        subject=plan.subject,
+        device=str(plan.device),
+        ops_compared=compared,
+        first=first,
+        differing=len(found),
+        largest=largest,
+        noise=noise,
+        tolerance=(float(atol), float(rtol)),
+        output_max_abs=_output_diff(graph_out, eager_out),
+        unmatched=tuple(unmatched),
+        reproduces=None if plan.served is None else _output_diff(graph_out, plan.served) == 0.0,
+        notes=tuple(plan.notes),
+    )
+    logger.info("%s", report.text())
+    return report
+
+
+def _output_diff(graph_out: Any, eager_out: Any) -> float:
+    g = [t for t in tree_flatten(graph_out)[0] if isinstance(t, torch.Tensor)]
+    e = [t for t in tree_flatten(eager_out)[0] if isinstance(t, torch.Tensor)]
+    worst = 0.0
+    for a, b in zip(g, e):
+        d = diff_tensors(a, b)
+        if d.comparable:
+            worst = max(worst, d.max_abs)
+    return worst
