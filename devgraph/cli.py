@@ -1,4 +1,4 @@
-"""The ``devgraph`` command: ``devgraph info [--json]`` and ``devgraph demo``."""
+"""The ``devgraph`` command: ``devgraph info [--json]``, ``devgraph demo`` and ``devgraph bisect``."""
 
 from __future__ import annotations
 
@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=float, default=300.0, help="with --tp: seconds before the ranks are killed"
     )
     demo.set_defaults(func=_demo)
+    from devgraph.debug._cli import add_parser as add_bisect  # imports no torch until it runs
+
+    add_bisect(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     return int(args.func(args))

@@ -14,6 +14,19 @@ their faces only) and below the engine adapters. It imports torch.
 from __future__ import annotations
 
 from devgraph.debug._bisect import BisectOptions, bisect
+from devgraph.debug._eager_check import EagerCheck, StepComparison, eager_check_from_env
 from devgraph.debug._report import BisectReport, OpDifference
+from devgraph.debug._tokens import TokenComparison, compare_tokens, top2_margin
 
-__all__ = ["BisectOptions", "BisectReport", "OpDifference", "bisect"]
+__all__ = [
+    "BisectOptions",
+    "BisectReport",
+    "EagerCheck",
+    "OpDifference",
+    "StepComparison",
+    "TokenComparison",
+    "bisect",
+    "compare_tokens",
+    "eager_check_from_env",
+    "top2_margin",
+]

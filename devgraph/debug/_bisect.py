@@ -114,6 +114,29 @@ def _eager_side(name: str, run: Callable[[OpProbe], Any], modules: dict[int, str
     return _Side(name, runs[0], _noise(runs[0], runs[1]), dict(pairs)), outs[0], unmatched
 
 
+def _hint(d: Diff, g: torch.Tensor, e: torch.Tensor, flagged: list[str], sides: int, notes: list[str]) -> str:
+    """What this kind of difference usually means."""
+    at = d.where
+    if at and all(i < n for i, n in zip(at, e.shape)) and at and bool(torch.isnan(e[at])) and not bool(torch.isnan(g[at])):
+        return (
+            "eager reads NaN here, memory no op wrote (eager runs fill uninitialised memory with NaN); "
+            "the graph replays whatever that memory held: an op leaves part of its output unwritten"
+        )
+    if "the padded batch" in flagged:
+        return (
+            "it differs from eager at the same padded shape: a host value frozen at capture, a stale or "
+            "moved input, or memory the graph shares, not the batch size"
+        )
+    if sides > 1:
+        return (
+            "it agrees with eager at the padded shape and differs only at the call's own row count: "
+            "this op's numerics depend on the batch size (padding to the bucket changes its rounding)"
+        )
+    if notes:
+        return "host values differ between the capture and the call (see the notes)"
+    return ""
+
+
 def _differs(d: Diff, noise: float, atol: float, rtol: float) -> bool:
     return d.comparable and d.max_abs > noise + atol + rtol * d.scale
 
@@ -160,34 +183,37 @@ def _run(plan: Plan, options: BisectOptions) -> BisectReport:
     found: list[OpDifference] = []
     compared = 0
     for i, g in enumerate(records):
-        worst: OpDifference | None = None
+        flagged = []
         for side in sides:
             j = side.pairs.get(i)
             if j is None:
                 continue
-            e = side.records[j]
-            d = max_difference(g, e)
-            noise = side.noise.get(j, 0.0)
             if side is call_side:
                 compared += 1
-            if not _differs(d, noise, atol, rtol):
-                continue
-            if worst is None:
-                worst = OpDifference(
-                    index=i,
-                    op=g.op,
-                    source=e.source or g.source,
-                    module=e.module or g.module,
-                    max_abs=d.max_abs,
-                    max_rel=d.max_rel,
-                    noise_floor=noise,
-                    against=side.name,
-                    where=d.where,
-                    graph_value=g.outputs[d.output].clone(),
-                    eager_value=e.outputs[d.output].clone(),
-                )
-        if worst is not None:
-            found.append(worst)
+            d = max_difference(g, side.records[j])
+            if _differs(d, side.noise.get(j, 0.0), atol, rtol):
+                flagged.append((side, j, d))
+        if not flagged:
+            continue
+        side, j, d = flagged[0]
+        e = side.records[j]
+        g_out, e_out = g.outputs[d.output], e.outputs[d.output]
+        found.append(
+            OpDifference(
+                index=i,
+                op=g.op,
+                source=e.source or g.source,
+                module=e.module or g.module,
+                max_abs=d.max_abs,
+                max_rel=d.max_rel,
+                noise_floor=side.noise.get(j, 0.0),
+                against=side.name,
+                where=d.where,
+                graph_value=g_out.clone(),
+                eager_value=e_out.clone(),
+                hint=_hint(d, g_out, e_out, [s.name for s, _, _ in flagged], len(sides), plan.notes),
+            )
+        )
     first = found[0] if found else None
     largest = max(found, key=lambda f: f.max_rel) if found else None
     measured = max((v for s in sides for v in s.noise.values()), default=0.0)

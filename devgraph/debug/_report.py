@@ -31,6 +31,7 @@ class OpDifference:
             (eager on the bucket's padded inputs: padding rows compared too).
         where: the index of the largest difference in the graph's output tensor.
         graph_value / eager_value: the two outputs (graph's as replayed, uncut), for inspection.
+        hint: what the kind of difference usually means (empty when nothing specific).
     """
 
     index: int
@@ -44,6 +45,7 @@ class OpDifference:
     where: tuple[int, ...]
     graph_value: Any = attrs.field(eq=False, repr=False)
     eager_value: Any = attrs.field(eq=False, repr=False)
+    hint: str = ""
 
     @property
     def location(self) -> str:
@@ -122,6 +124,7 @@ class BisectReport:
                 f"{list(first.where)}, against eager on {first.against}",
                 f"  noise floor {_num(first.noise_floor)}, atol {_num(self.tolerance[0])}, "
                 f"rtol {_num(self.tolerance[1])}",
+                *([f"  hint   {first.hint}"] if first.hint else []),
                 "  tensors: report.first.graph_value, report.first.eager_value (report.save(folder))",
                 f"ops compared: {self.ops_compared}, differing: {self.differing}",
             ]
