@@ -28,7 +28,7 @@ from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import Bas
 
 import devgraph
 from devgraph._errors import DevgraphError
-from devgraph.adapters.sglang import _stats
+from devgraph.adapters.sglang import _compare_eager, _stats
 from devgraph.graph._contract import Device, Graph, MemoryPool
 
 logger = logging.getLogger(__name__)
@@ -174,6 +174,8 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
             out = forward_fn()
         self._graphs[shape_key] = graph
         self._outputs[shape_key] = _weak_outputs(out)
+        if _compare_eager.CHECK is not None:  # DEVGRAPH_COMPARE_EAGER: off by default
+            _compare_eager.remember(self, shape_key, forward_fn)
         size = getattr(shape_key, "size", shape_key)
         info = {"graph": type(graph).__name__, "tasks": [group.op for group in graph.tasks]}
 
@@ -248,6 +250,8 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
         host_args = self._for_graph(graph, host_args)
         graph.replay(host_args=host_args)
         self._count(shape_key, updated=host_args is not None)
+        if _compare_eager.CHECK is not None:  # DEVGRAPH_COMPARE_EAGER: off by default
+            _compare_eager.replayed(self, shape_key, self._outputs[shape_key])
         return self._outputs[shape_key]
 
     @staticmethod

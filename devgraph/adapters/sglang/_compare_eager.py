@@ -1,0 +1,50 @@
+"""``DEVGRAPH_COMPARE_EAGER=n`` for SGLang: every n-th replayed step also runs eagerly and is compared.
+
+The backend's hook lines call ``remember`` at capture (the step's forward function for that shape)
+and ``replayed`` after a replay, only when ``CHECK`` is set (off by default: a replay then pays one
+attribute test). The eager run is SGLang's own forward function of the shape, on the same static
+batch the replay read; its ``LogitsProcessorOutput.next_token_logits`` give each row's margins.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from devgraph.debug import EagerCheck, eager_check_from_env
+
+__all__ = ["CHECK", "configure", "remember", "replayed"]
+
+CHECK: EagerCheck | None = None
+_FORWARDS: weakref.WeakKeyDictionary[Any, dict[Any, Callable[[], Any]]] = weakref.WeakKeyDictionary()
+
+
+def configure(environ: Any = None) -> EagerCheck | None:
+    """(Re)read ``DEVGRAPH_COMPARE_EAGER``; returns the check (None: off)."""
+    global CHECK
+    CHECK = eager_check_from_env("sglang", environ)
+    return CHECK
+
+
+def remember(backend: Any, shape_key: Any, forward_fn: Callable[[], Any]) -> None:
+    """Keep the forward function ``backend`` captured for ``shape_key`` (the eager side of a check)."""
+    _FORWARDS.setdefault(backend, {})[shape_key] = forward_fn
+
+
+def _logits(output: Any) -> Any:
+    return getattr(output, "next_token_logits", output)
+
+
+def replayed(backend: Any, shape_key: Any, output: Any) -> None:
+    """On a sampled step, run the shape's forward function eagerly and compare with ``output``."""
+    check = CHECK
+    if check is None:
+        return
+    forward = _FORWARDS.get(backend, {}).get(shape_key)
+    if forward is None or not check.due():
+        return
+    check.compare(output, forward, _logits)
+
+
+configure()

@@ -1,0 +1,110 @@
+"""DEVGRAPH_COMPARE_EAGER: the adapters' sampled graphed-vs-eager check, and its hooks on their own."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from devgraph import DevgraphError
+from devgraph.debug import eager_check_from_env
+
+
+@pytest.mark.parametrize("value", ["", "0", "off"])
+def test_off_by_default(value):
+    assert eager_check_from_env("x", {}) is None
+    assert eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": value}) is None
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
+def test_bad_values_name_the_variable(value):
+    with pytest.raises(DevgraphError, match="DEVGRAPH_COMPARE_EAGER"):
+        eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": value})
+
+
+def test_every_nth_step_is_sampled():
+    check = eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": "3"})
+    assert [check.due() for _ in range(6)] == [False, False, True, False, False, True]
+
+
+def test_a_flipped_row_is_reported_with_its_margins(caplog):
+    check = eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": "1"})
+    graphed = torch.tensor([[3.0, 0.0], [1.0, 1.001]])
+    eager = torch.tensor([[3.0, 0.0], [1.001, 1.0]])
+    check.due()
+    with caplog.at_level("WARNING", logger="devgraph.debug"):
+        result = check.compare(graphed, lambda: eager)
+    assert result.rows == 2 and [row for row, _ in result.flips] == [1]
+    assert result.flips[0][1].near_tie is True
+    assert result.max_abs == pytest.approx(0.001, abs=1e-6)
+    assert "row 1" in caplog.text and "near-tie" in caplog.text
+    assert list(check.results) == [result]
+
+
+def test_identical_steps_report_no_flips():
+    check = eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": "1"})
+    out = torch.tensor([[1.0, 2.0]])
+    result = check.compare(out, lambda: out.clone())
+    assert result.flips == () and result.max_abs == 0
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_adapter_hook_is_off_unless_asked(engine, monkeypatch):
+    hook = importlib.import_module(f"devgraph.adapters.{engine}._compare_eager")
+    monkeypatch.delenv("DEVGRAPH_COMPARE_EAGER", raising=False)
+    assert hook.configure() is None and hook.CHECK is None
+
+
+def test_vllm_hook_runs_the_runnable_eagerly_with_its_logits(monkeypatch):
+    hook = importlib.import_module("devgraph.adapters.vllm._compare_eager")
+    calls = []
+
+    class Model:
+        def __call__(self, x):
+            calls.append(x)
+            return x * 1.0
+
+        def compute_logits(self, hidden):
+            return hidden
+
+    x = torch.tensor([[0.0, 1.0], [2.0, 1.0]])
+    monkeypatch.setenv("DEVGRAPH_COMPARE_EAGER", "2")
+    try:
+        check = hook.configure()
+        replayed = torch.tensor([[0.0, 1.0], [0.9, 1.0]])  # row 1 flips its greedy token
+        hook.replayed(Model(), replayed, (x,), {})
+        assert calls == []  # step 1 is not sampled
+        hook.replayed(Model(), replayed, (x,), {})
+        assert len(calls) == 1
+        (result,) = check.results
+        assert [row for row, _ in result.flips] == [1]
+        assert result.flips[0][1].near_tie is False
+    finally:
+        monkeypatch.delenv("DEVGRAPH_COMPARE_EAGER")
+        hook.configure()
+
+
+def test_sglang_hook_reruns_the_captured_forward_of_the_shape(monkeypatch):
+    hook = importlib.import_module("devgraph.adapters.sglang._compare_eager")
+
+    class Output:
+        def __init__(self, logits):
+            self.next_token_logits = logits
+
+    class Backend:
+        pass
+
+    backend = Backend()
+    eager = Output(torch.tensor([[1.0, 0.0]]))
+    monkeypatch.setenv("DEVGRAPH_COMPARE_EAGER", "1")
+    try:
+        check = hook.configure()
+        hook.remember(backend, 4, lambda: eager)
+        hook.replayed(backend, 4, Output(torch.tensor([[0.0, 1.0]])))
+        hook.replayed(backend, 8, Output(torch.tensor([[0.0, 1.0]])))  # no forward kept: skipped
+        (result,) = check.results
+        assert result.flips and result.flips[0][1].graphed_token == 1
+    finally:
+        monkeypatch.delenv("DEVGRAPH_COMPARE_EAGER")
+        hook.configure()
