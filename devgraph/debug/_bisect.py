@@ -14,7 +14,7 @@ from devgraph._errors import DevgraphError
 from devgraph.debug._compare import Diff, align, diff_tensors, max_difference
 from devgraph.debug._probe import OpProbe, OpRecord
 from devgraph.debug._report import BisectReport, OpDifference
-from devgraph.debug._subjects import Plan, callable_plan, served_plan
+from devgraph.debug._subjects import Call, Plan, callable_plan, clone_tensors, served_plan
 from devgraph.graph import Device, Graph, GraphedModule
 
 __all__ = ["BisectOptions", "bisect"]
@@ -104,11 +104,19 @@ class _Side:
     pairs: dict[int, int]  # graph op index -> this side's op index
 
 
-def _eager_side(name: str, run: Callable[[OpProbe], Any], modules: dict[int, str], graph: list[OpRecord]) -> tuple[_Side, Any, list[str]]:
+def _run_eager(call: Call, probe: OpProbe) -> Any:
+    args, kwargs = clone_tensors(call.args), clone_tensors(call.kwargs)  # outside the probe
+    with torch.no_grad(), probe:
+        return call.fn(*args, **kwargs)
+
+
+def _eager_side(
+    name: str, call: Call, modules: dict[int, str], graph: list[OpRecord]
+) -> tuple[_Side, Any, list[str]]:
     outs, runs = [], []
     for _ in range(2):  # twice: what differs between two eager runs is the noise floor
         probe = OpProbe(modules, poison=True)
-        outs.append(run(probe))
+        outs.append(_run_eager(call, probe))
         runs.append(probe.records)
     pairs, unmatched = align(graph, runs[0])
     return _Side(name, runs[0], _noise(runs[0], runs[1]), dict(pairs)), outs[0], unmatched
@@ -167,17 +175,17 @@ def bisect(target: Any, /, *args: Any, bisect_options: BisectOptions | None = No
     try:
         return _run(plan, options)
     finally:
-        for graph in plan.graphs:
-            graph.reset()
+        for done in plan.cleanup:
+            done()
 
 
 def _run(plan: Plan, options: BisectOptions) -> BisectReport:
     records, graph_out = plan.run_graph()
     sides = []
-    call_side, eager_out, unmatched = _eager_side("the call", plan.run_eager, plan.modules, records)
+    call_side, eager_out, unmatched = _eager_side("the call", plan.eager, plan.modules, records)
     sides.append(call_side)
-    if plan.run_padded is not None:
-        padded, _, _ = _eager_side("the padded batch", plan.run_padded, plan.modules, records)
+    if plan.padded is not None:
+        padded, _, _ = _eager_side("the padded batch", plan.padded(), plan.modules, records)
         sides.append(padded)
     atol, rtol = options.atol, options.rtol
     found: list[OpDifference] = []

@@ -97,11 +97,19 @@ class OpProbe(TorchDispatchMode):
         modules: ``id(submodule) -> name`` (``module_names``) for the records' module path.
         poison: fill uninitialised outputs with NaN (eager runs; never inside a capture, where the
             fill would be captured and hide what a replay leaves in that memory).
+        records: the list to append to (default: a new one).
     """
 
-    def __init__(self, modules: Mapping[int, str] | None = None, *, poison: bool = False) -> None:
+    def __init__(
+        self,
+        modules: Mapping[int, str] | None = None,
+        *,
+        poison: bool = False,
+        records: list[OpRecord] | None = None,
+    ) -> None:
         super().__init__()
-        self.records: list[OpRecord] = []
+        #: shared by the probes of one run's several captures (the pieces of a piecewise graph)
+        self.records: list[OpRecord] = [] if records is None else records
         self.modules = dict(modules or {})
         self.poison = poison
         self._skip = skip_dirs()

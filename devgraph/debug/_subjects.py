@@ -1,15 +1,18 @@
 """What a bisect runs: the graph side (captured with the probe, replayed) and the eager side.
 
-A *plan* says, for one target, how to capture it with the probe and replay it, and how to run it
-eagerly on the call (and, for a bucket that pads the call, eagerly on the same padded inputs the
-graph replays). ``callable_plan`` captures any callable for the purpose; ``served_plan`` rebuilds
-the graph a wrapped model serves this call from, through the runner's public face (the one place
-that knows the runner: redirect it when the runner changes).
+A *plan* says, for one target, how to capture it with the probe and replay it, and what to run
+eagerly: the call, and, for a bucket that pads the call, the same padded inputs the graph replays.
+The probe reaches every capture through ``devgraph.graph.probe_captures``, so whatever holds the
+graphs (one graph, a piecewise runner's pieces, a breakable graph's segments) is probed alike.
+``callable_plan`` captures any callable for the purpose; ``served_plan`` rebuilds the graphs a
+wrapped model serves this call from, through the runner's public face (the one place that knows the
+runners: redirect it when they change).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -18,9 +21,18 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from devgraph._errors import DevgraphError
 from devgraph.debug._probe import OpProbe, OpRecord, module_names
-from devgraph.graph import Device, Graph
+from devgraph.graph import Device, probe_captures
 
-__all__ = ["Plan", "callable_plan", "served_plan"]
+__all__ = ["Call", "Plan", "callable_plan", "probed", "served_plan"]
+
+
+@attrs.frozen
+class Call:
+    """``fn(*args, **kwargs)``: what an eager side runs."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
 
 
 @attrs.define
@@ -32,37 +44,28 @@ class Plan:
     modules: dict[int, str]
     #: capture with the probe, load the call, replay: the probe's records (replayed values), the output
     run_graph: Callable[[], tuple[list[OpRecord], Any]]
-    #: the call as given, eagerly, under the probe it is given (its inputs copied outside it)
-    run_eager: Callable[[OpProbe], Any]
-    #: eager on the padded inputs the graph replays (None: the graph replays the call unpadded)
-    run_padded: Callable[[OpProbe], Any] | None = None
+    #: the call as given (run eagerly on copies of its tensors)
+    eager: Call
+    #: the padded inputs the graph replays, eagerly (None: the graph replays the call unpadded);
+    #: a callable, as the inputs exist only once the call is loaded
+    padded: Callable[[], Call] | None = None
     #: the output the served graph returned for the call (wrapped models), cloned
     served: Any = None
     notes: list[str] = attrs.field(factory=list)
-    #: graphs to reset once the comparison is done (their pools hold the probe's copies)
-    graphs: list[Graph] = attrs.field(factory=list)
+    #: run once the comparison is done (reset the graphs: their pools hold the probe's copies)
+    cleanup: list[Callable[[], None]] = attrs.field(factory=list)
 
 
-def _clone(tree: Any) -> Any:
+def clone_tensors(tree: Any) -> Any:
     return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
 
 
-def capture_with_probe(
-    plan_graphs: list[Graph],
-    device: Device,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    modules: dict[int, str],
-) -> tuple[Graph, OpProbe, Any]:
-    """Capture ``fn(*args, **kwargs)`` on ``device`` with the probe innermost (its copies captured)."""
-    graph = device.graph()
-    probe = OpProbe(modules)
-    with graph.capture(auto_update_ops=device.updatable_ops):
-        with probe:
-            out = fn(*args, **kwargs)
-    plan_graphs.append(graph)
-    return graph, probe, out
+@contextmanager
+def probed(modules: dict[int, str]) -> Iterator[list[OpRecord]]:
+    """Every capture in the block copies its ops' outputs into the records yielded (in order)."""
+    records: list[OpRecord] = []
+    with probe_captures(lambda graph: OpProbe(modules, records=records)):
+        yield records
 
 
 def _device_of(args: Any, device: str | Device | None) -> Device:
@@ -79,8 +82,7 @@ def _device_of(args: Any, device: str | Device | None) -> Device:
 
 
 def _describe(target: Any) -> str:
-    name = getattr(target, "__qualname__", None) or type(target).__name__
-    return f"{name}"
+    return getattr(target, "__qualname__", None) or type(target).__name__
 
 
 def _has_tensor(value: Any) -> bool:
@@ -128,74 +130,92 @@ def callable_plan(
     for i, (c, x) in enumerate(zip(cap_leaves, call_leaves)):
         if isinstance(x, torch.Tensor) != isinstance(c, torch.Tensor):
             raise DevgraphError(f"capture argument {i} is {type(c).__name__}, the call's is {type(x).__name__}")
-        if isinstance(x, torch.Tensor):
-            if x.shape != c.shape or x.dtype != c.dtype:
-                raise DevgraphError(
-                    f"capture tensor {i} is {tuple(c.shape)} {c.dtype}, the call's {tuple(x.shape)} {x.dtype}: "
-                    "a graph replays the shapes it captured; give capture_args of the call's shapes"
-                )
+        if isinstance(x, torch.Tensor) and (x.shape != c.shape or x.dtype != c.dtype):
+            raise DevgraphError(
+                f"capture tensor {i} is {tuple(c.shape)} {c.dtype}, the call's {tuple(x.shape)} {x.dtype}: "
+                "a graph replays the shapes it captured; give capture_args of the call's shapes"
+            )
     notes = _frozen_host_values(cap, (tuple(args), dict(kwargs)))
     modules = module_names(fn)
-    graphs: list[Graph] = []
     static = [c.clone() if isinstance(c, torch.Tensor) else c for c in cap_leaves]
+    cleanup: list[Callable[[], None]] = []
 
     def run_graph() -> tuple[list[OpRecord], Any]:
         s_args, s_kwargs = tree_unflatten(static, cap_spec)
         with torch.no_grad():
-            fn(*_clone(s_args), **_clone(s_kwargs))  # warm-up: lazy initialisation outside the capture
-            _, probe, out = capture_with_probe(graphs, dev, fn, s_args, s_kwargs, modules)
+            fn(*clone_tensors(s_args), **clone_tensors(s_kwargs))  # warm-up: lazy initialisation
+            graph = dev.graph()
+            cleanup.append(graph.reset)
+            with probed(modules) as records, graph.capture(auto_update_ops=dev.updatable_ops):
+                out = fn(*s_args, **s_kwargs)
             for dst, src in zip(static, call_leaves):
                 if isinstance(dst, torch.Tensor):
                     dst.copy_(src)
-            graphs[-1].replay()
+            graph.replay()
             dev.synchronize()
-        return probe.records, out
+        return records, out
 
-    def run_eager(probe: OpProbe) -> Any:
-        e_args, e_kwargs = _clone(tuple(args)), _clone(dict(kwargs))
-        with torch.no_grad(), probe:
-            return fn(*e_args, **e_kwargs)
-
-    plan = Plan(subject or _describe(fn), dev, modules, run_graph, run_eager, notes=notes)
-    plan.graphs = graphs
-    return plan
+    return Plan(
+        subject or _describe(fn),
+        dev,
+        modules,
+        run_graph,
+        Call(fn, tuple(args), dict(kwargs)),
+        notes=notes,
+        cleanup=cleanup,
+    )
 
 
 def served_plan(graphed: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
-    """The graph a wrapped model (``devgraph.wrap``) serves this call from, rebuilt with the probe.
+    """The graphs a wrapped model (``devgraph.wrap``) serves this call from, rebuilt with the probe.
 
-    The served graph has no copies of its ops' outputs, so the bucket that serves the call is captured
-    again as the runner captures it (its static buffers narrowed to the bucket, host lists at their
-    pad values, the device's updatable ops as tasks), the call is loaded and replayed as the runner
-    replays it (padding, padded host arguments). This is the one function that reads the runner:
-    ``sizes``, ``config``, ``inputs`` (read, bind, narrow, load), ``padded_host_args``, ``stats``.
+    The served graphs hold no copies of their ops' outputs, so they are captured again as the runner
+    captures them and replayed as it replays (see ``_full_plan`` and ``_piecewise_plan``). The call is
+    served once first: a call the runner serves eagerly is refused, and its output is what the
+    report's ``reproduces`` compares with.
     """
-    from devgraph.runner import GraphRunner, choose_bucket
+    from devgraph.runner import GraphRunner, PiecewiseRunner
 
     runner = graphed.runner
-    if not isinstance(runner, GraphRunner):
-        raise DevgraphError(
-            f"bisect of a wrapped model serves {type(runner).__name__} graphs through mode='full' only; "
-            "bisect the model itself (devgraph.bisect(graphed.module, ...)) to capture it whole"
-        )
-    before = runner.stats.replays
+    full = getattr(runner, "full", None)
+    counters = [runner.stats] + ([full.stats] if full is not None else [])
+    before = [c.replays for c in counters]
     fallbacks = dict(runner.stats.fallbacks)
     with torch.no_grad():
-        served = _clone(runner(*args, **kwargs))
-    if runner.stats.replays == before:
-        new = {k: v for k, v in runner.stats.fallbacks.items() if v != fallbacks.get(k, 0)}
+        served = clone_tensors(runner(*args, **kwargs))
+    after = [c.replays for c in counters]
+    if after == before:
+        new = sorted(k for k, v in runner.stats.fallbacks.items() if v != fallbacks.get(k, 0))
         raise DevgraphError(
-            f"this call is not served from a graph (it ran eagerly: {sorted(new) or 'see graphed.stats'}); "
+            f"this call is not served from a graph (it ran eagerly: {new or 'see graphed.stats'}); "
             "nothing to bisect. Bisect the model itself, devgraph.bisect(graphed.module, ...), to capture "
             "this call for the purpose"
         )
-    inputs, config, dev = runner.inputs, runner.config, runner.device
+    if full is not None and after[1] != before[1]:
+        runner = full  # full_and_piecewise: the full graph of a decode batch served it
+    if isinstance(runner, GraphRunner):
+        plan = _full_plan(runner, args, kwargs)
+    elif isinstance(runner, PiecewiseRunner):
+        plan = _piecewise_plan(runner, args, kwargs)
+    else:
+        raise DevgraphError(f"bisect does not know the runner {type(runner).__name__}; bisect graphed.module")
+    plan.served = served
+    return plan
+
+
+def _full_plan(runner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+    """A ``GraphRunner``'s bucket: captured on its static buffers narrowed to the bucket, host lists at
+    their pad values, the device's updatable ops as tasks; the call loaded (padding) and replayed with
+    its padded host arguments. Reads ``sizes``, ``config``, ``inputs`` (read, bind, narrow, load) and
+    ``padded_host_args``."""
+    from devgraph.runner import choose_bucket
+
+    inputs, config, dev, fn = runner.inputs, runner.config, runner.device, runner.fn
     call = inputs.read(args, kwargs)
     size = choose_bucket(call.batch, runner.sizes)
     assert size is not None
-    fn = runner.fn
     modules = module_names(fn)
-    graphs: list[Graph] = []
+    cleanup: list[Callable[[], None]] = []
 
     def bound(tensors: dict[str, torch.Tensor], host: dict[str, list[Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         values: dict[str, Any] = dict(tensors)
@@ -208,30 +228,67 @@ def served_plan(graphed: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         host = {name: [config.pad_value(name)] * size for name in call.host}
         c_args, c_kwargs = bound(dict(inputs.narrowed(size)), host)
         with torch.no_grad():
-            graph, probe, out = capture_with_probe(graphs, dev, fn, c_args, c_kwargs, modules)
+            graph = dev.graph()
+            cleanup.append(graph.reset)
+            with probed(modules) as records, graph.capture(auto_update_ops=dev.updatable_ops):
+                out = fn(*c_args, **c_kwargs)
             inputs.load(call, size)
             graph.replay(runner.padded_host_args(call.host, size) if config.host_args else None)
             dev.synchronize()
-        return probe.records, out
+        return records, out
 
-    def run_eager(probe: OpProbe) -> Any:
-        e_args, e_kwargs = _clone(tuple(args)), _clone(dict(kwargs))
-        with torch.no_grad(), probe:
-            return fn(*e_args, **e_kwargs)
-
-    def run_padded(probe: OpProbe) -> Any:
+    def padded() -> Call:
         inputs.load(call, size)
         tensors = {n: t.clone() for n, t in inputs.narrowed(size).items()}
         host = {n: list(v) + [config.pad_value(n)] * (size - call.batch) for n, v in call.host.items()}
         p_args, p_kwargs = bound(tensors, host)
-        with torch.no_grad(), probe:
-            return fn(*p_args, **p_kwargs)
+        return Call(fn, p_args, p_kwargs)
+
+    subject = f"{_describe(fn)} wrapped, the graph of bucket {size} serving a call of {call.batch} rows"
+    return Plan(
+        subject,
+        dev,
+        modules,
+        run_graph,
+        Call(fn, tuple(args), dict(kwargs)),
+        padded if size != call.batch else None,
+        cleanup=cleanup,
+    )
+
+
+def _piecewise_plan(runner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+    """A ``PiecewiseRunner``'s pieces at the size serving the call: a runner of the same model, options
+    and compiler capturing that size alone, its every piece's capture probed, called with the call (it
+    traces, captures and replays the pieces, the splitting ops eagerly in between). The splitting ops
+    run eagerly on both sides and are not compared; what they change shows in the next piece's ops.
+    Reads ``plan.sizes``, ``config``, ``compile_config``, ``inputs.read``, ``fn`` and ``device``."""
+    from devgraph.runner import PiecewiseRunner, choose_bucket
+
+    call = runner.inputs.read(args, kwargs)
+    sizes = runner.plan.sizes if runner.plan is not None else ()
+    size = choose_bucket(call.batch, list(sizes)) if sizes else None
+    if size is None:
+        raise DevgraphError(f"no captured piece size holds {call.batch} tokens (sizes {list(sizes)})")
+    compile_config = attrs.evolve(runner.compile_config, mode="piecewise", capture_sizes=(size,))
+    config = attrs.evolve(runner.config, mode="piecewise", strict=True)
+    fresh = PiecewiseRunner(runner.fn, runner.device, config, compile_config)
+    modules = module_names(runner.fn)
+
+    def run_graph() -> tuple[list[OpRecord], Any]:
+        with torch.no_grad(), probed(modules) as records:
+            out = fresh(*args, **kwargs)
+        runner.device.synchronize()
+        return records, out
 
     subject = (
-        f"{_describe(fn)} wrapped, the graph of bucket {size} serving a call of {call.batch} rows"
+        f"{_describe(runner.fn)} wrapped piecewise, the pieces of size {size} serving a call of "
+        f"{call.batch} tokens"
     )
-    plan = Plan(
-        subject, dev, modules, run_graph, run_eager, run_padded if size != call.batch else None, served
+    return Plan(
+        subject,
+        runner.device,
+        modules,
+        run_graph,
+        Call(runner.fn, tuple(args), dict(kwargs)),
+        cleanup=[fresh.reset],
     )
-    plan.graphs = graphs
-    return plan

@@ -15,7 +15,7 @@ Importing this package imports no torch; the public names are re-exported by ``d
 
 from __future__ import annotations
 
-from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
+from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream, probe_captures
 from devgraph.graph._graphed import GraphedModule
 from devgraph.graph._tasks import TaskGroup
 from devgraph.graph._weakref import weak_ref_tensor, weak_ref_tensors
@@ -29,6 +29,7 @@ __all__ = [
     "MemoryStats",
     "Stream",
     "TaskGroup",
+    "probe_captures",
     "weak_ref_tensor",
     "weak_ref_tensors",
 ]

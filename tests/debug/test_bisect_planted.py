@@ -175,3 +175,26 @@ def test_float32_gemm_rounding_with_the_row_count_is_named_where_it_starts():
     assert first.location.endswith(f":{_line(TwoLinears.forward, expected)}")
     assert first.module == ("up" if up_differs else "down")
     assert first.against == "the call"
+
+
+def test_piecewise_pieces_are_bisected():
+    model = _seeded(BatchDependent())
+    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[8])
+    report = bisect(graphed, torch.randn(5, 32))
+    first = report.first
+    assert first is not None, report.text()
+    assert first.op == "bisect_plant::rowsum"
+    assert first.location.endswith(f":{_line(BatchDependent.forward, 'rowsum(h')}")
+    assert "piecewise" in report.subject and report.reproduces
+
+
+def test_piecewise_splitting_ops_run_eagerly_and_are_listed_not_compared():
+    from devgraph.testing.models import KVBlockManager, make_decoder
+
+    model = make_decoder()
+    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2])
+    kwargs = KVBlockManager(model.config).decode_batch([0, 1], [5, 7])  # a size captured: no padding
+    report = bisect(graphed, **kwargs)
+    assert report.identical, report.text()
+    attention = "eager: devgraph::paged_decode_attention"
+    assert report.unmatched == (attention,) * model.config.num_layers
