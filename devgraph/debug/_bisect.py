@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from devgraph._errors import DevgraphError
 from devgraph.debug._compare import Diff, align, diff_tensors, max_difference
-from devgraph.debug._probe import OpProbe, OpRecord
+from devgraph.debug._probe import OpProbe, OpRecord, module_names
 from devgraph.debug._report import BisectReport, OpDifference
 from devgraph.debug._subjects import Call, Plan, callable_plan, clone_tensors, served_plan
 from devgraph.graph import Device, Graph, GraphedModule
@@ -41,6 +42,9 @@ class BisectOptions:
         atol / rtol: added to the measured noise floor: an op differs when
             ``max |graph - eager| > noise + atol + rtol * max |eager|``. 0 (the default): any difference
             two eager runs do not show.
+        reference: ``"eager"`` (default): the eager side runs on the graph's device. ``"cpu"``: on a CPU
+            copy of the model and the call, so the report names the first op where the device's replay
+            departs from the CPU's math (kernels round differently across devices: give ``rtol``).
     """
 
     device: str | Device | None = None
@@ -48,6 +52,15 @@ class BisectOptions:
     capture_kwargs: dict[str, Any] | None = None
     atol: float = attrs.field(default=0.0, validator=_non_negative)
     rtol: float = attrs.field(default=0.0, validator=_non_negative)
+    reference: str = attrs.field(default="eager")
+
+    @reference.validator
+    def _check_reference(self, attribute: attrs.Attribute[Any], value: str) -> None:
+        if value not in ("eager", "cpu"):
+            raise DevgraphError(
+                f"BisectOptions.reference must be 'eager' (eager on the graph's device) or 'cpu' (eager on a "
+                f"CPU copy of the model and the call), got {value!r}"
+            )
 
 
 def _plan(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: BisectOptions) -> Plan:
@@ -130,7 +143,7 @@ def _hint(d: Diff, g: torch.Tensor, e: torch.Tensor, flagged: list[str], sides: 
             "eager reads NaN here, memory no op wrote (eager runs fill uninitialised memory with NaN); "
             "the graph replays whatever that memory held: an op leaves part of its output unwritten"
         )
-    if "the padded batch" in flagged:
+    if any(name.startswith("the padded batch") for name in flagged):
         return (
             "it differs from eager at the same padded shape: a host value frozen at capture, a stale or "
             "moved input, or memory the graph shares, not the batch size"
@@ -179,13 +192,34 @@ def bisect(target: Any, /, *args: Any, bisect_options: BisectOptions | None = No
             done()
 
 
+def _on_cpu(call: Call, fn: Callable[..., Any]) -> Call:
+    def move(x: Any) -> Any:
+        return x.to("cpu") if isinstance(x, torch.Tensor) else x
+
+    return Call(fn, tree_map(move, call.args), tree_map(move, call.kwargs))
+
+
+def _cpu_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A CPU copy of ``fn`` (an ``nn.Module``: deep-copied and moved; a plain function: itself)."""
+    if isinstance(fn, torch.nn.Module):
+        return copy.deepcopy(fn).to("cpu")
+    return fn
+
+
 def _run(plan: Plan, options: BisectOptions) -> BisectReport:
     records, graph_out = plan.run_graph()
     sides = []
-    call_side, eager_out, unmatched = _eager_side("the call", plan.eager, plan.modules, records)
+    eager, padded_call, modules, where = plan.eager, plan.padded() if plan.padded else None, plan.modules, ""
+    if options.reference == "cpu":
+        fn = _cpu_copy(eager.fn)
+        modules = module_names(fn)
+        eager = _on_cpu(eager, fn)
+        padded_call = _on_cpu(padded_call, fn) if padded_call is not None else None
+        where = " on the CPU"
+    call_side, eager_out, unmatched = _eager_side("the call" + where, eager, modules, records)
     sides.append(call_side)
-    if plan.padded is not None:
-        padded, _, _ = _eager_side("the padded batch", plan.padded(), plan.modules, records)
+    if padded_call is not None:
+        padded, _, _ = _eager_side("the padded batch" + where, padded_call, modules, records)
         sides.append(padded)
     atol, rtol = options.atol, options.rtol
     found: list[OpDifference] = []

@@ -117,3 +117,12 @@ def test_cli_demo_names_the_first_differing_op_or_none(capsys):
     assert code == (0 if out["identical"] else 1)
     if not out["identical"]:
         assert out["op"].startswith("aten::") and "models.py:" in out["location"]
+
+
+def test_the_copies_hold_the_replayed_values_not_the_captured_ones(any_device):
+    """Capture on other tensor values than the call's: only copies refilled by the replay agree."""
+    dev = any_device
+    x, other = torch.randn(4, device=dev.torch_device), torch.randn(4, device=dev.torch_device)
+    report = bisect(step, x, 2.0, bisect_options=BisectOptions(capture_args=(other, 2.0)))
+    assert report.identical, report.text()
+    assert report.ops_compared == 2 and report.output_max_abs == 0

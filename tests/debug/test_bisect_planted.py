@@ -198,3 +198,31 @@ def test_piecewise_splitting_ops_run_eagerly_and_are_listed_not_compared():
     assert report.identical, report.text()
     attention = "eager: devgraph::paged_decode_attention"
     assert report.unmatched == (attention,) * model.config.num_layers
+
+
+def test_against_the_cpu_reference_runs_eager_on_a_cpu_copy(any_device):
+    dev = any_device
+    selves = []
+
+    class Counted(BatchDependent):
+        def forward(self, x):
+            selves.append(self)
+            return super().forward(x)
+
+    model = _seeded(Counted()).to(dev.torch_device)
+    graphed = devgraph.wrap(model, device=dev, batch_sizes=[8])
+    x = torch.randn(5, 32, device=dev.torch_device)
+    graphed(x)  # captured here: what follows is the bisect's own runs
+    selves.clear()
+    report = bisect(graphed, x, bisect_options=BisectOptions(reference="cpu"))
+    first = report.first
+    assert first is not None and first.op == "bisect_plant::rowsum"
+    assert first.against == "the call on the CPU" and first.module == "Counted"
+    copies = [m for m in selves if m is not model]
+    assert len(copies) == 4 and all(m is copies[0] for m in copies)  # eager twice, call and padded
+    assert all(p.device.type == "cpu" for p in copies[0].parameters())
+
+
+def test_an_unknown_reference_is_refused():
+    with pytest.raises(devgraph.DevgraphError, match="'eager'.*'cpu'"):
+        BisectOptions(reference="gpu")
