@@ -48,7 +48,9 @@ class BisectOptions:
     """
 
     device: str | Device | None = None
-    capture_args: tuple[Any, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
+    capture_args: tuple[Any, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(tuple)
+    )
     capture_kwargs: dict[str, Any] | None = None
     atol: float = attrs.field(default=0.0, validator=_non_negative)
     rtol: float = attrs.field(default=0.0, validator=_non_negative)
@@ -138,7 +140,13 @@ def _eager_side(
 def _hint(d: Diff, g: torch.Tensor, e: torch.Tensor, flagged: list[str], sides: int, notes: list[str]) -> str:
     """What this kind of difference usually means."""
     at = d.where
-    if at and all(i < n for i, n in zip(at, e.shape)) and at and bool(torch.isnan(e[at])) and not bool(torch.isnan(g[at])):
+    if (
+        at
+        and all(i < n for i, n in zip(at, e.shape))
+        and at
+        and bool(torch.isnan(e[at]))
+        and not bool(torch.isnan(g[at]))
+    ):
         return (
             "eager reads NaN here, memory no op wrote (eager runs fill uninitialised memory with NaN); "
             "the graph replays whatever that memory held: an op leaves part of its output unwritten"
@@ -162,7 +170,9 @@ def _differs(d: Diff, noise: float, atol: float, rtol: float) -> bool:
     return d.comparable and d.max_abs > noise + atol + rtol * d.scale
 
 
-def bisect(target: Any, /, *args: Any, bisect_options: BisectOptions | None = None, **kwargs: Any) -> BisectReport:
+def bisect(
+    target: Any, /, *args: Any, bisect_options: BisectOptions | None = None, **kwargs: Any
+) -> BisectReport:
     """Find the first op whose output, replayed from a graph, differs from eager beyond the noise floor.
 
     Args:
@@ -262,7 +272,11 @@ def _run(plan: Plan, options: BisectOptions) -> BisectReport:
     noise = (
         "eager run twice on the same inputs"
         + (" (the call, and the padded batch)" if len(sides) > 1 else "")
-        + (": bit-identical on every op, so any difference counts" if measured == 0 else f": up to {measured:.3g} on some ops, used per op")
+        + (
+            ": bit-identical on every op, so any difference counts"
+            if measured == 0
+            else f": up to {measured:.3g} on some ops, used per op"
+        )
     )
     report = BisectReport(
         subject=plan.subject,

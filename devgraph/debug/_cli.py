@@ -27,7 +27,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device", default=None, help="backend for 'demo' (default: best available)")
     p.add_argument("--batch", type=int, default=1, help="'demo': rows in the decode step (default 1)")
     p.add_argument(
-        "--bucket", type=int, default=None, help="'demo': the captured batch size serving it (default: --batch + 1)"
+        "--bucket",
+        type=int,
+        default=None,
+        help="'demo': the captured batch size serving it (default: --batch + 1)",
     )
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance over the noise floor")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance over the noise floor")
@@ -44,7 +47,9 @@ def _demo(device: str | None, batch: int, bucket: int | None) -> tuple[Any, tupl
         raise DevgraphError(f"--batch must be a positive integer, got {batch}")
     bucket = batch + 1 if bucket is None else bucket
     if bucket < batch:
-        raise DevgraphError(f"--bucket {bucket} is smaller than --batch {batch}: the bucket serving a call holds it")
+        raise DevgraphError(
+            f"--bucket {bucket} is smaller than --batch {batch}: the bucket serving a call holds it"
+        )
     dev = devgraph.device(device)
     model = make_decoder(device=dev.torch_device)
     graphed = devgraph.wrap(model, device=dev, batch_sizes=[bucket])

@@ -129,7 +129,9 @@ def callable_plan(
         )
     for i, (c, x) in enumerate(zip(cap_leaves, call_leaves)):
         if isinstance(x, torch.Tensor) != isinstance(c, torch.Tensor):
-            raise DevgraphError(f"capture argument {i} is {type(c).__name__}, the call's is {type(x).__name__}")
+            raise DevgraphError(
+                f"capture argument {i} is {type(c).__name__}, the call's is {type(x).__name__}"
+            )
         if isinstance(x, torch.Tensor) and (x.shape != c.shape or x.dtype != c.dtype):
             raise DevgraphError(
                 f"capture tensor {i} is {tuple(c.shape)} {c.dtype}, the call's {tuple(x.shape)} {x.dtype}: "
@@ -217,7 +219,9 @@ def _full_plan(runner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pl
     modules = module_names(fn)
     cleanup: list[Callable[[], None]] = []
 
-    def bound(tensors: dict[str, torch.Tensor], host: dict[str, list[Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def bound(
+        tensors: dict[str, torch.Tensor], host: dict[str, list[Any]]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         values: dict[str, Any] = dict(tensors)
         values.update(call.static)
         values.update(call.consts)

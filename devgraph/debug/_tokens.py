@@ -75,7 +75,9 @@ def _tokens(name: str, value: Any) -> list[int]:
     try:
         tokens = [int(t) for t in value]
     except (TypeError, ValueError):
-        raise DevgraphError(f"{name} must be a sequence of token ids (ints or a 1-D tensor), got {value!r}") from None
+        raise DevgraphError(
+            f"{name} must be a sequence of token ids (ints or a 1-D tensor), got {value!r}"
+        ) from None
     return tokens
 
 

@@ -59,7 +59,7 @@ def test_tolerance_raises_the_floor():
 
 
 def test_something_not_callable_is_refused():
-    with pytest.raises(DevgraphError, match="wrapped by devgraph.wrap"):
+    with pytest.raises(DevgraphError, match=r"wrapped by devgraph\.wrap"):
         bisect(42)
 
 

@@ -224,5 +224,5 @@ def test_against_the_cpu_reference_runs_eager_on_a_cpu_copy(any_device):
 
 
 def test_an_unknown_reference_is_refused():
-    with pytest.raises(devgraph.DevgraphError, match="'eager'.*'cpu'"):
+    with pytest.raises(devgraph.DevgraphError, match=r"'eager'.*'cpu'"):
         BisectOptions(reference="gpu")
