@@ -69,16 +69,16 @@ def probed(modules: dict[int, str]) -> Iterator[list[OpRecord]]:
 
 
 def _device_of(args: Any, device: str | Device | None) -> Device:
-    import devgraph
+    from devgraph._plugins import device as find_device
 
     if isinstance(device, Device):
         return device
     if device is not None:
-        return devgraph.device(device)
+        return find_device(device)
     for leaf in tree_flatten(args)[0]:
         if isinstance(leaf, torch.Tensor):
-            return devgraph.device(leaf.device.type)
-    return devgraph.device("cpu")
+            return find_device(leaf.device.type)
+    return find_device("cpu")
 
 
 def _describe(target: Any) -> str:
