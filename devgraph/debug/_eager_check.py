@@ -36,6 +36,8 @@ class StepComparison:
     max_abs: float
     rows: int
     flips: tuple[tuple[int, TokenComparison], ...] = ()
+    #: the bisect of the step, run when a flip was not a near-tie and the adapter can bisect (else None)
+    bisect: Any = attrs.field(default=None, eq=False)
 
     def text(self) -> str:
         head = f"devgraph {self.engine} step {self.step}: graphed vs eager max |diff| {self.max_abs:.3g}"
@@ -43,6 +45,8 @@ class StepComparison:
             return head + f", greedy tokens identical on {self.rows} rows"
         lines = [head + f", {len(self.flips)} of {self.rows} rows flip their greedy token:"]
         lines += [f"  row {row}: {c.text()}" for row, c in self.flips]
+        if self.bisect is not None:
+            lines.append(str(self.bisect))
         return "\n".join(lines)
 
     __str__ = text
@@ -103,11 +107,13 @@ class EagerCheck:
         graphed: Any,
         run_eager: Callable[[], Any],
         logits_of: Callable[[Any], Any] | None = None,
+        bisect: Callable[[], Any] | None = None,
     ) -> StepComparison:
         """Run the step eagerly (``run_eager``) and compare it with the replayed output ``graphed``.
 
         ``logits_of(output)`` gives the step's ``[rows, vocab]`` logits (None: the output has none);
-        without it, an output that is a 2-D floating tensor is taken as the logits.
+        without it, an output that is a 2-D floating tensor is taken as the logits. ``bisect()``
+        bisects the step (``devgraph.bisect`` on it): run when a row's flip is not a near-tie.
         """
         import torch
 
@@ -137,7 +143,13 @@ class EagerCheck:
                     threshold=self.threshold,
                 )
                 flips.append((row, c))
-        result = StepComparison(self.engine, self.replays, max_abs, rows, tuple(flips))
+        report = None
+        if bisect is not None and any(c.near_tie is False for _, c in flips):
+            try:
+                report = bisect()
+            except Exception as exc:  # a debug aid must not break the step: say why there is no bisect
+                logger.warning("devgraph: the bisect of step %d failed: %s", self.replays, exc)
+        result = StepComparison(self.engine, self.replays, max_abs, rows, tuple(flips), report)
         self.results.append(result)
         (logger.warning if flips else logger.info)("%s", result.text())
         return result

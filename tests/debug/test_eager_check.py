@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import types
 
 import pytest
 import torch
 
+import devgraph
 from devgraph import DevgraphError
 from devgraph.debug import eager_check_from_env
 
@@ -56,33 +58,58 @@ def test_adapter_hook_is_off_unless_asked(engine, monkeypatch):
     assert hook.configure() is None and hook.CHECK is None
 
 
-def test_vllm_hook_runs_the_runnable_eagerly_with_its_logits(monkeypatch):
+class _Model(torch.nn.Module):
+    """A decode step standing in for vLLM's model (its output is the logits)."""
+
+    def forward(self, x, shift):
+        return x * 1.0 + shift
+
+    def compute_logits(self, hidden):
+        return hidden
+
+
+def test_vllm_hook_runs_the_runnable_eagerly_and_bisects_a_real_flip(monkeypatch):
     hook = importlib.import_module("devgraph.adapters.vllm._compare_eager")
+    model = _Model()
     calls = []
-
-    class Model:
-        def __call__(self, x):
-            calls.append(x)
-            return x * 1.0
-
-        def compute_logits(self, hidden):
-            return hidden
-
+    model.register_forward_pre_hook(lambda m, a: calls.append(a))
+    wrapper = types.SimpleNamespace(runnable=model, device=devgraph.device("cpu"))
     x = torch.tensor([[0.0, 1.0], [2.0, 1.0]])
     monkeypatch.setenv("DEVGRAPH_COMPARE_EAGER", "2")
     try:
         check = hook.configure()
-        replayed = torch.tensor([[0.0, 1.0], [0.9, 1.0]])  # row 1 flips its greedy token
-        hook.replayed(Model(), replayed, (x,), {})
+        replayed = torch.tensor([[0.0, 1.0], [0.9, 1.0]])  # row 1 flips its greedy token, far from a tie
+        hook.replayed(wrapper, replayed, (x, 0.0), {})
         assert calls == []  # step 1 is not sampled
-        hook.replayed(Model(), replayed, (x,), {})
-        assert len(calls) == 1
+        hook.replayed(wrapper, replayed, (x, 0.0), {})
         (result,) = check.results
         assert [row for row, _ in result.flips] == [1]
         assert result.flips[0][1].near_tie is False
+        assert result.bisect is not None and result.bisect.ops_compared > 0  # the step was bisected
+        assert "devgraph bisect" in result.text()
     finally:
         monkeypatch.delenv("DEVGRAPH_COMPARE_EAGER")
         hook.configure()
+
+
+def test_a_near_tie_flip_is_not_bisected():
+    check = eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": "1"})
+    bisected = []
+    result = check.compare(
+        torch.tensor([[1.0, 1.001]]), lambda: torch.tensor([[1.001, 1.0]]), bisect=lambda: bisected.append(1)
+    )
+    assert result.flips and result.bisect is None and bisected == []
+
+
+def test_a_failing_bisect_is_logged_not_raised(caplog):
+    check = eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": "1"})
+
+    def broken():
+        raise RuntimeError("no capture here")
+
+    with caplog.at_level("WARNING", logger="devgraph"):
+        result = check.compare(torch.tensor([[0.0, 5.0]]), lambda: torch.tensor([[5.0, 0.0]]), bisect=broken)
+    assert result.bisect is None and "no capture here" in caplog.text
 
 
 def test_sglang_hook_reruns_the_captured_forward_of_the_shape(monkeypatch):
@@ -93,7 +120,7 @@ def test_sglang_hook_reruns_the_captured_forward_of_the_shape(monkeypatch):
             self.next_token_logits = logits
 
     class Backend:
-        pass
+        device = devgraph.device("cpu")
 
     backend = Backend()
     eager = Output(torch.tensor([[1.0, 0.0]]))

@@ -3,7 +3,8 @@
 The backend's hook lines call ``remember`` at capture (the step's forward function for that shape)
 and ``replayed`` after a replay, only when ``CHECK`` is set (off by default: a replay then pays one
 attribute test). The eager run is SGLang's own forward function of the shape, on the same static
-batch the replay read; its ``LogitsProcessorOutput.next_token_logits`` give each row's margins.
+batch the replay read; its ``LogitsProcessorOutput.next_token_logits`` give each row's margins. A flip
+that is not a near-tie bisects the step (``devgraph.bisect`` of that forward function).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from devgraph.debug import EagerCheck, eager_check_from_env
+from devgraph.debug import BisectOptions, EagerCheck, eager_check_from_env
+from devgraph.debug import bisect as devgraph_bisect
 
 __all__ = ["CHECK", "configure", "remember", "replayed"]
 
@@ -44,7 +46,11 @@ def replayed(backend: Any, shape_key: Any, output: Any) -> None:
     forward = _FORWARDS.get(backend, {}).get(shape_key)
     if forward is None or not check.due():
         return
-    check.compare(output, forward, _logits)
+
+    def bisect() -> Any:
+        return devgraph_bisect(forward, bisect_options=BisectOptions(device=backend.device))
+
+    check.compare(output, forward, _logits, bisect)
 
 
 configure()

@@ -220,7 +220,7 @@ class DevgraphGraphWrapper:
             return self._capture(descriptor, args, kwargs, context)
         output = self._replay(entry, args, kwargs, context)
         if _compare_eager.CHECK is not None:  # DEVGRAPH_COMPARE_EAGER: off by default
-            _compare_eager.replayed(self.runnable, output, args, kwargs)
+            _compare_eager.replayed(self, output, args, kwargs)
         return output
 
     def _capture(self, descriptor: Any, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
