@@ -140,13 +140,8 @@ def _eager_side(
 def _hint(d: Diff, g: torch.Tensor, e: torch.Tensor, flagged: list[str], sides: int, notes: list[str]) -> str:
     """What this kind of difference usually means."""
     at = d.where
-    if (
-        at
-        and all(i < n for i, n in zip(at, e.shape))
-        and at
-        and bool(torch.isnan(e[at]))
-        and not bool(torch.isnan(g[at]))
-    ):
+    inside = len(at) == e.dim() and all(i < n for i, n in zip(at, e.shape))
+    if inside and bool(torch.isnan(e[at])) and not bool(torch.isnan(g[at])):
         return (
             "eager reads NaN here, memory no op wrote (eager runs fill uninitialised memory with NaN); "
             "the graph replays whatever that memory held: an op leaves part of its output unwritten"
