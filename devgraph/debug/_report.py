@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import attrs
 
 __all__ = ["BisectReport", "OpDifference"]
+
+
+#: ``"path:LINE: code"`` or ``"path:LINE"`` (``devgraph._source.render``); the path may hold colons
+_LOCATION = re.compile(r"^(.*):(\d+)(?:: .*)?$", re.S)
 
 
 def _num(x: float) -> str:
@@ -52,8 +57,8 @@ class OpDifference:
         """``file.py:LINE`` of the user's line (``"<unknown line>"`` when none was found)."""
         if self.source is None:
             return "<unknown line>"
-        path, _, rest = self.source.partition(":")
-        return f"{path}:{rest.partition(':')[0]}"
+        found = _LOCATION.match(self.source)
+        return f"{found.group(1)}:{found.group(2)}" if found else self.source
 
     def summary(self) -> str:
         """One line: the op, where, and by how much."""

@@ -126,3 +126,19 @@ def test_the_copies_hold_the_replayed_values_not_the_captured_ones(any_device):
     report = bisect(step, x, 2.0, bisect_options=BisectOptions(capture_args=(other, 2.0)))
     assert report.identical, report.text()
     assert report.ops_compared == 2 and report.output_max_abs == 0
+
+
+@pytest.mark.parametrize(
+    ("source", "location"),
+    [
+        ("/a/model.py:12: z = x[:3]", "/a/model.py:12"),
+        ("C:/a/model.py:3: y: int = 1", "C:/a/model.py:3"),
+        ("/a/model.py:7", "/a/model.py:7"),
+        (None, "<unknown line>"),
+    ],
+)
+def test_location_is_file_and_line(source, location):
+    from devgraph.debug import OpDifference
+
+    diff = OpDifference(0, "aten::mm", source, None, 1.0, 1.0, 0.0, "the call", (0,), None, None)
+    assert diff.location == location
