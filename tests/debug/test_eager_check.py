@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import types
 
@@ -115,9 +116,9 @@ def test_a_failing_bisect_is_logged_not_raised(caplog):
 def test_sglang_hook_reruns_the_captured_forward_of_the_shape(monkeypatch):
     hook = importlib.import_module("devgraph.adapters.sglang._compare_eager")
 
-    class Output:
-        def __init__(self, logits):
-            self.next_token_logits = logits
+    @dataclasses.dataclass
+    class Output:  # SGLang's LogitsProcessorOutput is a dataclass
+        next_token_logits: torch.Tensor
 
     class Backend:
         device = devgraph.device("cpu")
@@ -132,6 +133,9 @@ def test_sglang_hook_reruns_the_captured_forward_of_the_shape(monkeypatch):
         hook.replayed(backend, 8, Output(torch.tensor([[0.0, 1.0]])))  # no forward kept: skipped
         (result,) = check.results
         assert result.flips and result.flips[0][1].graphed_token == 1
+        from devgraph.adapters.sglang import _stats
+
+        assert _stats.stats().eager_checks[-1] == {"step": 1, "max_abs": 1.0, "rows": 1, "flips": 1}
     finally:
         monkeypatch.delenv("DEVGRAPH_COMPARE_EAGER")
         hook.configure()

@@ -4,7 +4,8 @@ The backend's hook lines call ``remember`` at capture (the step's forward functi
 and ``replayed`` after a replay, only when ``CHECK`` is set (off by default: a replay then pays one
 attribute test). The eager run is SGLang's own forward function of the shape, on the same static
 batch the replay read; its ``LogitsProcessorOutput.next_token_logits`` give each row's margins. A flip
-that is not a near-tie bisects the step (``devgraph.bisect`` of that forward function).
+that is not a near-tie bisects the step (``devgraph.bisect`` of that forward function). Each comparison
+is counted in the backend's stats (``eager_checks``, mirrored to ``DEVGRAPH_SGLANG_STATS``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from devgraph.adapters.sglang import _stats
 from devgraph.debug import BisectOptions, EagerCheck, eager_check_from_env
 from devgraph.debug import bisect as devgraph_bisect
 
@@ -50,7 +52,9 @@ def replayed(backend: Any, shape_key: Any, output: Any) -> None:
     def bisect() -> Any:
         return devgraph_bisect(forward, bisect_options=BisectOptions(device=backend.device))
 
-    check.compare(output, forward, _logits, bisect)
+    result = check.compare(output, forward, _logits, bisect)
+    entry = {"step": result.step, "max_abs": result.max_abs, "rows": result.rows, "flips": len(result.flips)}
+    _stats.record(lambda s: s.eager_checks.append(entry))
 
 
 configure()
