@@ -34,11 +34,12 @@ class BisectOptions:
 
     Attributes:
         device: where a plain callable is captured (a backend name or ``devgraph.Device``; None:
-            the device of the call's first tensor). Ignored for wrapped models and graphs.
+            the device of the call's first tensor); a Graph target captures on its own device.
         capture_args / capture_kwargs: what a plain callable is captured with (None: the call's own
             arguments); the call's tensors are then copied in and the graph replayed, host values
             staying as captured, as on a device. Capture with other host values than the call's to
-            see an op that freezes them.
+            see an op that freezes them. ``device`` and these are refused for a wrapped model, whose
+            graph is captured as its runner captures it.
         atol / rtol: added to the measured noise floor: an op differs when
             ``max |graph - eager| > noise + atol + rtol * max |eager|``. 0 (the default): any difference
             two eager runs do not show.
@@ -67,6 +68,12 @@ class BisectOptions:
 
 def _plan(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: BisectOptions) -> Plan:
     if isinstance(target, GraphedModule):
+        given = [n for n in ("device", "capture_args", "capture_kwargs") if getattr(options, n) is not None]
+        if given:
+            raise DevgraphError(
+                f"BisectOptions {given} apply to a callable or a Graph; a wrapped model's graph is captured "
+                "on its own device as its runner captures it. Drop them, or bisect graphed.module with them"
+            )
         return served_plan(target, args, kwargs)
     if isinstance(target, Graph):
         if not args or not callable(args[0]):

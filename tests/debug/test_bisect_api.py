@@ -156,3 +156,10 @@ def test_what_two_eager_runs_differ_by_is_the_noise_floor():
     report = bisect(drifting, torch.zeros(3, dtype=torch.float64))
     assert report.identical, report.text()  # the replay is 1 off eager, as the two eager runs are
     assert "up to 1 on some ops" in report.noise
+
+
+def test_capture_options_are_refused_for_a_wrapped_model():
+    graphed = devgraph.wrap(torch.nn.Linear(4, 4).eval(), device="cpu", batch_sizes=[2])
+    x = torch.randn(2, 4)
+    with pytest.raises(DevgraphError, match=r"\['capture_args'\] apply to a callable or a Graph"):
+        bisect(graphed, x, bisect_options=BisectOptions(capture_args=(x,)))
