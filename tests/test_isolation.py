@@ -154,7 +154,7 @@ def _layer(module: str) -> str:
     return parts[1]  # backends, ops, runner, compile, adapters, testing
 
 
-#: Which layers a layer may import. Arrows point down (adapters > runner > compile > ops > core);
+#: Which layers a layer may import. Arrows point down (adapters > debug > runner > compile > ops > core);
 #: backends implement the core contract and are found through plugins, so no layer imports one
 #: (nor another backend: each is its own package); no layer imports devgraph.testing, which sits
 #: beside the stack and may import anything. Inside the library, names come from the module that
@@ -166,7 +166,8 @@ _MAY_IMPORT = {
     "ops": {"core", "ops"},
     "runner": {"core", "ops", "compile", "runner"},
     "compile": {"core", "ops", "compile"},
-    "adapters": {"core", "ops", "runner", "compile", "adapters", "api"},
+    "debug": {"core", "ops", "runner", "compile", "debug"},
+    "adapters": {"core", "ops", "runner", "compile", "debug", "adapters", "api"},
 }
 
 #: The upward reaches DESIGN.md allows, made when called (or named for types only): wrap() builds

@@ -22,7 +22,16 @@ from __future__ import annotations
 
 from devgraph.graph._capture import FUNCTION_SYNCS, SHAPE_REMEDY, raise_refusal
 from devgraph.graph._collectives import is_collective, refuse_collective
-from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream, current_graph
+from devgraph.graph._contract import (
+    Device,
+    Event,
+    Graph,
+    MemoryPool,
+    MemoryStats,
+    Stream,
+    current_graph,
+    probe_captures,
+)
 from devgraph.graph._graph_set import GraphSet, SharedPool
 from devgraph.graph._opnames import has_python_kernel, lookup_op
 from devgraph.graph._tasks import TaskGroup, apply_host_args, holds_tensor
@@ -46,6 +55,7 @@ __all__ = [
     "holds_tensor",
     "is_collective",
     "lookup_op",
+    "probe_captures",
     "raise_refusal",
     "refuse_collective",
     "weak_ref_tensor",

@@ -37,6 +37,7 @@ __all__ = [
     "MemoryStats",
     "Stream",
     "current_graph",
+    "probe_captures",
 ]
 
 #: ``capture_error_mode`` names, as ``torch.accelerator.Graph`` spells them (torch 2.12+): what the
@@ -63,6 +64,38 @@ def _being_captured(graph: Graph) -> Iterator[None]:
         yield
     finally:
         _current.reset(token)
+
+
+_probes: contextvars.ContextVar[tuple[Callable[[Graph], contextlib.AbstractContextManager[Any]], ...]] = (
+    contextvars.ContextVar("devgraph_capture_probes", default=())
+)
+
+
+@contextlib.contextmanager
+def probe_captures(factory: Callable[[Graph], contextlib.AbstractContextManager[Any]]) -> Iterator[None]:
+    """While the block runs, every ``Graph.capture`` in this context also enters ``factory(graph)``.
+
+    It is entered innermost, inside the capture guard: what it issues (a debug tool's copies of each
+    op's output, ``devgraph.bisect``) is captured work like the block's own, on every backend. Probes
+    nest; the outer one is entered first.
+    """
+    token = _probes.set((*_probes.get(), factory))
+    try:
+        yield
+    finally:
+        _probes.reset(token)
+
+
+@contextlib.contextmanager
+def _probed(graph: Graph) -> Iterator[None]:
+    factories = _probes.get()
+    if not factories:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for factory in factories:
+            stack.enter_context(factory(graph))
+        yield
 
 
 @attrs.frozen
@@ -345,7 +378,7 @@ class Graph(abc.ABC):
                 stack.callback(self._finish_capture, lambda: body_ok)
                 # The guard's own exit may refuse the capture (a compiled graph it could not record
                 # whole): only a block whose guard also exited cleanly ends the capture.
-                with _being_captured(self), _capture.capturing(self, auto_update_ops):
+                with _being_captured(self), _capture.capturing(self, auto_update_ops), _probed(self):
                     yield self
                 body_ok = True
         except BaseException as exc:

@@ -27,7 +27,7 @@ from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import Bas
 
 import devgraph
 from devgraph._errors import DevgraphError
-from devgraph.adapters.sglang import _stats
+from devgraph.adapters.sglang import _compare_eager, _stats
 from devgraph.graph import Device, Graph, GraphSet, SharedPool
 
 logger = logging.getLogger(__name__)
@@ -159,6 +159,8 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
         start = time.perf_counter()
         self._graphs.capture(shape_key, lambda graph: forward_fn())
         graph = self._graphs.graph(shape_key)
+        if _compare_eager.CHECK is not None:  # DEVGRAPH_COMPARE_EAGER: off by default
+            _compare_eager.remember(self, shape_key, forward_fn)
         size = getattr(shape_key, "size", shape_key)
         info = {"graph": type(graph).__name__, "tasks": [group.op for group in graph.tasks]}
 
@@ -228,6 +230,8 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
         host_args = self._for_graph(self._graphs.graph(shape_key), host_args)
         output = self._graphs.replay(shape_key, host_args)
         self._count(shape_key, updated=host_args is not None)
+        if _compare_eager.CHECK is not None:  # DEVGRAPH_COMPARE_EAGER: off by default
+            _compare_eager.replayed(self, shape_key, output)
         return output
 
     @staticmethod

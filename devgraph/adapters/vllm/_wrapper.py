@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from devgraph._errors import DevgraphError
-from devgraph.adapters.vllm import _stats
+from devgraph.adapters.vllm import _compare_eager, _stats
 from devgraph.adapters.vllm._host_args import step_host_args
 from devgraph.graph import Graph, GraphSet, MemoryPool, SharedPool, weak_ref_tensors
 
@@ -226,7 +226,10 @@ class DevgraphGraphWrapper:
         entry = self.entries.get(descriptor)
         if entry is None:
             return self._capture(descriptor, args, kwargs, context)
-        return self._replay(descriptor, entry, args, kwargs, context)
+        output = self._replay(descriptor, entry, args, kwargs, context)
+        if _compare_eager.CHECK is not None:  # DEVGRAPH_COMPARE_EAGER: off by default
+            _compare_eager.replayed(self, output, args, kwargs)
+        return output
 
     def _capture(self, descriptor: Any, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
         from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
