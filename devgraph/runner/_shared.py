@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from devgraph._errors import CaptureError, DevgraphError
+from devgraph._fallback_fixes import with_fix
 from devgraph._source import user_stacklevel
 from devgraph.graph._contract import Device, MemoryPool, Stream
 from devgraph.runner._calls import Call
@@ -128,6 +129,7 @@ class Accounts:
         Raises:
             DevgraphError: ``strict=True``.
         """
+        detail = with_fix(category, detail)  # every warning (and strict error) names the fix
         if self.config.strict:
             raise DevgraphError(f"cannot serve this call {self.serve_what} (strict=True): {detail}")
         with self.lock:
