@@ -73,7 +73,8 @@ FIXES: dict[str, str] = {
     "decode_arguments": "report it to devgraph with your transformers version and the model type",
     "mask_structure": "report it to devgraph with the model type and its attention layer types",
     "decode_hook_not_reached": _HOOK_REASON,
-    "prefill_hook_not_reached": "wrap with mode='full' (prefill eagerly, decode from graphs), or " + _HOOK_REASON,
+    "prefill_hook_not_reached": "wrap with mode='full' (prefill eagerly, decode from graphs), or "
+    + _HOOK_REASON,
     "prefill_chunk_size": "leave prefill_chunk_size unset (devgraph asks for one chunk as long as the cache)",
     "prefill_not_piecewise": "wrap with mode='full' (prefill eagerly, decode from graphs)",
     # vLLM (devgraph.adapters.vllm.stats()["eager.<reason>"])

@@ -129,13 +129,27 @@ REFUSED: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mpt": (  # ALiBi through config.attn_config.alibi (and use_cache=False in its config)
         "MptConfig",
         "MptForCausalLM",
-        dict(d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, vocab_size=VOCAB, max_seq_len=64,
-             bos_token_id=1, eos_token_id=2),
+        dict(
+            d_model=64,
+            n_heads=4,
+            n_layers=2,
+            expansion_ratio=2,
+            vocab_size=VOCAB,
+            max_seq_len=64,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
     ),
 }
 
-_FALCON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB, bos_token_id=1,
-               eos_token_id=2)
+_FALCON = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=VOCAB,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 #: Architectures whose decode step transformers 5.23 writes with a line a graph cannot capture
 #: (Falcon indexes with a Python list, a host tensor freed after capture; XGLM branches on a device
@@ -154,17 +168,25 @@ CAPTURE_REFUSED: dict[str, tuple[str, str, dict[str, Any]]] = {
     "xglm": (
         "XGLMConfig",
         "XGLMForCausalLM",
-        dict(d_model=64, ffn_dim=128, num_layers=2, attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
-             bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        dict(
+            d_model=64,
+            ffn_dim=128,
+            num_layers=2,
+            attention_heads=4,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
     ),
 }
 
 
 def tiny_model(name: str, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
     """The architecture ``name``, seeded, in eval mode."""
-    import transformers
-
     import pytest
+    import transformers
 
     config_name, model_name, base = {**ARCHITECTURES, **REFUSED, **CAPTURE_REFUSED}[name]
     if not hasattr(transformers, model_name):  # a release without it: skip by capability

@@ -19,7 +19,6 @@ from devgraph.runner._config import RunnerStats
 from devgraph.runner._shared import Accounts
 
 
-
 def _reasons() -> list[str]:
     """The reasons in the code, plus the generation modes the Hugging Face adapter runs eagerly (it
     counts ``GenerationMode.value``, which the code reader cannot see)."""
@@ -36,9 +35,13 @@ REASONS = _reasons()
 
 def test_the_reasons_are_read_from_the_code():
     # If this fails, the collector lost track of where reasons are made (not that a fix is missing).
-    assert {"batch_too_large", "use_cache", "beam_search", "decode_hook_not_reached", "over_capture_size"} <= set(
-        REASONS
-    )
+    assert {
+        "batch_too_large",
+        "use_cache",
+        "beam_search",
+        "decode_hook_not_reached",
+        "over_capture_size",
+    } <= set(REASONS)
 
 
 def test_every_fallback_reason_in_the_code_has_a_fix():

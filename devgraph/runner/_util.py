@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+
+from devgraph._console import show_progress
 
 __all__ = ["gc_frozen", "progress", "size_ranges"]
 
 
 def progress(items: list[int], desc: str) -> Iterable[int]:
-    """``items`` behind a tqdm bar on a terminal (when tqdm is installed), else as they are."""
-    if not sys.stderr.isatty():
+    """``items`` behind a ``tqdm.auto`` bar on a terminal or in a notebook (when tqdm is installed and
+    devgraph is not quiet: ``devgraph._console.show_progress``), else as they are."""
+    if not show_progress():
         return items
     try:
-        from tqdm import tqdm
+        from tqdm.auto import tqdm
     except ImportError:
         return items
     return tqdm(items, desc=desc, unit="graph", leave=False)

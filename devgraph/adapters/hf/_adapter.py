@@ -66,6 +66,7 @@ def _transformers_version() -> str:
 
     return __version__
 
+
 #: RunnerConfig fields a caller may set; the adapter owns the others (arguments, padding, buckets).
 RUNNER_OPTIONS = ("strict", "debug", "warmup_iters", "process_group", "check_ranks")
 
@@ -425,7 +426,9 @@ _MISSING = object()
 
 
 @contextlib.contextmanager
-def _decode_route(model: Any, route: DecodeRoute, compile_config: Any, shadow: bool = False) -> Iterator[None]:
+def _decode_route(
+    model: Any, route: DecodeRoute, compile_config: Any, shadow: bool = False
+) -> Iterator[None]:
     """Make ``model.get_compiled_call(compile_config)`` return ``route`` for one ``generate``.
 
     ``shadow``: for a model type whose ``get_compiled_call`` never reads the per-instance attributes

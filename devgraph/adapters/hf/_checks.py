@@ -35,7 +35,9 @@ def _config_fields(config: Any, prefix: str = "config", depth: int = 0) -> list[
         if hasattr(value, "to_dict") and not isinstance(value, type):
             fields.extend(_config_fields(value, dotted, depth + 1))
         elif isinstance(value, dict):
-            fields.extend((f"{dotted}[{k!r}]", v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0])))
+            fields.extend(
+                (f"{dotted}[{k!r}]", v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))
+            )
         else:
             fields.append((dotted, value))
     return fields
@@ -53,7 +55,11 @@ def position_bias_source(model: Any) -> str | None:
     if named:  # the config says whether: it says no
         return None
     module = sys.modules.get(type(model).__module__)
-    functions = [n for n, f in vars(module).items() if "alibi" in n.lower() and inspect.isfunction(f)] if module else []
+    functions = (
+        [n for n, f in vars(module).items() if "alibi" in n.lower() and inspect.isfunction(f)]
+        if module
+        else []
+    )
     if functions:
         return f"{type(model).__module__}.{sorted(functions)[0]}, which its forward always applies"
     return None

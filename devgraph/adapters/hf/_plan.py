@@ -89,7 +89,10 @@ def eager_reason(
             "sampling run their decode steps through devgraph",
         ), config
     if config.use_cache is False:
-        return ("use_cache", f"use_cache=False ({_origin(model, call, 'use_cache')}): every step reruns the whole sequence"), config
+        return (
+            "use_cache",
+            f"use_cache=False ({_origin(model, call, 'use_cache')}): every step reruns the whole sequence",
+        ), config
     if config.cache_implementation not in (None, "static"):
         return (
             "cache_implementation",

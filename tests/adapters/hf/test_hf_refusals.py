@@ -101,7 +101,9 @@ def test_use_cache_off_in_the_models_config_says_so_and_names_the_fix():
     model.generation_config.use_cache = False
     graphed = devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=32)
     ids, mask = prompts(1, seed=0)
-    with pytest.warns(UserWarning, match=r"use_cache=False \(not passed: model\.generation_config\.use_cache") as w:
+    with pytest.warns(
+        UserWarning, match=r"use_cache=False \(not passed: model\.generation_config\.use_cache"
+    ) as w:
         graphed.generate(ids, attention_mask=mask, **CALL)
     text = str(w[0].message)
     assert "model.config.use_cache, which LlamaConfig sets" in text and "pass use_cache=True" in text
@@ -113,7 +115,9 @@ def test_use_cache_off_in_the_models_config_says_so_and_names_the_fix():
 def test_use_cache_false_passed_by_the_user_says_it_was_passed():
     graphed = devgraph.wrap(tiny_model("llama"), "cpu", batch_sizes=[1], max_cache_len=32)
     ids, mask = prompts(1, seed=0)
-    with pytest.warns(UserWarning, match=r"use_cache=False \(passed to generate\(\)\).*Fix: pass use_cache=True"):
+    with pytest.warns(
+        UserWarning, match=r"use_cache=False \(passed to generate\(\)\).*Fix: pass use_cache=True"
+    ):
         graphed.generate(ids, attention_mask=mask, use_cache=False, **CALL)
 
 
@@ -145,4 +149,6 @@ def test_decode_steps_that_never_reach_the_hook_are_warned_about_naming_the_chec
     finally:
         del model.__dict__["_valid_auto_compile_criteria"]
     text = str(w[0].message)
-    assert "LlamaForCausalLM" in text and "Fix: check devgraph.adapters.hf.decode_hook_reachable(model)" in text
+    assert (
+        "LlamaForCausalLM" in text and "Fix: check devgraph.adapters.hf.decode_hook_reachable(model)" in text
+    )
