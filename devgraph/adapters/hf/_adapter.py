@@ -367,7 +367,7 @@ class GraphedCausalLM(GraphedModule):
         if stage == "decode":
             self.refused = summary
         else:
-            self.prefill_refused = summary
+            self.prefill_refused = f"{summary}; the prefill runs eagerly, decode from graphs: mode='full' does so without this warning"
         return better
 
     def _check_hook_reached(self, out: Any, prompt: int, decodes: int, prefills: int) -> None:

@@ -152,3 +152,29 @@ def test_decode_steps_that_never_reach_the_hook_are_warned_about_naming_the_chec
     assert (
         "LlamaForCausalLM" in text and "Fix: check devgraph.adapters.hf.decode_hook_reachable(model)" in text
     )
+
+
+def test_a_refused_prefill_piece_sends_the_user_to_mode_full_and_later_prefills_eagerly(monkeypatch):
+    from devgraph.adapters.hf._prefill import PiecewisePrefill
+
+    model = tiny_model("llama")
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=32, mode="piecewise")
+    ids, mask = prompts(1, seed=0)
+
+    def refused(self, kwargs):
+        raise CaptureError("host synchronisation inside graph capture", op="Tensor.item", source=None)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PiecewisePrefill, "__call__", refused)
+        with pytest.raises(CaptureError) as info:
+            graphed.generate(ids, attention_mask=mask, **CALL)
+    text = str(info.value)
+    assert "prefill step cannot be captured" in text and "wrap with mode='full'" in text
+    assert "transformers release" in text and "model.generate(" in text
+    with pytest.warns(
+        UserWarning, match=r"capture_refused.*mode='full'.*Fix: try another transformers release"
+    ):
+        out = graphed.generate(ids, attention_mask=mask, **CALL)
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, **CALL))
+    assert graphed.stats.fallbacks == {"capture_refused": 1}
+    assert graphed.stats.replays == CALL["max_new_tokens"] - 1  # decode still replays
