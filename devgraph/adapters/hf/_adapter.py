@@ -18,23 +18,24 @@ the cache is a compilable (static) one; that method returns the instance's ``_co
 it was made for an equal ``compile_config``. For the duration of one ``generate`` (under a lock)
 devgraph sets that per-instance attribute to its route and passes its own ``CompileConfig`` (a
 backend name torch.compile does not know, so nothing is ever compiled by mistake); the model's
-own attributes are put back afterwards. Nothing in transformers or torch is patched. In the
+own attributes are put back afterwards. Where a model type's ``get_compiled_call`` ignores them
+(``llama4``: ``decode_hook_reachable`` is False at wrap), devgraph shadows that method on the
+instance for the same duration (``_route``). Nothing in transformers or torch is patched. In the
 piecewise modes devgraph also sets ``prefill_chunk_size`` to ``max_cache_len``: transformers sends
 a chunked prefill (here: one chunk, the whole prompt) through the same hook.
 
 Calls the decode step cannot serve (beam search and other decoding methods, a cache or
 ``compile_config`` of your own, attentions or hidden states as outputs, a batch above the largest
 bucket, a sequence longer than ``max_cache_len``) run plain ``model.generate`` with a one-time
-warning naming the option, counted in ``stats.fallbacks`` (``strict=True`` raises instead).
-Needs transformers >= 5 and attention layers only (full, sliding-window or chunked).
+warning naming the option, counted in ``stats.fallbacks`` (``strict=True`` raises instead). A
+decode step that cannot be captured raises a ``CaptureError`` once, said for the model's user
+(``_refusal``); later calls run eagerly as ``capture_refused``. Needs transformers >= 5 and attention layers only (full, sliding-window or chunked).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -50,6 +51,7 @@ from devgraph.adapters.hf._compat import cache_kwarg
 from devgraph.adapters.hf._plan import eager_reason, read_generate_call
 from devgraph.adapters.hf._prefill import PiecewisePrefill
 from devgraph.adapters.hf._refusal import refusal
+from devgraph.adapters.hf._route import decode_route, route_config
 from devgraph.adapters.hf._step import MAX_MASKS, DecodeRoute, DecodeStep
 from devgraph.graph._contract import Device
 from devgraph.graph._graphed import GraphedModule
@@ -317,7 +319,7 @@ class GraphedCausalLM(GraphedModule):
         with self._lock, torch.no_grad():
             self.cache.allocate(model, self._step.extra_kwargs)
             self.cache.reset()
-            fields: dict[str, Any] = {"compile_config": _route_config()}
+            fields: dict[str, Any] = {"compile_config": route_config()}
             if config.cache_implementation is not None:  # "static" from the model's config: ours is static
                 fields["cache_implementation"] = None
             self._route.prefill = self.prefill
@@ -347,7 +349,7 @@ class GraphedCausalLM(GraphedModule):
                 named.update(fields)
             decodes, prefills = self._route.decode_calls, self._route.prefill_calls
             try:
-                with _decode_route(model, self._route, fields["compile_config"], shadow=self._shadow_hook):
+                with decode_route(model, self._route, fields["compile_config"], shadow=self._shadow_hook):
                     out = model.generate(**named, **{cache_kwarg(model): self.cache.view(rows)})
             except CaptureError as err:
                 raise self._refuse(err) from None
@@ -408,46 +410,6 @@ class GraphedCausalLM(GraphedModule):
             f"<GraphedCausalLM {type(self.module).__name__} on {self.runner.device}, "
             f"sizes {self.runner.sizes}, max_cache_len {self.options.max_cache_len}>"
         )
-
-
-def _route_config() -> Any:
-    """A ``CompileConfig`` that lets ``generate`` use the per-instance compiled call on any device."""
-    from transformers import CompileConfig
-
-    # A backend name no torch.compile knows: were transformers ever to compile instead of taking the
-    # per-instance call, it would fail loudly rather than run something else.
-    config = CompileConfig(backend="devgraph-hf-decode-route", mode=None, fullgraph=False)  # type: ignore[arg-type]
-    # transformers' switch (a class attribute it reads per instance) for auto-compile off CUDA.
-    config._compile_all_devices = True  # type: ignore[assignment]
-    return config
-
-
-_MISSING = object()
-
-
-@contextlib.contextmanager
-def _decode_route(
-    model: Any, route: DecodeRoute, compile_config: Any, shadow: bool = False
-) -> Iterator[None]:
-    """Make ``model.get_compiled_call(compile_config)`` return ``route`` for one ``generate``.
-
-    ``shadow``: for a model type whose ``get_compiled_call`` never reads the per-instance attributes
-    (``decode_hook_reachable`` is False), also shadow that method on the instance (put back after).
-    """
-    names = ("_compiled_call", "_last_compile_config", "get_compiled_call")
-    saved = {name: model.__dict__.get(name, _MISSING) for name in names}
-    model.__dict__["_compiled_call"] = route
-    model.__dict__["_last_compile_config"] = compile_config
-    if shadow:
-        model.__dict__["get_compiled_call"] = lambda compile_config=None: route
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is _MISSING:
-                model.__dict__.pop(name, None)
-            else:
-                model.__dict__[name] = value
 
 
 # -- model checks ----------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ import inspect
 import sys
 from typing import Any
 
+from devgraph.adapters.hf._route import decode_route, route_config
+
 __all__ = ["decode_hook_reachable", "position_bias_source"]
 
 
@@ -72,11 +74,9 @@ def decode_hook_reachable(model: Any) -> bool:
     model type (``llama4`` in transformers 5.23-5.24); the adapter then reaches its decode step by
     shadowing ``get_compiled_call`` on the instance for the duration of one ``generate``.
     """
-    from devgraph.adapters.hf._adapter import _decode_route, _route_config
-
     sentinel = object()
-    config = _route_config()
-    with _decode_route(model, sentinel, config):  # type: ignore[arg-type]
+    config = route_config()
+    with decode_route(model, sentinel, config):
         try:
             return model.get_compiled_call(config) is sentinel
         except Exception:  # a release whose get_compiled_call compiles or fails: not reachable
