@@ -7,6 +7,7 @@ import threading
 import warnings
 
 from devgraph._errors import DevgraphError
+from devgraph._fallback_fixes import with_fix
 from devgraph._source import user_stacklevel
 from devgraph.runner._config import RunnerConfig, RunnerStats
 
@@ -36,6 +37,7 @@ class Accounts:
         Raises:
             DevgraphError: ``strict=True``.
         """
+        detail = with_fix(category, detail)  # every warning (and strict error) names the fix
         if self.config.strict:
             raise DevgraphError(f"cannot serve this call {self.serve_what} (strict=True): {detail}")
         with self.lock:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from devgraph._console import announce
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph.graph import Device, SharedPool
 from devgraph.runner._accounts import Accounts
@@ -217,7 +218,8 @@ class CaptureLoop:
         stats.pool_bytes = device.memory_stats().reserved - before
         stats.captured_sizes = tuple(sorted(sizes))
         if sizes:
-            logger.info(
+            announce(  # on stderr by default (devgraph._console), quiet with DEVGRAPH_QUIET=1
+                logger,
                 "devgraph: %s on %s in %.2f s, pool %.1f MiB%s",
                 summary.format(sizes=size_ranges(sorted(sizes))),
                 device,

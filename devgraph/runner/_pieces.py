@@ -36,6 +36,7 @@ from devgraph.compile import (
     plan_capture_sizes,
     trace_call,
 )
+from devgraph._fallback_fixes import with_fix
 from devgraph.graph import Device, Graph, SharedPool
 from devgraph.runner._accounts import Accounts
 from devgraph.runner._calls import Call, Unsupported
@@ -309,12 +310,11 @@ class Pieces:
         if "size_not_captured" not in self.accounts.warned:
             self.accounts.warned.add("size_not_captured")
             assert self.plan is not None
-            logger.info(
-                "devgraph: %d tokens is above the captured sizes (%s); such calls run the compiled pieces "
-                "without graphs",
-                tokens,
-                size_ranges(self.plan.sizes) or "none",
+            detail = (
+                f"{tokens} tokens is above the captured sizes ({size_ranges(self.plan.sizes) or 'none'}); such "
+                "calls run the compiled pieces without graphs"
             )
+            logger.info("devgraph: %s", with_fix("size_not_captured", detail))
 
     def _assemble(self, flat: Any, size: int, batch: int) -> Any:
         assert self.traced is not None

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Sequence
+
+from devgraph._console import show_progress
 
 __all__ = ["progress", "size_ranges"]
 
 
 def progress(items: list[int], desc: str) -> Iterable[int]:
-    """``items`` behind a tqdm bar on a terminal (when tqdm is installed), else as they are."""
-    if not sys.stderr.isatty():
+    """``items`` behind a ``tqdm.auto`` bar on a terminal or in a notebook (when tqdm is installed and
+    devgraph is not quiet: ``devgraph._console.show_progress``), else as they are."""
+    if not show_progress():
         return items
     try:
-        from tqdm import tqdm
+        from tqdm.auto import tqdm
     except ImportError:
         return items
     return tqdm(items, desc=desc, unit="graph", leave=False)

@@ -532,7 +532,7 @@ class Tape:
                         f"{gone[0].describe()} was made inside the capture outside the graph's memory "
                         "and freed when the capture ended; a device graph would read freed memory",
                         op=entry.name,
-                        source=None,
+                        source=gone[0].source,
                         remedy="create the tensor before capture and keep it alive while the graph is "
                         "replayed (copy new values into it), or make it with torch ops inside the block",
                     )
