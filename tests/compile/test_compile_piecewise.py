@@ -137,7 +137,7 @@ def test_every_piece_has_a_graph_per_size_in_one_shared_pool(decoders):
 
 
 def test_attention_runs_eagerly_between_the_pieces(decoders):
-    pieces = decoders.built().traced.compiled.split.pieces
+    pieces = decoders.built().pieces.traced.compiled.split.pieces
     kinds = [p.is_splitting_op for p in pieces]
     assert kinds == [False, True, False, True, False]
     assert all("paged_decode_attention" in p.ops for p in pieces if p.is_splitting_op)
