@@ -243,7 +243,13 @@ def test_a_torch_with_the_fix_is_left_to_clean_up_itself(monkeypatch: pytest.Mon
     # torch ended the allocation itself: devgraph's try says so ("not currently recording"), and
     # devgraph releases nothing (reset() does on 2.13; a second release would assert).
     by_reset = ["releasePool"] if build == "2.13" else []
-    assert _allocator_calls(fake) == ["capture_end", "endAllocateToPool", "endAllocateToPool", "reset", *by_reset]
+    assert _allocator_calls(fake) == [
+        "capture_end",
+        "endAllocateToPool",
+        "endAllocateToPool",
+        "reset",
+        *by_reset,
+    ]
     assert _device._FAILED_CAPTURES == []
 
 
