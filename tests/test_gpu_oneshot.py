@@ -3,8 +3,8 @@
 A GPU is lent for minutes, at most once: the script must work the first time. ``--dry-run`` runs its
 very step list (``--device cpu``, smallest grids, pytest steps collect only, pip replaced by the
 PYTHONPATH fallback), so these tests check the script itself: every step reported in the summary,
-the partial JSON of every benchmark written, the time limits and the global deadline kept, a step
-killed at its limit leaving its Python stacks behind. Also: the GPU machine has no ``hypothesis``,
+the partial JSON of every benchmark written, what comes back packed in two files, the time limits and
+the global deadline kept, a step killed at its limit leaving its Python stacks behind. Also: the GPU machine has no ``hypothesis``,
 and the test files with ``cuda`` tests must still collect there.
 """
 
@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -25,10 +26,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "gpu_oneshot.sh"
 
 
-def _oneshot(out: Path, *flags: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+def _oneshot(tmp: Path, *flags: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    """The script with OUT=tmp/out (what comes back from a GPU machine) and its run folder in tmp/work."""
     return subprocess.run(
         ["bash", str(SCRIPT), *flags],
-        env={**os.environ, "OUT": str(out), "PYTHON": sys.executable, **env},
+        env={
+            **os.environ,
+            "OUT": str(tmp / "out"),
+            "ONESHOT_WORK": str(tmp / "work"),
+            "PYTHON": sys.executable,
+            **env,
+        },
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -43,15 +51,15 @@ def _listed_steps(*flags: str) -> list[str]:
 
 @pytest.fixture(scope="module", params=["first", "second"])
 def dry_run(request, tmp_path_factory):
-    """One dry run of the first (or the second) list: its output, and the folder it wrote."""
-    out = tmp_path_factory.mktemp(f"oneshot-{request.param}")
+    """One dry run of the first (or the second) list: its output, and its run folder."""
+    tmp = tmp_path_factory.mktemp(f"oneshot-{request.param}")
     flags = ["--dry-run"] + (["--second"] if request.param == "second" else [])
-    done = _oneshot(out, *flags)
-    return request.param, flags, done, out / request.param
+    done = _oneshot(tmp, *flags)
+    return request.param, flags, done, tmp / "work" / request.param
 
 
 def test_dry_run_reports_every_step_as_ok(dry_run):
-    mode, flags, done, run = dry_run
+    _, flags, done, run = dry_run
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["finished"] and summary["dry_run"] and summary["device"] == "cpu"
@@ -62,6 +70,22 @@ def test_dry_run_reports_every_step_as_ok(dry_run):
         assert (run / step["log"]).is_file()
     assert summary["install"] == "pythonpath"  # the fallback is what the dry run exercises
     assert summary["elapsed_s"] < summary["deadline_s"]
+
+
+def test_out_receives_two_files_holding_the_whole_run(dry_run):
+    """A lent machine returns at most 8 files from $OUT: the summary and the packed run folder."""
+    mode, _, _, run = dry_run
+    out = run.parent.parent / "out"
+    assert sorted(p.name for p in out.iterdir()) == sorted([f"{mode}-summary.json", f"{mode}.tar.gz"])
+    assert json.loads((out / f"{mode}-summary.json").read_text()) == json.loads(
+        (run / "summary.json").read_text()
+    )
+    with tarfile.open(out / f"{mode}.tar.gz") as archive:
+        packed = {m.name for m in archive.getmembers() if m.isfile()}
+    on_disk = {
+        str(p.relative_to(run.parent)) for p in run.rglob("*") if p.is_file() and not p.name.startswith(".")
+    }
+    assert on_disk - {f"{mode}/excluded.txt"} <= packed
 
 
 def test_dry_run_leaves_every_benchmarks_json_complete(dry_run):
@@ -114,23 +138,38 @@ def test_failed_capture_tests_run_apart_from_the_other_cuda_tests(dry_run):
     assert "test_cuda_graph_replays_new_lengths_with_the_new_kernel[flex]" in ids["cuda_tests"]
 
 
-def test_a_step_past_its_limit_is_killed_with_its_stacks_and_the_deadline_holds(tmp_path):
-    """smoke limited to 2 s: killed (SIGABRT, so Python writes every thread's stack, then SIGKILL),
-    reported as timeout, the next step runs; a 40 s deadline leaves the last steps skipped."""
-    start = time.monotonic()
-    done = _oneshot(tmp_path, "--dry-run", "--deadline", "40", ONESHOT_LIMIT_smoke="2")
-    elapsed = time.monotonic() - start
+def test_a_step_past_its_limit_is_killed_with_its_python_stacks(tmp_path):
+    """smoke limited to 2 s (importing torch alone takes about that): killed with SIGABRT, so every
+    Python thread's stack lands in its log, then SIGKILL; reported as timeout."""
+    done = _oneshot(tmp_path, "--dry-run", "--steps", "smoke", ONESHOT_LIMIT_smoke="2")
     assert done.returncode == 1, done.stdout[-3000:]
-    summary = json.loads((tmp_path / "first" / "summary.json").read_text())
-    steps = {s["name"]: s for s in summary["steps"]}
-    assert steps["smoke"]["status"] == "timeout" and steps["smoke"]["limit_s"] == 2
-    log = (tmp_path / "first" / steps["smoke"]["log"]).read_text()
+    (smoke,) = json.loads((tmp_path / "out" / "first-summary.json").read_text())["steps"]
+    assert smoke["status"] == "timeout" and smoke["limit_s"] == 2 and smoke["rc"] in (124, 137)
+    log = (tmp_path / "work" / "first" / smoke["log"]).read_text()
     assert "Fatal Python error: Aborted" in log and 'File "' in log, log[-2000:]
-    statuses = [s["status"] for s in summary["steps"]]
-    assert statuses[-1] == "skipped" and "left before the deadline" in summary["steps"][-1]["note"]
-    first_skipped = statuses.index("skipped")
-    assert set(statuses[first_skipped:]) == {"skipped"}  # once out of time, nothing else starts
-    assert summary["finished"] and elapsed < 40 + 20
+
+
+def test_the_deadline_clips_a_steps_limit(tmp_path):
+    """A 40 s deadline keeps 12 s for the end: smoke's 60 s limit becomes what is left, at most 28 s."""
+    done = _oneshot(tmp_path, "--dry-run", "--steps", "smoke", "--deadline", "40")
+    assert done.returncode == 0, done.stdout[-3000:]
+    (smoke,) = json.loads((tmp_path / "out" / "first-summary.json").read_text())["steps"]
+    assert smoke["status"] == "ok" and 15 <= smoke["limit_s"] <= 28
+
+
+def test_steps_without_time_left_are_skipped_not_started(tmp_path):
+    """Under 15 s left for steps (a 26 s deadline keeps 12 s for the end): nothing starts."""
+    start = time.monotonic()
+    done = _oneshot(tmp_path, "--dry-run", "--steps", "env,smoke", "--deadline", "26")
+    assert done.returncode == 1 and time.monotonic() - start < 26
+    summary = json.loads((tmp_path / "out" / "first-summary.json").read_text())
+    assert [(s["name"], s["status"]) for s in summary["steps"]] == [("env", "skipped"), ("smoke", "skipped")]
+    assert all("left before the deadline" in s["note"] for s in summary["steps"]) and summary["finished"]
+
+
+def test_unknown_steps_are_refused_by_name(tmp_path):
+    done = _oneshot(tmp_path, "--steps", "env,decode", "--list")
+    assert done.returncode == 2 and "no step decode in the first list" in done.stderr
 
 
 def test_generated_dist_info_carries_the_entry_points(tmp_path):
@@ -169,17 +208,24 @@ def test_cuda_test_files_collect_without_hypothesis():
     """The GPU machine has no hypothesis: every file the script's cuda step picks (the same grep)
     must collect there, and tests/ops/test_paged_attention.py's property test skips, saying why."""
     done = subprocess.run(
-        ["grep", "-rl", "--include=test_*.py", r"pytest\.mark\.cuda", "tests"], capture_output=True, text=True, cwd=ROOT
+        ["grep", "-rl", "--include=test_*.py", r"pytest\.mark\.cuda", "tests"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     files = sorted(done.stdout.split())
-    assert "tests/ops/test_paged_attention.py" in files and "tests/backends/cuda/test_cuda_backend.py" in files
+    assert (
+        "tests/ops/test_paged_attention.py" in files and "tests/backends/cuda/test_cuda_backend.py" in files
+    )
     collected = _pytest_without_hypothesis("--collect-only", *files)
     assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-2000:]
-    prop = _pytest_without_hypothesis("tests/ops/test_paged_attention.py::test_new_kernel_equals_old_kernel_for_any_lengths")
+    prop = _pytest_without_hypothesis(
+        "tests/ops/test_paged_attention.py::test_new_kernel_equals_old_kernel_for_any_lengths"
+    )
     assert prop.returncode == 0 and "hypothesis is not installed" in prop.stdout, prop.stdout[-3000:]
 
 
-HANGING = '''
+HANGING = """
 import time
 
 def test_quick():
@@ -190,7 +236,7 @@ def test_hangs():
 
 def test_after():
     pass
-'''
+"""
 
 
 @pytest.mark.parametrize("workers", [0, 1], ids=["one process", "xdist"])

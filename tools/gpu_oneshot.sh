@@ -6,29 +6,33 @@
 #   bash tools/gpu_oneshot.sh --all            # both lists, one summary (nox -s tests-cuda; --deadline 3600)
 #   bash tools/gpu_oneshot.sh --dry-run        # the same steps on --device cpu, smallest grids, seconds
 #   bash tools/gpu_oneshot.sh --list           # the steps and their time limits; runs nothing
+#   bash tools/gpu_oneshot.sh --steps env,decode_step   # only these steps of the list (its order)
 #
 # Steps run in priority order, each under its own time limit (`timeout`: SIGABRT first, so every
 # Python process writes its stacks to the step's log, then SIGKILL) and never past the global
-# deadline; a step that fails or times out never stops the next. After every step $OUT/<mode>/summary.json
-# is rewritten (status, exit code, seconds, log, outputs, test counts); benchmarks write their JSON
-# after every row; pytest steps write junit XML, a JSON line per test as it ends, and the stacks of a
-# test that hangs past ONESHOT_TEST_TIMEOUT (tools/oneshot_pytest.py). See docs/development.md.
+# deadline; a step that fails or times out never stops the next. Everything lands in a run folder
+# (ONESHOT_WORK/<mode>): summary.json, rewritten after every step (status, exit code, seconds, log,
+# outputs, test counts), logs/, results/ (benchmarks write their JSON after every row), junit/ (and a
+# JSON line per test as it ends, the stacks of a test that hangs past ONESHOT_TEST_TIMEOUT:
+# tools/oneshot_pytest.py). After every step the run folder is packed into $OUT, as two files, because
+# the lent machine returns at most 8 files from $OUT: <mode>-summary.json and <mode>.tar.gz.
+# See docs/development.md.
 #
 # Uses the machine's own torch and installs nothing from the network: devgraph and its test packages
 # are installed with pip --no-deps --no-build-isolation --no-index -e; where pip refuses, they are put
 # on PYTHONPATH with generated .dist-info folders, so entry points (the toy backend's) are found too.
 #
 # Environment: OUT (default benchmarks/results/gpu_oneshot; a temporary folder for --dry-run),
-# PYTHON (default python3), ONESHOT_TEST_TIMEOUT (default 120 s per test), ONESHOT_LIMIT_<step>
+# ONESHOT_WORK (where the run folder is built; default a temporary folder), PYTHON (default python3), ONESHOT_TEST_TIMEOUT (default 120 s per test), ONESHOT_LIMIT_<step>
 # (seconds: one step's limit instead of its default; the tests of this script use it).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
 
-usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
 
 ARGS="$*"
-MODE=first DRY=0 DEVICE="" DEADLINE="" LIST=0
+MODE=first DRY=0 DEVICE="" DEADLINE="" LIST=0 ONLY=""
 while (($#)); do
     case $1 in
         --dry-run) DRY=1 ;;
@@ -39,6 +43,8 @@ while (($#)); do
         --device=*) DEVICE=${1#*=} ;;
         --deadline) DEADLINE=${2:?--deadline needs seconds}; shift ;;
         --deadline=*) DEADLINE=${1#*=} ;;
+        --steps) ONLY=${2:?--steps needs names}; shift ;;
+        --steps=*) ONLY=${1#*=} ;;
         -h | --help) usage; exit 0 ;;
         *) echo "gpu_oneshot: unknown option $1" >&2; usage >&2; exit 2 ;;
     esac
@@ -57,6 +63,15 @@ case $MODE in
     second) STEPS=("${SECOND[@]}") ;;
     all) STEPS=("${FIRST[@]}" "${SECOND[@]:2}") ;;
 esac
+if [[ -n $ONLY ]]; then
+    chosen=()
+    for spec in "${STEPS[@]}"; do [[ ,$ONLY, == *,${spec%%:*},* ]] && chosen+=("$spec"); done
+    for name in ${ONLY//,/ }; do
+        printf '%s\n' "${STEPS[@]%%:*}" | grep -qx "$name" ||
+            { echo "gpu_oneshot: no step $name in the $MODE list: ${STEPS[*]%%:*}" >&2; exit 2; }
+    done
+    STEPS=("${chosen[@]}")
+fi
 if ((LIST)); then
     echo "mode $MODE, device $DEVICE, deadline ${DEADLINE}s:"
     printf '  %s s\n' "${STEPS[@]/:/  }"
@@ -69,7 +84,11 @@ if [[ -z ${OUT:-} ]]; then
 fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-RUN=$OUT/$MODE
+WORK=${ONESHOT_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_oneshot_work.XXXXXX")}
+mkdir -p "$WORK"
+WORK=$(cd "$WORK" && pwd)
+case $WORK/ in "$OUT"/*) echo "gpu_oneshot: ONESHOT_WORK must lie outside OUT (only two files per mode go there)" >&2; exit 2 ;; esac
+RUN=$WORK/$MODE
 rm -rf "$RUN"
 mkdir -p "$RUN/logs" "$RUN/results" "$RUN/junit"
 SUMMARY=$RUN/summary.json
@@ -86,6 +105,18 @@ export ONESHOT_TEST_TIMEOUT=${ONESHOT_TEST_TIMEOUT:-120}
 if ((DRY)); then export OMP_NUM_THREADS=1 DEVGRAPH_TEST_THREADS=1; fi
 
 summary() { "$PY" "$ROOT/tools/_oneshot.py" "$@" >/dev/null; }
+
+# $OUT/<mode>-summary.json and $OUT/<mode>.tar.gz (the run folder), each replaced whole. Files over
+# 4 MiB stay out of the archive (named in excluded.txt inside it): a returned file may hold 16 MiB.
+pack() {
+    cp "$SUMMARY" "$OUT/.$MODE-summary.json.tmp" && mv -f "$OUT/.$MODE-summary.json.tmp" "$OUT/$MODE-summary.json"
+    local big=() exclude=() f
+    mapfile -t big < <(cd "$WORK" && find "$MODE" -type f -size +4M | sort)
+    printf '%s\n' "${big[@]}" >"$RUN/excluded.txt"
+    for f in "${big[@]}"; do exclude+=(--exclude="$f"); done
+    tar -C "$WORK" -czf "$OUT/.$MODE.tar.gz.tmp" "${exclude[@]}" "$MODE" &&
+        mv -f "$OUT/.$MODE.tar.gz.tmp" "$OUT/$MODE.tar.gz"
+}
 
 # -- the steps (each runs in its own bash under `timeout`; the first argument is nothing) ------------
 
@@ -228,11 +259,13 @@ run_step() {
     local left=$((END_AT - $(date +%s)))
     if ((left < MIN_STEP_S)); then
         summary step "$SUMMARY" "$name" --status skipped --note "not started: ${left} s left before the deadline"
+        pack
         printf '%-20s skipped (deadline)\n' "$name"
         return
     fi
     local limit=$((cap < left ? cap : left))
     summary step "$SUMMARY" "$name" --status running --limit-s "$limit" --log "$log"
+    pack
     local marker=$RUN/.step-start t0 ms seconds rc status note=""
     touch "$marker"
     t0=$(date +%s%N)
@@ -263,6 +296,7 @@ run_step() {
     summary step "$SUMMARY" "$name" --status "$status" --rc "$rc" --limit-s "$limit" --log "$log" \
         --seconds "$seconds" ${note:+--note "$note"} "${method[@]}" "${tests[@]}" \
         --outputs "${outputs[@]}"
+    pack
     printf '%-20s %-8s rc %-3s %8s s  (limit %s s, log %s)\n' "$name" "$status" "$rc" "$seconds" "$limit" "$log"
     [[ $status == ok ]] || tail -n 15 "$RUN/$log" | sed 's/^/    | /'
 }
@@ -272,11 +306,13 @@ dry=()
 ((DRY)) && dry=(--dry-run)
 summary init "$SUMMARY" --mode "$MODE" --device "$DEVICE" --deadline "$DEADLINE" --steps "$names" \
     --command "bash tools/gpu_oneshot.sh $ARGS" "${dry[@]}" || { echo "gpu_oneshot: cannot write $SUMMARY" >&2; exit 2; }
-echo "gpu_oneshot $MODE on $DEVICE$( ((DRY)) && echo ' (dry run)'): deadline ${DEADLINE} s, results in $RUN"
+pack
+echo "gpu_oneshot $MODE on $DEVICE$( ((DRY)) && echo ' (dry run)'): deadline ${DEADLINE} s, run folder $RUN, packed into $OUT"
 for spec in "${STEPS[@]}"; do
     run_step "$spec"
 done
 "$PY" "$ROOT/tools/_oneshot.py" finish "$SUMMARY"
+pack
 "$PY" - "$SUMMARY" <<'EOF'
 import json, sys
 steps = json.load(open(sys.argv[1]))["steps"]

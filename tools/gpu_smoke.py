@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.append(("capture_after_failed_captures", lambda: after_failed_captures(dev)))
     for name, fn in plan:
         report["items"][name] = result = _timed(fn)
-        print(f"{name:<45} {result['status']:<15} {result['seconds']:7.2f} s  {result.get('error', '')[:200]}")
+        print(
+            f"{name:<45} {result['status']:<15} {result['seconds']:7.2f} s  {result.get('error', '')[:200]}"
+        )
         _write(report, args.out)
     failed = [n for n, r in report["items"].items() if r["status"] == "failed"]
     report["failed"] = failed
