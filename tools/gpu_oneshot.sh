@@ -23,8 +23,9 @@
 # on PYTHONPATH with generated .dist-info folders, so entry points (the toy backend's) are found too.
 #
 # Environment: OUT (default benchmarks/results/gpu_oneshot; a temporary folder for --dry-run),
-# ONESHOT_WORK (where the run folder is built; default a temporary folder), PYTHON (default python3), ONESHOT_TEST_TIMEOUT (default 120 s per test), ONESHOT_LIMIT_<step>
-# (seconds: one step's limit instead of its default; the tests of this script use it).
+# ONESHOT_WORK (where the run folder is built; default a temporary folder), PYTHON (default python3),
+# ONESHOT_TEST_TIMEOUT (default 120 s per test), ONESHOT_LIMIT_<step> (seconds: one step's limit
+# instead of its default; the tests of this script use it).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
@@ -118,7 +119,7 @@ pack() {
         mv -f "$OUT/.$MODE.tar.gz.tmp" "$OUT/$MODE.tar.gz"
 }
 
-# -- the steps (each runs in its own bash under `timeout`; the first argument is nothing) ------------
+# -- the steps (each runs in its own bash, under `timeout`) ---------------------------------------------
 
 step_env() {
     command -v nvidia-smi >/dev/null && nvidia-smi
