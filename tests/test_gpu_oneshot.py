@@ -26,12 +26,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "gpu_oneshot.sh"
 
 
+def _clean_env() -> dict[str, str]:
+    """This process's environment without what pytest (and xdist) set for their own tests."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+
+
 def _oneshot(tmp: Path, *flags: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
     """The script with OUT=tmp/out (what comes back from a GPU machine) and its run folder in tmp/work."""
     return subprocess.run(
         ["bash", str(SCRIPT), *flags],
         env={
-            **os.environ,
+            **_clean_env(),
             "OUT": str(tmp / "out"),
             "ONESHOT_WORK": str(tmp / "work"),
             "PYTHON": sys.executable,
@@ -245,7 +250,7 @@ def test_a_hung_test_is_ended_with_its_stacks_and_results_stay_on_disk(tmp_path,
     process ends (under xdist the run goes on with a new worker); each result is a JSON line."""
     (tmp_path / "test_hang.py").write_text(HANGING)
     env = {
-        **os.environ,
+        **_clean_env(),
         "PYTHONPATH": os.pathsep.join([str(ROOT / "tools"), os.environ.get("PYTHONPATH", "")]),
         "ONESHOT_TEST_TIMEOUT": "3",
         "ONESHOT_TEST_LOG": str(tmp_path / "tests.jsonl"),

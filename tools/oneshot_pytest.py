@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 _dump_file: Any = None
+_xdist_worker = False  # under xdist the controller logs every worker's reports
 
 
 def _timeout() -> float:
@@ -31,7 +32,8 @@ def _timeout() -> float:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _dump_file
+    global _dump_file, _xdist_worker
+    _xdist_worker = hasattr(config, "workerinput")
     folder = os.environ.get("ONESHOT_DUMP_DIR")
     if _timeout() > 0 and folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
@@ -65,8 +67,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     path = os.environ.get("ONESHOT_TEST_LOG")
-    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # under xdist the controller logs every worker's reports
+    if not path or _xdist_worker:
+        return
     if report.when == "call":
         outcome = report.outcome
     elif report.skipped and report.when == "setup":
