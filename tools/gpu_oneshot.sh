@@ -177,9 +177,10 @@ run_pytest() {
         --junitxml="$RUN/junit/$name.xml" "${extra[@]}" "$@"
 }
 
-# The tests that make CUDA invalidate a capture run in their own process (failed_capture): on torch
-# 2.11 a failed capture can leave the caching allocator broken for the rest of its process.
-FAILED_CAPTURE_TESTS="test_failed_capture_end_leaves_graph_uncaptured or test_cuda_refusal_inside_capture_is_a_capture_error or check_capture_error_on_host_sync"
+# The tests whose captures fail on purpose run in their own process (failed_capture): on torch 2.11
+# a capture CUDA invalidated can leave the caching allocator broken for the rest of its process.
+FAILED_CAPTURE_TESTS="test_failed_capture_end_leaves_graph_uncaptured or test_cuda_refusal_inside_capture_is_a_capture_error"
+FAILED_CAPTURE_TESTS+=" or check_capture_error_on_host_sync or test_reseeding_inside_a_cuda_capture_is_a_capture_error"
 
 step_cuda_tests() {
     local files
@@ -190,7 +191,8 @@ step_cuda_tests() {
 
 step_failed_capture() {
     ONESHOT_WORKERS=0 run_pytest failed_capture -k "$FAILED_CAPTURE_TESTS or test_cuda_failed_capture" \
-        tests/backends/cuda/test_cuda_backend.py tests/backends/cuda/test_cuda_failed_capture.py
+        tests/backends/cuda/test_cuda_backend.py tests/backends/cuda/test_cuda_failed_capture.py \
+        tests/backends/cpu/test_reference_refusals.py
 }
 
 step_replay_vs_eager() {
