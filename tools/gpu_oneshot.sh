@@ -285,7 +285,7 @@ run_step() {
         # shellcheck source=/dev/null
         source "$RUN/install.env"
         export PYTHONPATH
-        note="pip refused or was not run: devgraph and its test packages are on PYTHONPATH"
+        note="pip refused or was not run: devgraph, tests/sim and the toy backend are on PYTHONPATH; their entry points come only from the .dist-info folders generated in pythonpath/ (the built-in backends, cuda among them, need none)"
     fi
     local outputs=()
     mapfile -t outputs < <(cd "$RUN" && find results junit logs -type f -newer "$marker" ! -name '.*' ! -path 'logs/[0-9]*' | sort)
