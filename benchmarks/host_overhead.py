@@ -31,7 +31,8 @@ microseconds, devgraph's runs and the loop's interleaved. Targets, recorded in t
     python benchmarks/host_overhead.py --device cuda   # real CUDA graphs, replay stubbed
     python benchmarks/host_overhead.py --quick         # smoke run (fewer iterations)
 
-Writes ``<out>/host_overhead.json`` (``host_overhead_quick.json`` with ``--quick``).
+Writes ``<out>/host_overhead.json`` (``host_overhead_quick.json`` with ``--quick``) after every case
+(``"complete": false`` until the end).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import DEFAULT_OUT, logger, report_header, write_json
+from _common import DEFAULT_OUT, PartialReport, logger, report_header
 
 import devgraph
 from devgraph.backends.cuda._device import DeviceMetadataGraph
@@ -115,14 +116,15 @@ def decode_batch(config: DecoderConfig, device: torch.device, rows: int) -> dict
 
 def full_cases(
     dev: devgraph.Device, layers: int, batches: list[int], sizes: list[int], args: Any
-) -> list[dict[str, Any]]:
-    """One captured model, timed at each batch size of ``batches``."""
+) -> Iterator[dict[str, Any]]:
+    """One captured model, timed at each batch size of ``batches`` (one case each, as measured)."""
     config = DecoderConfig(num_layers=layers)
     model = make_decoder(config, device=dev.torch_device)
     graphed = devgraph.wrap(model, device=dev, batch_sizes=sizes)
     graphed.capture(**decode_batch(config, dev.torch_device, 1))
     stub_replay(graph for _, graph in graphed.runner.full.graphs.items())
-    return [_full_case(graphed, config, layers, rows, sizes, args) for rows in batches]
+    for rows in batches:
+        yield _full_case(graphed, config, layers, rows, sizes, args)
 
 
 def _full_case(
@@ -202,8 +204,8 @@ class _VllmPiece:
 
 def piecewise_cases(
     dev: devgraph.Device, layers: int, batches: list[int], sizes: list[int], args: Any
-) -> list[dict[str, Any]]:
-    """One traced and captured model, timed at each token count of ``batches``."""
+) -> Iterator[dict[str, Any]]:
+    """One traced and captured model, timed at each token count of ``batches`` (one case each, as measured)."""
     config = DecoderConfig(num_layers=layers)
     model = make_decoder(config, device=dev.torch_device)
     # Eager pieces everywhere: with the replay stubbed, how a piece was compiled does not matter,
@@ -220,7 +222,8 @@ def piecewise_cases(
             module.state,
             [lambda b=b: graphed(**b) for b in step.values()],
         )
-    return [_piecewise_case(graphed, layers, rows, step[rows], sizes, args) for rows in batches]
+    for rows in batches:
+        yield _piecewise_case(graphed, layers, rows, step[rows], sizes, args)
 
 
 def _piecewise_case(
@@ -292,17 +295,28 @@ def _piecewise_case(
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None] = lambda report: None
+) -> dict[str, Any]:
+    """Every case; ``on_row(report)`` after each (the report so far)."""
     dev = devgraph.device(args.device)
     sizes = [1, 2, 4, 8]
-    cases = []
+    cases: list[dict[str, Any]] = []
     small, large = (2, 4) if args.quick else (2, 32)
+    groups = []
     if "full" in args.modes:
-        for layers in (small, large):
-            cases += full_cases(dev, layers, [1, 3], sizes, args)
-            logger.info("full L=%d done", layers)
+        groups += [full_cases(dev, layers, [1, 3], sizes, args) for layers in (small, large)]
     if "piecewise" in args.modes:
-        cases += piecewise_cases(dev, large, [1, 3], sizes, args)
+        groups.append(piecewise_cases(dev, large, [1, 3], sizes, args))
+    for group in groups:  # generators: each model is built when its first case is asked for
+        for case in group:
+            cases.append(case)
+            on_row(_report(dev, args, cases))
+            logger.info("%s done", _label(case))
+    return _report(dev, args, cases)
+
+
+def _report(dev: devgraph.Device, args: argparse.Namespace, cases: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         **report_header(dev, "host_overhead", note=NOTE),
         "note": NOTE,
@@ -362,10 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         args.iters, args.repeats = 50, 2  # and 4 layers, not 32: a smoke run
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    report = run(args)
-    print(render(report))
     name = "host_overhead_quick.json" if args.quick else "host_overhead.json"
-    print(f"\nwrote {write_json(report, args.out / name)}")
+    partial = PartialReport(args.out / name)
+    report = run(args, on_row=partial.row_done)
+    print(render(report))
+    print(f"\nwrote {partial.finish(report)}")
     return 0
 
 

@@ -12,6 +12,8 @@ devgraph's host work plus the simulator's recording of each re-issue -- compare 
 each other, not with hardware.
 
     python benchmarks/npu_update_order.py --layers 32 --iters 50
+
+Writes ``<out>/npu_update_order.json`` after every order (``"complete": false`` until the end).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import contextlib
 import statistics
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
+from _common import DEFAULT_OUT, PartialReport, report_header
 
 import devgraph
 import devgraph.ops as ops
@@ -164,14 +168,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the JSON result")
     args = parser.parse_args()
     # One intra-op thread: on a loaded small machine OpenMP's spin-waits make every small op slow.
     torch.set_num_threads(1)
     print(f"replay(host_args) host time per layer, {args.layers} layers, median of {args.iters} (simulator)")
     print(f"{'order':>8}  {'us/layer':>9}  " + "  ".join(f"{c:>23}" for c in COUNTED))
+    rows: dict[str, dict[str, float]] = {}
+    report = {
+        **report_header(devgraph.device("cpu"), "npu_update_order", note=""),
+        "backend": "npu",
+        "device": "npu:0 (simulated)",
+        "device_name": "torch_npu simulator (lazy streams) on the host CPU",
+        "note": "host time of devgraph plus the simulator's recording of each re-issue: compare the orders",
+        "layers": args.layers,
+        "iters": args.iters,
+        "timing": "median host microseconds of graph.replay(host_args) per layer; device work synchronised, untimed",
+        "results": rows,
+    }
+    partial = PartialReport(args.out / "npu_update_order.json")
     for order in ("overlap", "serial"):
         us, calls = measure(args.layers, args.iters, order)
         print(f"{order:>8}  {us:>9.1f}  " + "  ".join(f"{calls[c]:>23}" for c in COUNTED))
+        rows[order] = {"host_us_per_layer": us, "calls_per_replay": calls}
+        partial.row_done(report)
+    print(f"wrote {partial.finish(report)}")
 
 
 if __name__ == "__main__":
