@@ -86,9 +86,9 @@ def test_piece_outputs_are_weak_references_so_the_pool_can_reuse_them(toy):
     module = graphed.runner.pieces.module
     outputs = [
         t
-        for runner in module.piece_graphs
-        for entry in runner.entries.values()
-        for t in (entry.output if isinstance(entry.output, (tuple, list)) else [entry.output])
+        for piece in module.piece_graphs
+        for out in piece.graphs.outputs().values()
+        for t in (out if isinstance(out, (tuple, list)) else [out])
         if isinstance(t, torch.Tensor) and block_of(t) is not None
     ]
     assert outputs and not any(block_of(t).in_use() for t in outputs)
