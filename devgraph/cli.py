@@ -129,7 +129,9 @@ def _add_bisect(sub: Any) -> None:
     p.add_argument(
         "--device", type=backend_name, default=None, help="backend for 'demo' (default: best available)"
     )
-    p.add_argument("--batch", type=positive_int, default=1, help="'demo': rows in the decode step (default 1)")
+    p.add_argument(
+        "--batch", type=positive_int, default=1, help="'demo': rows in the decode step (default 1)"
+    )
     p.add_argument(
         "--bucket",
         type=positive_int,
@@ -244,7 +246,9 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no capture progress bar or summary line (DEVGRAPH_QUIET=1)",
     )
-    sub = top.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{info,demo,bisect}")
+    sub = top.add_subparsers(
+        dest="command", required=True, parser_class=_Parser, metavar="{info,demo,bisect}"
+    )
     info = sub.add_parser("info", help="list backends and whether they can run here")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_info)

@@ -27,6 +27,7 @@ import attrs
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from devgraph._fallback_fixes import with_fix
 from devgraph.compile import (
     CapturePlan,
     CompileConfig,
@@ -36,7 +37,6 @@ from devgraph.compile import (
     plan_capture_sizes,
     trace_call,
 )
-from devgraph._fallback_fixes import with_fix
 from devgraph.graph import Device, Graph, SharedPool
 from devgraph.runner._accounts import Accounts
 from devgraph.runner._calls import Call, Unsupported
