@@ -100,11 +100,19 @@ class GraphSet(Generic[K]):
 
     # -- capture -------------------------------------------------------------------------------
 
-    def capture(self, key: K, body: Callable[[Graph], Any], *, stream: Stream | None = None) -> Any:
+    def capture(
+        self,
+        key: K,
+        body: Callable[[Graph], Any],
+        *,
+        stream: Stream | None = None,
+        auto_update_ops: Sequence[str] | None = None,
+    ) -> Any:
         """Capture ``body(graph)`` as the graph of ``key``; return its output (the strong tensors).
 
         The output is kept weakly (``weaken``) and handed back by every ``replay(key)``. On any error
-        nothing is kept and the graph lets go of the pool.
+        nothing is kept and the graph lets go of the pool. ``auto_update_ops``: the ops captured as
+        updatable tasks (default: the device's ``updatable_ops``; an engine adapter adds its own).
 
         Raises:
             DevgraphError: ``key`` is captured already (``discard`` or ``reset`` first).
@@ -116,7 +124,9 @@ class GraphSet(Generic[K]):
         with graph.capture(
             stream=stream or self.shared.stream,
             pool=self.shared.pool,
-            auto_update_ops=getattr(self.device, "updatable_ops", ()),
+            auto_update_ops=(
+                getattr(self.device, "updatable_ops", ()) if auto_update_ops is None else auto_update_ops
+            ),
         ):
             out = body(graph)
         self._graphs[key] = graph

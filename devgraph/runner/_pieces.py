@@ -126,6 +126,8 @@ class Pieces:
             size_options="capture_sizes/capture_budget/traffic",
         )
         self.plan: CapturePlan | None = None
+        #: The sizes a call is bucketed into: the captured ones (none before capture).
+        self.buckets: list[int] = []
         self.traced: Traced | None = None
         self._replay_inputs: dict[int, list[torch.Tensor]] = {}
 
@@ -138,10 +140,6 @@ class Pieces:
     def captured(self) -> bool:
         return self.traced is not None
 
-    @property
-    def buckets(self) -> list[int]:
-        """The sizes a call is bucketed into (the captured ones; none before capture)."""
-        return list(self.plan.sizes) if self.plan is not None else []
 
     def graphs(self, size: int) -> list[Graph]:
         """The captured graphs of ``size``, one per captured piece, in order."""
@@ -189,6 +187,7 @@ class Pieces:
             self.traced.compiled.module.reset()
         self.traced = None
         self.plan = None
+        self.buckets = []
         self._replay_inputs.clear()
         self.inputs.clear()
         self.capture_loop.clear()
@@ -228,6 +227,7 @@ class Pieces:
         self.stats.passes = dict(traced.compiled.pass_counts)
         inputs.remember(example)
         self.plan = self._plan(module.captured_pieces)
+        self.buckets = list(self.plan.sizes)
         self.stats.dropped_sizes = self.plan.dropped
 
         def prepare(size: int) -> tuple[Callable[[], Any], Callable[[], None]]:

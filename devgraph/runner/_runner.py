@@ -76,6 +76,7 @@ class Part(Protocol):
     match_word: str  # what the call is matched against: "captured", "traced"
     size_word: str  # how its sizes are named in messages
     sizes: list[int]  # the sizes asked for
+    buckets: list[int]  # the sizes a call is bucketed into (the captured ones)
     inputs: StaticInputs
     accounts: Accounts
     capture_loop: CaptureLoop
@@ -85,9 +86,6 @@ class Part(Protocol):
 
     @property
     def captured(self) -> bool: ...
-
-    @property
-    def buckets(self) -> list[int]: ...
 
     def capture(self, example: Call) -> None: ...
 

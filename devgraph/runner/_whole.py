@@ -57,6 +57,7 @@ class WholeGraphs:
         self.device = device
         self.config = config
         self.sizes = normalise_batch_sizes(config.batch_sizes, config.max_batch_size)
+        self.buckets = self.sizes  # the sizes a call is bucketed into
         self.stats = RunnerStats()
         self.inputs = StaticInputs(fn, device, config)
         self.accounts = Accounts(config, self.stats, lock, "from a graph")
@@ -77,10 +78,6 @@ class WholeGraphs:
     def captured(self) -> bool:
         return bool(self.graphs)
 
-    @property
-    def buckets(self) -> list[int]:
-        """The sizes a call is bucketed into."""
-        return self.sizes
 
     def graph(self, batch_size: int) -> Graph:
         """The captured graph of bucket ``batch_size``."""
