@@ -60,12 +60,21 @@ def register() -> str | None:
     return PLATFORM_QUALNAME if is_enabled() else None
 
 
+def switch_setting() -> str:
+    """The switch as the user set it, quoted as given (``DEVGRAPH_VLLM='Yes '``), for messages."""
+    return f"{DEVGRAPH_VLLM_ENV}={os.environ.get(DEVGRAPH_VLLM_ENV, '')!r}"
+
+
 def switch_value_error() -> str | None:
-    """Why the switch's value is not understood (None when it is "1"-like)."""
+    """Why the switch's value is not understood (None when it is on or off)."""
     value = os.environ.get(DEVGRAPH_VLLM_ENV, "").strip().lower()
     if value in _TRUE or value in _FALSE:
         return None
-    return f"{DEVGRAPH_VLLM_ENV}={os.environ[DEVGRAPH_VLLM_ENV]!r} is not understood; set {DEVGRAPH_VLLM_ENV}=1 or unset it"
+    return (
+        f"{switch_setting()} is not understood (on: {', '.join(_TRUE)}; off: unset or "
+        f"{', '.join(repr(v) for v in _FALSE)}); set {DEVGRAPH_VLLM_ENV}=1 to capture vLLM's graphs "
+        f"through devgraph, or unset {DEVGRAPH_VLLM_ENV} to run vLLM without devgraph"
+    )
 
 
 def _allowed() -> list[str] | None:

@@ -21,7 +21,7 @@ import torch
 
 from devgraph._errors import DevgraphError
 from devgraph.adapters.vllm import _stats
-from devgraph.adapters.vllm._host_args import step_host_args
+from devgraph.adapters.vllm._host_args import step_host_args, updatable_ops
 from devgraph.graph._contract import Graph, MemoryPool
 from devgraph.graph._weakref import weak_ref_tensors
 
@@ -52,8 +52,9 @@ def _metadata_addresses(context: Any) -> dict[str, int]:
     found: dict[str, int] = {}
     for i, m in enumerate(metadata_objects(getattr(context, "attn_metadata", None))):
         fields = vars(m) if hasattr(m, "__dict__") else {}
+        unread = getattr(m, "devgraph_unread_fields", ())  # made per step, never read by a graph
         for name, value in fields.items():
-            if isinstance(value, torch.Tensor) and value.numel():
+            if isinstance(value, torch.Tensor) and value.numel() and name not in unread:
                 found[f"{type(m).__name__}[{i}].{name}"] = value.data_ptr()
     return found
 
@@ -230,7 +231,7 @@ class DevgraphGraphWrapper:
         graph = self.device.graph()
         with (
             _gc_paused(self.cudagraph_options.gc_disable),
-            graph.capture(pool=self.graph_pool, auto_update_ops=self.device.updatable_ops),
+            graph.capture(pool=self.graph_pool, auto_update_ops=updatable_ops(self.device)),
         ):
             output = self.runnable(*args, **kwargs)
             if self.cudagraph_options.weak_ref_output:
