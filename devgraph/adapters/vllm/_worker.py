@@ -74,6 +74,14 @@ class DevgraphWorkerMixin:
         return times
 
 
+    def shutdown(self) -> None:
+        # The engine's once-only eager-decode warning, if its window never closed (a short run).
+        report = getattr(getattr(self, "model_runner", None), "devgraph_report_eager_decode", None)
+        if report is not None:
+            report()
+        super().shutdown()  # type: ignore[misc]
+
+
 _built: dict[str, type] = {}
 
 

@@ -49,6 +49,7 @@ def run_python(code_or_script: list[str], env: dict[str, str], timeout: int = EN
 #: engine uses one torch thread). "default" is vLLM's default compilation config, unchanged.
 ALL_RUNS = (
     ("llama", "eager", None),
+    ("llama", "eager-native", None),
     ("llama", "default", "cpu"),
     ("llama", "PIECEWISE", "cpu"),
     ("llama", "FULL", "cpu"),
@@ -60,6 +61,7 @@ ALL_RUNS = (
     ("sliding", "eager", None),
     ("sliding", "default", "cpu"),
     ("gemma2", "eager", None),
+    ("gemma2", "eager-native", None),
     ("gemma2", "default", "cpu"),
     ("gemma2", "FULL", "cpu"),
 )

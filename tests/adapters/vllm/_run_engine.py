@@ -1,6 +1,7 @@
 """Run one vLLM engine and write its greedy tokens and devgraph's counters as JSON.
 
-Usage: python _run_engine.py MODEL_DIR MODE OUT_JSON, MODE in eager, default (vLLM's default compilation
+Usage: python _run_engine.py MODEL_DIR MODE OUT_JSON, MODE in eager, eager-native (eager with vLLM's
+torch implementations of its custom ops), default (vLLM's default compilation
 config, unchanged), or a cudagraph_mode (PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE) with
 capture sizes 1, 2, 4, 8.
 Run in a fresh process per engine: vLLM resolves its platform once per process (DEVGRAPH_VLLM is

@@ -90,3 +90,21 @@ def test_piecewise_on_a_third_party_devgraph_backend_matches_vllm_without_devgra
     # The toy backend (tests/plugins) is a third-party devgraph device: DEVGRAPH_BACKEND picks it.
     run = _tokens_match(engine, "PIECEWISE", devgraph="toy")
     assert run["stats"].get("replay.PIECEWISE", 0) > 0
+
+
+@pytest.mark.parametrize(
+    ("model", "mode", "plain_mode"),
+    [("llama", "default", "eager-native"), ("gemma2", "default", "eager-native"), ("llama", "FULL", "eager")],
+)
+def test_full_decode_graphs_give_vllms_own_logprobs_bit_for_bit(engine, model, mode, plain_mode):
+    # FULL decode graphs run vLLM's own CPU attention kernel as the updatable task, prefills and
+    # eager steps vLLM's attention itself: every logprob (top 5, every position, padded replays
+    # included) equals vLLM's without devgraph running the same model code uncompiled. That code
+    # is what vLLM resolves for the config: the default config (compiled with inductor where
+    # devgraph is off) uses vLLM's torch implementations of RMSNorm/SiLU/rotary ("eager-native"),
+    # a non-inductor backend vLLM's C++ kernels for them, as enforce_eager does ("eager").
+    run = engine(mode, devgraph="cpu", model=model)
+    plain = engine(plain_mode, devgraph=None, model=model)
+    assert run["stats"].get("replay.FULL", 0) > 0
+    assert run["tokens"] == plain["tokens"]
+    assert run["logprobs"] == plain["logprobs"]
