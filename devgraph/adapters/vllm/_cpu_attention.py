@@ -218,7 +218,12 @@ class DevgraphCpuAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         return DevgraphCpuAttentionMetadata(
             **vars(base),
             devgraph_host_args=host_args,
-            devgraph_scheduler=(self.num_heads, self.window_size, self.isa, bool(envs.VLLM_CPU_ATTN_SPLIT_KV)),
+            devgraph_scheduler=(
+                self.num_heads,
+                self.window_size,
+                self.isa,
+                bool(envs.VLLM_CPU_ATTN_SPLIT_KV),
+            ),
         )
 
 
@@ -277,7 +282,6 @@ class DevgraphCpuAttentionImpl(CPUAttentionBackendImpl):
         )
         return output
 
-
     def do_kv_cache_update(
         self,
         layer: Any,
@@ -310,6 +314,5 @@ def _in_full_graph() -> bool:
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
     return (
-        is_forward_context_available()
-        and get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
+        is_forward_context_available() and get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
     )

@@ -270,7 +270,9 @@ def uses_alibi(model_config: Any) -> bool:
     if hf is None:
         return False
     attn_config = getattr(hf, "attn_config", None)
-    mpt_alibi = attn_config.get("alibi") if isinstance(attn_config, dict) else getattr(attn_config, "alibi", None)
+    mpt_alibi = (
+        attn_config.get("alibi") if isinstance(attn_config, dict) else getattr(attn_config, "alibi", None)
+    )
     return bool(
         getattr(hf, "model_type", None) == "bloom"
         or getattr(hf, "alibi", False) is True
@@ -290,7 +292,9 @@ def attention_limits(model_config: Any, unsupported_arguments: tuple[str, ...] =
         "ALiBi position biases": uses_alibi(model_config),
     }
     return [
-        f for f, arg in ATTENTION_FEATURES.items() if used[f] and (arg is None or arg in unsupported_arguments)
+        f
+        for f, arg in ATTENTION_FEATURES.items()
+        if used[f] and (arg is None or arg in unsupported_arguments)
     ]
 
 

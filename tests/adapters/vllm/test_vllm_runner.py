@@ -221,7 +221,6 @@ def test_full_capture_that_records_no_attention_task_is_refused(cpu):
 
 def _decode_steps(runner, config, steps):
     from _fake_engine import metadata
-    from vllm.config import CUDAGraphMode
     from vllm.forward_context import set_forward_context
 
     for tokens, mode in steps:
@@ -397,7 +396,10 @@ def test_sliding_window_and_soft_cap_use_devgraph_attention_on_cpu_and_are_refus
         limits = _model_attention_limits(type(npu), config)
         assert limits == ["sliding-window attention", "attention logit soft-capping"]
         assert not _devgraph_attention(type(npu), config)
-        with pytest.raises(DevgraphError, match="this model uses sliding-window attention and attention logit soft-capping, which"):
+        with pytest.raises(
+            DevgraphError,
+            match="this model uses sliding-window attention and attention logit soft-capping, which",
+        ):
             _refuse_attention_limits(type(npu), config)
         config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
         _refuse_attention_limits(type(npu), config)  # no FULL graphs: vLLM-ascend's attention, pieces
