@@ -11,6 +11,9 @@ greedy tokens, which must be identical both ways. Modes:
 * ``devgraph``: ``DEVGRAPH_VLLM=1``, vLLM's default config (FULL decode graphs through devgraph, model
   uncompiled).
 
+Each run also reports the seconds of vLLM's ``capture_model()`` inside the start (timed by this
+script's child around vLLM's method): devgraph's graph capture, the part of the start it adds.
+
 One untimed run of each mode first warms the caches (vLLM's compile cache, the OS file cache), then
 ``--pairs`` rounds run every mode once, in an order rotating per round, so that a load spike of this
 shared machine hits each mode alike. Reported: min and median ``LLM(...)`` seconds per mode, and the
@@ -46,8 +49,19 @@ MODES = ("plain", "plain-eager", "devgraph")
 CHILD = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 model, mode, out = sys.argv[1:4]
 kwargs = {"enforce_eager": True} if mode == "plain-eager" else {}
+# The share of the start that graph capture takes (this harness's own timer around vLLM's method).
+capture_s = [0.0]
+capture_model = GPUModelRunner.capture_model
+def timed_capture(self, *args, **kwargs):
+    t = time.perf_counter()
+    try:
+        return capture_model(self, *args, **kwargs)
+    finally:
+        capture_s[0] += time.perf_counter() - t
+GPUModelRunner.capture_model = timed_capture
 start = time.perf_counter()
 llm = LLM(model=model, dtype="float32", seed=0, max_model_len=128, max_num_seqs=8, **kwargs)
 started = time.perf_counter() - start
@@ -56,8 +70,8 @@ stats = {}
 if mode == "devgraph":
     from devgraph.adapters.vllm import stats as devgraph_stats
     stats = devgraph_stats()
-json.dump({"start_s": started, "tokens": [list(r.outputs[0].token_ids) for r in res], "stats": stats},
-          open(out, "w"))
+json.dump({"start_s": started, "capture_s": capture_s[0], "stats": stats,
+           "tokens": [list(r.outputs[0].token_ids) for r in res]}, open(out, "w"))
 """
 
 
@@ -97,6 +111,7 @@ def main() -> int:
     from _tiny_model import build_tiny_llama
 
     times: dict[str, list[float]] = {m: [] for m in modes}
+    captures: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, list] = {}
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,7 +126,9 @@ def main() -> int:
             for mode in order:
                 result = run(model_dir, mode, tmp, args.timeout)
                 times[mode].append(round(result["start_s"], 2))
+                captures[mode].append(round(result["capture_s"], 2))
                 row[mode] = round(result["start_s"], 2)
+                row[f"{mode}_capture"] = round(result["capture_s"], 2)
                 if result["tokens"] != tokens[mode]:
                     raise SystemExit(f"{mode}: tokens changed between runs")
             rounds.append(row)
@@ -131,7 +148,9 @@ def main() -> int:
         "torch": torch.__version__,
         "devgraph": devgraph.__version__,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "modes": {m: summary(v) for m, v in times.items()},
+        "modes": {
+            m: {**summary(v), "capture_median_s": statistics.median(captures[m])} for m, v in times.items()
+        },
         "rounds": rounds,
         "tokens_identical": all(tokens[m] == tokens[modes[0]] for m in modes),
     }

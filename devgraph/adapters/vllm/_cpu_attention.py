@@ -258,8 +258,9 @@ class DevgraphCpuAttentionImpl(CPUAttentionBackendImpl):
         num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
         key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
         num_heads, window, isa, split_kv = attn_metadata.devgraph_scheduler
-        if self.sinks is not None and self.sinks.dtype not in (torch.bfloat16, torch.float32):
-            self.sinks = self.sinks.to(torch.float32)  # as vLLM's forward does
+        sinks: torch.Tensor | None = getattr(self, "sinks", None)  # vLLM sets it in __init__
+        if sinks is not None and sinks.dtype not in (torch.bfloat16, torch.float32):
+            sinks = self.sinks = sinks.to(torch.float32)  # as vLLM's forward does
         torch.ops.devgraph.vllm_cpu_decode_attention(
             query,
             key_cache,
@@ -271,7 +272,7 @@ class DevgraphCpuAttentionImpl(CPUAttentionBackendImpl):
             self.sliding_window,
             float(self.logits_soft_cap),
             self.alibi_slopes,
-            self.sinks,
+            sinks,
             num_heads,
             window,
             isa,
