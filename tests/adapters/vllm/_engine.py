@@ -64,6 +64,8 @@ ALL_RUNS = (
     ("gemma2", "eager-native", None),
     ("gemma2", "default", "cpu"),
     ("gemma2", "FULL", "cpu"),
+    ("bloom", "eager-native", None),
+    ("bloom", "default", "cpu"),
 )
 
 

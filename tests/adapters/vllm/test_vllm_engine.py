@@ -94,7 +94,12 @@ def test_piecewise_on_a_third_party_devgraph_backend_matches_vllm_without_devgra
 
 @pytest.mark.parametrize(
     ("model", "mode", "plain_mode"),
-    [("llama", "default", "eager-native"), ("gemma2", "default", "eager-native"), ("llama", "FULL", "eager")],
+    [
+        ("llama", "default", "eager-native"),
+        ("gemma2", "default", "eager-native"),
+        ("bloom", "default", "eager-native"),  # ALiBi: vLLM's kernel takes the slopes in the graph too
+        ("llama", "FULL", "eager"),
+    ],
 )
 def test_full_decode_graphs_give_vllms_own_logprobs_bit_for_bit(engine, model, mode, plain_mode):
     # FULL decode graphs run vLLM's own CPU attention kernel as the updatable task, prefills and
