@@ -153,7 +153,7 @@ def test_the_adapter_uses_no_other_private_vllm_symbol():
         "_replay",
         "_prefill",
         "_attend",
-        "_devgraph_note_eager",
+        "_devgraph_note_decode",
         "_pool",
         "_open_group",
         "_reference",
