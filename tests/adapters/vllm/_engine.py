@@ -102,4 +102,6 @@ class EngineRuns:
         proc, out = self.runs[key].result()
         if proc.returncode != 0:
             pytest.fail(f"engine run {key} failed:\n{proc.stderr[-6000:]}")
-        return json.loads(out.read_text())
+        record = json.loads(out.read_text())
+        record["log"] = proc.stderr
+        return record

@@ -59,10 +59,16 @@ def test_full_modes_tokens_match_with_task_updated_full_replays(engine, mode):
     _full_replays_are_task_updated(run["stats"])
 
 
-def test_decode_batches_above_the_largest_capture_size_are_counted(engine):
-    # 10 running requests, capture sizes up to 8: the first decode steps run eagerly.
+def test_decode_batches_above_the_largest_capture_size_are_counted_and_reported_once(engine):
+    # 10 running requests, capture sizes up to 8: the first decode steps run eagerly; one warning
+    # per engine (at shutdown: a short run) with the numbers and the size to capture up to.
     for mode in ("PIECEWISE", *FULL_MODES):
-        assert engine(mode, devgraph="cpu")["stats"].get("eager.over_capture_size", 0) > 0, mode
+        run = engine(mode, devgraph="cpu")
+        eager = run["stats"].get("eager.over_capture_size", 0)
+        assert eager > 0, mode
+        assert run["log"].count("decode steps ran eagerly") == 1, mode
+        assert f"devgraph: {eager} of " in run["log"], mode
+        assert "capture sizes up to 16: compilation_config={'max_cudagraph_capture_size': 16}" in run["log"]
 
 
 def test_default_config_unchanged_works_and_replays_full_graphs(engine):
