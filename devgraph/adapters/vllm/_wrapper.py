@@ -21,7 +21,7 @@ import torch
 
 from devgraph._errors import DevgraphError
 from devgraph.adapters.vllm import _compare_eager, _stats
-from devgraph.adapters.vllm._host_args import step_host_args
+from devgraph.adapters.vllm._host_args import step_host_args, updatable_ops
 from devgraph.graph import Graph, GraphSet, MemoryPool, SharedPool, weak_ref_tensors
 
 __all__ = ["DevgraphGraphWrapper"]
@@ -48,8 +48,9 @@ def _metadata_addresses(context: Any) -> dict[str, int]:
     found: dict[str, int] = {}
     for i, m in enumerate(metadata_objects(getattr(context, "attn_metadata", None))):
         fields = vars(m) if hasattr(m, "__dict__") else {}
+        unread = getattr(m, "devgraph_unread_fields", ())  # made per step, never read by a graph
         for name, value in fields.items():
-            if isinstance(value, torch.Tensor) and value.numel():
+            if isinstance(value, torch.Tensor) and value.numel() and name not in unread:
                 found[f"{type(m).__name__}[{i}].{name}"] = value.data_ptr()
     return found
 
@@ -248,7 +249,7 @@ class DevgraphGraphWrapper:
             return output
 
         with _gc_paused(self.cudagraph_options.gc_disable):
-            output = self.graphs.capture(descriptor, body)
+            output = self.graphs.capture(descriptor, body, auto_update_ops=updatable_ops(self.device))
         graph = self.graphs.graph(descriptor)
         if self.runtime_mode.name == "FULL" and not graph.tasks and _carries_host_args(context):
             # The step's attention reads host lengths a replay must re-issue, but the capture found
