@@ -84,26 +84,24 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_seconds(text: str) -> float:
-    """A finite number of seconds > 0 (``--timeout``)."""
+def _finite(text: str, *, zero_ok: bool, takes: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0 (e.g. 300), got {text!r}")
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        raise argparse.ArgumentTypeError(f"expected {takes}, got {text!r}")
     return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0 (``--timeout``)."""
+    return _finite(text, zero_ok=False, takes="a number of seconds > 0 (e.g. 300)")
 
 
 def tolerance(text: str) -> float:
     """A finite number >= 0 (``--atol``, ``--rtol``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0 (e.g. 1e-5), got {text!r}")
-    return value
+    return _finite(text, zero_ok=True, takes="a number >= 0 (e.g. 1e-5)")
 
 
 def backend_name(text: str) -> str:

@@ -29,7 +29,7 @@ from devgraph.runner._model_state import ModuleState, capture_warnings
 from devgraph.runner._progress import progress, size_ranges
 from devgraph.runner._ranks import RankCheck, capture_context, check_capture
 
-__all__ = ["CaptureLoop", "Prepare", "gc_frozen"]
+__all__ = ["CaptureLoop", "Prepare", "gc_frozen", "part_core"]
 
 logger = logging.getLogger("devgraph")
 
@@ -227,3 +227,25 @@ class CaptureLoop:
                 stats.pool_bytes / 2**20,
                 tail,
             )
+
+
+def part_core(
+    fn: Callable[..., Any],
+    device: Device,
+    config: RunnerConfig,
+    stats: RunnerStats,
+    lock: threading.RLock,
+    shared: SharedPool,
+    *,
+    serve_what: str,
+    size_noun: str,
+    size_options: str,
+) -> tuple[StaticInputs, Accounts, CaptureLoop]:
+    """What every runner part is built on: its ``StaticInputs``, its ``Accounts`` (counting under the
+    runner's ``lock``) and its ``CaptureLoop`` into ``shared``."""
+    inputs = StaticInputs(fn, device, config)
+    accounts = Accounts(config, stats, lock, serve_what)
+    loop = CaptureLoop(
+        inputs, device, config, stats, accounts, shared=shared, size_noun=size_noun, size_options=size_options
+    )
+    return inputs, accounts, loop

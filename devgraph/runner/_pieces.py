@@ -38,11 +38,9 @@ from devgraph.compile import (
     trace_call,
 )
 from devgraph.graph import Device, Graph, SharedPool
-from devgraph.runner._accounts import Accounts
 from devgraph.runner._calls import Call, Unsupported
-from devgraph.runner._capture_loop import CaptureLoop
+from devgraph.runner._capture_loop import part_core
 from devgraph.runner._config import RunnerConfig, RunnerStats
-from devgraph.runner._inputs import StaticInputs
 from devgraph.runner._progress import size_ranges
 
 __all__ = ["Pieces", "PiecewiseStats"]
@@ -113,15 +111,14 @@ class Pieces:
         requested = compile_config.capture_sizes
         self.sizes = list(requested) if requested else list(self.full_sizes or _default_sizes(config))
         self.stats = PiecewiseStats(full=full_stats)
-        self.inputs = StaticInputs(fn, device, config)
-        self.accounts = Accounts(config, self.stats, lock, "piecewise")
-        self.capture_loop = CaptureLoop(
-            self.inputs,
+        self.inputs, self.accounts, self.capture_loop = part_core(
+            fn,
             device,
             config,
             self.stats,
-            self.accounts,
-            shared=shared,
+            lock,
+            shared,
+            serve_what="piecewise",
             size_noun="capture sizes (tokens)",
             size_options="capture_sizes/capture_budget/traffic",
         )
@@ -139,7 +136,6 @@ class Pieces:
     @property
     def captured(self) -> bool:
         return self.traced is not None
-
 
     def graphs(self, size: int) -> list[Graph]:
         """The captured graphs of ``size``, one per captured piece, in order."""

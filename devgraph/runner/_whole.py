@@ -18,12 +18,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from devgraph._errors import DevgraphError
 from devgraph.graph import Device, Graph, GraphSet, SharedPool
-from devgraph.runner._accounts import Accounts
 from devgraph.runner._buckets import normalise_batch_sizes
 from devgraph.runner._calls import Call, Unsupported
-from devgraph.runner._capture_loop import CaptureLoop
+from devgraph.runner._capture_loop import part_core
 from devgraph.runner._config import RunnerConfig, RunnerStats
-from devgraph.runner._inputs import StaticInputs
 from devgraph.runner._padding import PaddingVerdict
 
 __all__ = ["WholeGraphs"]
@@ -59,15 +57,14 @@ class WholeGraphs:
         self.sizes = normalise_batch_sizes(config.batch_sizes, config.max_batch_size)
         self.buckets = self.sizes  # the sizes a call is bucketed into
         self.stats = RunnerStats()
-        self.inputs = StaticInputs(fn, device, config)
-        self.accounts = Accounts(config, self.stats, lock, "from a graph")
-        self.capture_loop = CaptureLoop(
-            self.inputs,
+        self.inputs, self.accounts, self.capture_loop = part_core(
+            fn,
             device,
             config,
             self.stats,
-            self.accounts,
-            shared=shared,
+            lock,
+            shared,
+            serve_what="from a graph",
             size_noun="batch sizes",
             size_options="batch_sizes/max_batch_size",
         )
@@ -77,7 +74,6 @@ class WholeGraphs:
     @property
     def captured(self) -> bool:
         return bool(self.graphs)
-
 
     def graph(self, batch_size: int) -> Graph:
         """The captured graph of bucket ``batch_size``."""
