@@ -71,7 +71,7 @@ def test_unknown_option_of_a_subcommand_is_one_line_naming_it(capsys, argv, expe
 
 @pytest.mark.parametrize(
     ("argv", "expected"),
-    [([], "{info,demo}"), (["frob"], "choose from 'info', 'demo'"), (["--quite", "info"], "--quite")],
+    [([], "{info,demo,bisect}"), (["frob"], "choose from 'info', 'demo'"), (["--quite", "info"], "--quite")],
 )
 def test_top_level_bad_command_is_one_line_naming_the_choices(capsys, argv, expected):
     err = _refused(capsys, argv)
@@ -90,3 +90,19 @@ def test_an_unavailable_backend_is_one_line_with_status_1():
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith("error: devgraph backend 'npu' is unavailable")
+
+
+@pytest.mark.parametrize(
+    ("argv", "option", "valid"),
+    [
+        (["bisect", "demo", "--batch", "0"], "--batch", "positive integer"),
+        (["bisect", "demo", "--bucket", "two"], "--bucket", "positive integer"),
+        (["bisect", "demo", "--atol", "-1"], "--atol", "number >= 0"),
+        (["bisect", "demo", "--rtol", "inf"], "--rtol", "number >= 0"),
+        (["bisect", "demo", "--device", "gpu"], "--device", "one of cpu, cuda, npu"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_bisect_bad_value_is_one_line_naming_the_option_and_what_it_takes(capsys, argv, option, valid):
+    err = _refused(capsys, argv)
+    assert err.startswith("devgraph bisect: error:") and option in err and valid in err
