@@ -23,6 +23,8 @@ from devgraph._errors import (
 from devgraph._hookspecs import hookimpl
 from devgraph._plugins import BackendInfo, BackendSpec, Probe, device, list_backends
 from devgraph._wrap import wrap
+from devgraph.graph._breakable import BreakableGraph
+from devgraph.graph._breaks import mark_break, unmark_break
 from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph.graph._graphed import GraphedModule
 from devgraph.graph._tasks import TaskGroup
@@ -49,6 +51,7 @@ __all__ = [
     "BackendInfo",
     "BackendSpec",
     "BackendUnavailable",
+    "BreakableGraph",
     "CaptureError",
     "Device",
     "DevgraphError",
@@ -66,6 +69,8 @@ __all__ = [
     "device",
     "hookimpl",
     "list_backends",
+    "mark_break",
+    "unmark_break",
     "weak_ref_tensor",
     "weak_ref_tensors",
     "wrap",

@@ -30,3 +30,12 @@ def devgraph_register_op_kernels(register: Callable[..., None]) -> None:
 @hookspec
 def devgraph_register_passes(register: Callable[[Any], None], device: Any) -> None:
     """Contribute graph passes for ``device``: ``register(pass_instance)``."""
+
+
+@hookspec
+def devgraph_register_break_ops(register: Callable[..., None], device: Any) -> None:
+    """Contribute break ops for ``device`` (None: any device): ``register("namespace::op", ...)``.
+
+    A breakable capture on ``device`` runs every call of these ops eagerly between its segment
+    graphs (``devgraph.graph.BreakableGraph``), e.g. collectives this backend cannot capture.
+    """

@@ -9,18 +9,25 @@
 * ``_opnames``: op names (``namespace::op``) and which ops have Python bodies.
 * ``_weakref``: weak references to graph outputs.
 * ``_graphed``: ``GraphedModule``, what ``devgraph.wrap`` returns.
+* ``_breaks``, ``_breakable``: break ops and ``BreakableGraph`` (one capture cut into segment graphs at
+  break ops, which replay eagerly in between).
 
 Importing this package imports no torch; the public names are re-exported by ``devgraph``.
 """
 
 from __future__ import annotations
 
+from devgraph.graph._breakable import BreakableGraph, CapturedBreak
+from devgraph.graph._breaks import ATTENTION_OPS, break_ops, mark_break, marked_breaks, unmark_break
 from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph.graph._graphed import GraphedModule
 from devgraph.graph._tasks import TaskGroup
 from devgraph.graph._weakref import weak_ref_tensor, weak_ref_tensors
 
 __all__ = [
+    "ATTENTION_OPS",
+    "BreakableGraph",
+    "CapturedBreak",
     "Device",
     "Event",
     "Graph",
@@ -29,6 +36,10 @@ __all__ = [
     "MemoryStats",
     "Stream",
     "TaskGroup",
+    "break_ops",
+    "mark_break",
+    "marked_breaks",
+    "unmark_break",
     "weak_ref_tensor",
     "weak_ref_tensors",
 ]

@@ -1,0 +1,669 @@
+"""Breakable capture: one capture over a whole callable, cut into segment graphs at break ops.
+
+SGLang's prefill default, vLLM's ``VLLM_USE_BREAKABLE_CUDAGRAPH`` and vllm-ascend's
+``BreakableACLGraphWrapper`` work this way; here it is built on the graph contract alone, so every
+backend (cuda, npu, the accelerator backend, the CPU reference) gets it with no code of its own.
+
+Capture. ``with bg.capture(): out = model(...)`` opens a ``Graph`` capture (segment 0). When the
+code calls a break op (``devgraph.graph.break_ops``: devgraph's attention ops, ops marked with
+``mark_break``, ops plugins contribute), the current segment's capture ends, the op runs eagerly
+on the capture stream outside any graph, and capture resumes in a new ``Graph`` on the same stream
+and ``MemoryPool``. Nothing is traced or compiled.
+
+Replay. ``bg.replay(host_args=...)`` replays the segment graphs in order and re-runs each break
+eagerly in between, on the tensors it read at capture (static memory: outputs of earlier segments,
+or static inputs), with the call's new host arguments (by argument name, as ``Graph.replay``). A
+break that writes its result into a tensor it was given (devgraph's attention ops: ``out``) needs
+nothing more; a break that returns fresh tensors had buffers allocated for them in the pool at
+capture, before its segment ended (their shapes from the op's fake impl), was handed those buffers
+instead of its own result, and at replay its result is copied into them. Tensors the pool owns are
+held weakly (``Device.weak_ref``), as vllm-ascend holds its attention parameters: they stay pool
+memory that later captures may reuse, which is sound because a replay runs in capture order. Tensors
+from outside the graphs (weights, the KV cache, static inputs) are held as they are. A break whose
+result shape has no fake impl keeps the eager result of capture time (outside the pool) and copies
+into that.
+
+How a break is intercepted, and why there. Each segment's ``Graph.capture`` pushes modes: the
+host-sync guard (a ``TorchFunctionMode``), devgraph's capture dispatch mode and, on the CPU
+reference and the NPU simulator, the backend's op recorder (``TorchDispatchMode``\\s). Cutting a
+capture means popping those modes and pushing the next segment's, which is only sound from a place
+where they sit on top of their stacks in order. A dispatch mode is the wrong place: the host-sync
+guard is held aside while the call it let through is being dispatched, so popping it there pops
+something else. ``BreakMode`` is a ``TorchFunctionMode`` entered *above* the first segment's modes
+(torch function modes see ``torch.ops`` calls, custom ops included, and torch functions such as
+``F.scaled_dot_product_attention``, before any dispatch). While it handles a call torch holds it
+aside and puts it back on top afterwards, so it can close segment ``k`` (its modes are then the top
+of both stacks), run the break, open segment ``k+1``, and return; torch re-pushes it above the new
+segment's modes. It checks both stack depths first, and refuses a break it finds below another
+mode's handler. It sees top-level Python calls only: a break called from C++, from inside another
+torch function or op (a Python-bodied custom op's body) or from compiled code reaches the segment's
+capture instead, where the capture guard's ``op_check`` hook (``_capture.op_check``, which sees
+every op the capture dispatch mode sees, bodies included) refuses it by name rather than capture it.
+
+Equal or refused. The same check refuses, by op and source line, an op that is not a break but
+whose result depends on what a graph cannot see, with the remedy "mark it as a break": a custom
+op (outside torch's own namespaces) given a non-empty host list (``int[]``, ``float[]``...: per-call
+lengths, torchtitan #3685's varlen attention) unless it is captured as an updatable task
+(``auto_update_ops``) or declared ``static_ops``; a custom op given a CPU tensor on a device that
+is not the CPU (the host memory is read at launch, once); and, in ``BreakMode``, any torch call
+given one of the capture's declared per-call host values (``host_args=`` at capture).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from devgraph._errors import CaptureError, DevgraphError
+from devgraph._source import user_source_line
+from devgraph.graph._breaks import break_ops, call_name
+from devgraph.graph._capture import op_check
+from devgraph.graph._opnames import resolve_auto_update_ops
+
+if TYPE_CHECKING:
+    import torch
+
+    from devgraph.graph._contract import Device, Graph, MemoryPool, Stream
+
+__all__ = ["BreakableGraph", "CapturedBreak"]
+
+logger = logging.getLogger("devgraph")
+
+#: torch's own namespaces: their list arguments are shapes, dims, split sizes, not per-call data.
+_TORCH_NAMESPACES = frozenset(
+    {
+        "aten",
+        "prims",
+        "prim",
+        "rngprims",
+        "c10d",
+        "c10d_functional",
+        "_c10d_functional",
+        "_c10d_functional_autograd",
+        "_dtensor",
+        "inductor",
+        "debug_mode_ops",
+        "higher_order",
+    }
+)
+
+_MARK_REMEDY = (
+    "mark it as a break so it runs eagerly between the graphs with each call's values: "
+    "devgraph.mark_break({op!r}) (or breaks=[{op!r}]); if the value is the same on every call, "
+    "static_ops=[{op!r}]"
+)
+
+
+@attrs.define(eq=False)
+class CapturedBreak:
+    """One break of a breakable capture: the call re-run eagerly after segment ``index``.
+
+    Attributes:
+        index: the segment graph it follows (it runs before segment ``index + 1``).
+        op: the op's name (``"devgraph::paged_decode_attention"``).
+        host_args: its host (non-tensor) arguments by name, as captured or last replayed.
+        source: the user's line that called it.
+    """
+
+    index: int
+    op: str
+    host_args: dict[str, Any]
+    source: str | None
+    _func: Callable[..., Any] = attrs.field(repr=False)
+    _args: list[Any] = attrs.field(repr=False)
+    _kwargs: dict[str, Any] = attrs.field(repr=False)
+    _slots: dict[str, tuple[int | None, str]] = attrs.field(repr=False)  # host name -> (position, kw)
+    _outs: list[tuple[int, Any]] = attrs.field(factory=list, repr=False)  # (result leaf, its buffer)
+
+    def takes(self, name: str) -> bool:
+        return name in self._slots
+
+    def run(self, host_args: Mapping[str, Any] | None) -> None:
+        """Re-run the call (with ``host_args`` replacing its host values) and write its fresh results
+        into their capture-time buffers."""
+        args, kwargs = self._args, self._kwargs
+        if host_args:
+            args, kwargs = list(args), dict(kwargs)
+            for name, value in host_args.items():
+                position, keyword = self._slots[name]
+                if position is not None and position < len(args):
+                    args[position] = value
+                else:
+                    kwargs[keyword] = value
+            self.host_args.update(host_args)
+        result = self._func(*args, **kwargs)
+        if self._outs:
+            from torch.utils._pytree import tree_flatten
+
+            leaves = tree_flatten(result)[0]
+            for i, buffer in self._outs:
+                if leaves[i].shape != buffer.shape:
+                    raise DevgraphError(
+                        f"break {self.op} returned shape {tuple(leaves[i].shape)} at replay, "
+                        f"{tuple(buffer.shape)} at capture (at {self.source}); the graphs after it read "
+                        "the capture-time shape. Replay only calls of the captured size."
+                    )
+                buffer.copy_(leaves[i])
+
+
+class _Run:
+    """The state of one breakable capture in progress (segments opened and closed by the modes)."""
+
+    def __init__(
+        self,
+        owner: BreakableGraph,
+        stream: Stream,
+        pool: MemoryPool,
+        auto_update_ops: Sequence[str],
+        capture_error_mode: str,
+        host_values: Mapping[str, Any],
+    ) -> None:
+        self.owner = owner
+        self.stream = stream
+        self.pool = pool
+        self.auto_update_ops = resolve_auto_update_ops(auto_update_ops, owner.device.updatable_ops)
+        self.capture_error_mode = capture_error_mode
+        self.host_ids = {id(v): k for k, v in host_values.items() if isinstance(v, (list, tuple))}
+        self.graphs: list[Graph] = []
+        self.breaks: list[CapturedBreak] = []
+        self.current: contextlib.ExitStack | None = None
+        self.fn_depth = 0
+        self.dispatch_depth = 0
+        self.failed: BaseException | None = None
+        # Storages seen in the segments: made by a captured op (the pool owns them) or read from outside.
+        self.made: set[int] = set()
+        self.outside: set[int] = set()
+        self.thread = threading.get_ident()
+
+    def open_segment(self) -> None:
+        import torch
+
+        graph = self.owner.device.graph()
+        stack = contextlib.ExitStack()
+        stack.enter_context(
+            graph.capture(
+                stream=self.stream,
+                pool=self.pool,
+                auto_update_ops=self.auto_update_ops,
+                capture_error_mode=self.capture_error_mode,
+            )
+        )
+        self.graphs.append(graph)
+        self.current = stack
+        self.fn_depth = torch._C._len_torch_function_stack()
+        self.dispatch_depth = torch._C._len_torch_dispatch_stack()
+
+    def check(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The ``op_check`` of the segments' captures: refuse a break that reached a segment, or an op
+        whose result depends on what the graph cannot see (see the module docstring)."""
+        if threading.get_ident() != self.thread:
+            return
+        name = func._schema.name
+        if name in self.owner.breaks:
+            raise CaptureError(
+                "a break op reached a segment graph's capture: it was called where a breakable capture "
+                "cannot cut (from C++, from inside another torch function or op, or from compiled code), "
+                "and would be captured with frozen arguments",
+                op=name,
+                source=user_source_line(),
+                remedy="call it from Python code (torch.ops.ns.op(...)) outside torch.compile'd regions, "
+                "or mark the op that calls it as the break",
+            )
+        why = _refusal(self, func, args, kwargs)
+        if why is not None:
+            raise CaptureError(why, op=name, source=user_source_line(), remedy=_MARK_REMEDY.format(op=name))
+
+    def close_segment(self, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
+        stack, self.current = self.current, None
+        if stack is not None:
+            if exc[0] is None:
+                stack.close()
+            else:
+                stack.__exit__(*exc)
+
+    def abandon(self) -> None:
+        for graph in self.graphs:
+            if graph.is_captured():
+                graph.reset()
+        self.graphs, self.breaks = [], []
+
+    # -- bookkeeping of where tensors live (capture only) ------------------------------------------
+
+    def see(self, args: Any, result: Any) -> None:
+        for t in _tensors(args):
+            ptr = _storage(t)
+            if ptr and ptr not in self.made:
+                self.outside.add(ptr)
+        for t in _tensors(result):
+            ptr = _storage(t)
+            if ptr and ptr not in self.outside:
+                self.made.add(ptr)
+
+    def keep(self, value: Any) -> Any:
+        """How a break holds a tensor argument: weakly where the pool owns it, else as it is."""
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return self.owner.device.weak_ref(value) if _storage(value) in self.made else value
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(self.keep(v) for v in value)
+        return value
+
+    # -- a break ---------------------------------------------------------------------------------
+
+    def run_break(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        import torch
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        source = user_source_line()
+        if (
+            torch._C._len_torch_function_stack() != self.fn_depth
+            or torch._C._len_torch_dispatch_stack() != self.dispatch_depth
+        ):
+            raise CaptureError(
+                "a break op called from inside another op (a Python-bodied custom op's body, or a "
+                "mode's handler): the capture cannot be cut there",
+                op=name,
+                source=source,
+                remedy="mark the op that calls it as the break instead (devgraph.mark_break('ns::outer_op'))",
+            )
+        fake = _fake_result(func, args, kwargs)
+        buffers: list[tuple[int, Any]] = []
+        with torch._C.DisableTorchFunction():
+            inputs = {_storage(t) for t in _tensors((args, kwargs))}
+            if fake is not None:
+                # Buffers for its fresh results, allocated in this segment: pool memory.
+                for i, leaf in enumerate(tree_flatten(fake)[0]):
+                    if isinstance(leaf, torch.Tensor) and not _aliases(leaf, inputs):
+                        buffers.append(
+                            (i, torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device))
+                        )
+        self.made.update(_storage(b) for _, b in buffers)
+        self.close_segment()
+        result = func(*args, **kwargs)
+        leaves, spec = tree_flatten(result)
+        outs: list[tuple[int, Any]] = []
+        if fake is not None:
+            for i, buffer in buffers:
+                buffer.copy_(leaves[i])
+                leaves[i] = buffer
+                outs.append((i, self.owner.device.weak_ref(buffer)))
+        else:
+            # No fake impl: its fresh results of capture time are the buffers, held here.
+            for i, leaf in enumerate(leaves):
+                if isinstance(leaf, torch.Tensor) and not _aliases(leaf, inputs):
+                    outs.append((i, leaf))
+                    self.outside.add(_storage(leaf))
+        self.breaks.append(
+            _captured_break(len(self.graphs) - 1, name, source, func, args, kwargs, outs, self.keep)
+        )
+        self.open_segment()
+        return tree_unflatten(leaves, spec)
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+
+
+def _storage(t: torch.Tensor) -> int:
+    import torch
+
+    if t.device.type == "meta" or t.layout != torch.strided:
+        return 0
+    return int(t.untyped_storage().data_ptr())
+
+
+def _aliases(t: Any, inputs: set[int]) -> bool:
+    import torch
+
+    return isinstance(t, torch.Tensor) and t.device.type != "meta" and _storage(t) in inputs
+
+
+def _fake_result(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The call's result computed by its fake impl (shapes, strides, dtypes), or None where it has
+    none or returns no tensor."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    schema = getattr(func, "_schema", None)
+    if schema is not None and not schema.returns:
+        return None  # writes into what it is given (devgraph's attention ops: ``out``)
+    try:
+        with torch._C.DisableTorchFunction(), _disable_current_modes():
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            with mode:
+                result = func(*args, **kwargs)
+    except Exception as exc:  # no fake impl, or one that reads values: keep the eager result instead
+        logger.debug("devgraph: no fake result for break %r (%s); its eager result is kept", func, exc)
+        return None
+    return result if any(True for _ in _tensors(result)) else None
+
+
+def _arg_names(func: Any) -> list[str]:
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        overloads = getattr(func, "overloads", None)
+        if overloads is not None and len(func.overloads()) == 1:
+            schema = getattr(func, func.overloads()[0])._schema
+    return [a.name for a in schema.arguments] if schema is not None else []
+
+
+def _captured_break(
+    index: int,
+    name: str,
+    source: str | None,
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    outs: list[tuple[int, Any]],
+    keep: Callable[[Any], Any],
+) -> CapturedBreak:
+    from devgraph.graph._tasks import holds_tensor
+
+    names = _arg_names(func)
+    slots: dict[str, tuple[int | None, str]] = {}
+    host: dict[str, Any] = {}
+    for i, value in enumerate(args):
+        if i < len(names) and value is not None and not holds_tensor(value):
+            slots[names[i]] = (i, names[i])
+            host[names[i]] = value
+    for key, value in kwargs.items():
+        if value is not None and not holds_tensor(value):
+            slots[key] = (None, key)
+            host[key] = value
+    return CapturedBreak(
+        index=index,
+        op=name,
+        host_args=host,
+        source=source,
+        func=func,
+        args=[keep(a) for a in args],
+        kwargs={k: keep(v) for k, v in kwargs.items()},
+        slots=slots,
+        outs=outs,
+    )
+
+
+def _host_list_args(func: Any) -> list[tuple[int, str]]:
+    """(position, name) of the arguments of ``func``'s schema that are lists of host scalars."""
+    import torch
+
+    found = []
+    for i, arg in enumerate(func._schema.arguments):
+        kind = arg.type
+        if isinstance(kind, torch._C.OptionalType):
+            kind = kind.getElementType()
+        if isinstance(kind, torch._C.ListType) and not isinstance(
+            kind.getElementType(), (torch._C.TensorType, torch._C.OptionalType)
+        ):
+            found.append((i, arg.name))
+    return found
+
+
+_LISTS: dict[Any, list[tuple[int, str]]] = {}
+
+
+def _refusal(run: _Run, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why op ``func`` (not a break) cannot be captured in a segment, or None (see the module docstring)."""
+    name = func._schema.name
+    namespace = name.partition("::")[0]
+    if namespace in _TORCH_NAMESPACES or name in run.auto_update_ops or name in run.owner.static_ops:
+        return None
+    lists = _LISTS.get(func)
+    if lists is None:
+        lists = _LISTS[func] = _host_list_args(func)
+    for i, arg in lists:
+        value = args[i] if i < len(args) else kwargs.get(arg)
+        if isinstance(value, (list, tuple)) and len(value) > 0:
+            return (
+                f"{name} reads the host list {arg}={list(value)!r}, which a graph freezes at capture: "
+                "the values of later calls would be ignored"
+            )
+    if run.owner.device.torch_device.type != "cpu":
+        for t in _tensors((args, kwargs)):
+            if t.device.type == "cpu":
+                return (
+                    f"{name} reads a CPU tensor {tuple(t.shape)} on the host at launch, once: a graph "
+                    "freezes what it read"
+                )
+    return None
+
+
+def _modes() -> type:
+    """Build the mode class lazily so that importing devgraph does not import torch."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class BreakMode(TorchFunctionMode):
+        """Above every segment's modes: runs break ops eagerly between segments (module docstring)."""
+
+        def __init__(self, run: _Run) -> None:
+            super().__init__()
+            self.run = run
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            run = self.run
+            if torch.compiler.is_compiling() or threading.get_ident() != run.thread or run.current is None:
+                return func(*args, **kwargs)
+            name = call_name(func)
+            if name is not None and name in run.owner.breaks:
+                try:
+                    return run.run_break(func, name, args, kwargs)
+                except BaseException as exc:
+                    run.failed = run.failed or exc
+                    raise
+            if run.host_ids:
+                for value in (*args, *kwargs.values()):
+                    host = run.host_ids.get(id(value))
+                    if host is not None:
+                        op = name or getattr(func, "__name__", repr(func))
+                        raise CaptureError(
+                            f"the per-call host value {host!r} is read by {op} inside a segment graph, "
+                            "which would freeze it at capture",
+                            op=op,
+                            source=user_source_line(),
+                            remedy=_MARK_REMEDY.format(op=op),
+                        )
+            result = func(*args, **kwargs)
+            with torch._C.DisableTorchFunction():
+                run.see((args, kwargs), result)
+            return result
+
+    return BreakMode
+
+
+_BREAK_MODE: type | None = None
+
+
+def _break_mode() -> type:
+    global _BREAK_MODE
+    if _BREAK_MODE is None:
+        _BREAK_MODE = _modes()
+    return _BREAK_MODE
+
+
+@contextlib.contextmanager
+def _checking(run: _Run) -> Iterator[None]:
+    token = op_check.set(run.check)
+    try:
+        yield
+    finally:
+        op_check.reset(token)
+
+
+class BreakableGraph:
+    """Segment graphs of one capture, cut at break ops that replay eagerly in between.
+
+    Args:
+        device: the device whose graphs hold the segments.
+        breaks: extra break ops (names ``"ns::op"`` or ops) besides the defaults
+            (``devgraph.graph.break_ops(device)``: devgraph's attention ops, ``mark_break``'s, plugins').
+        static_ops: custom ops whose host-list arguments are the same on every call, so the
+            refusal of host lists inside a segment does not apply to them.
+
+    ``capture()``/``replay()``/``reset()`` follow ``Graph``'s contract; ``graphs`` are the segment
+    graphs, ``captured_breaks`` the breaks between them. See the module docstring.
+    """
+
+    def __init__(self, device: Device, breaks: Sequence[Any] = (), *, static_ops: Sequence[Any] = ()) -> None:
+        from devgraph.graph._breaks import _name_of
+
+        self.device = device
+        self.breaks = frozenset(break_ops(device, breaks))
+        self.static_ops = frozenset(_name_of(op) for op in static_ops)
+        self._graphs: list[Graph] = []
+        self._breaks: list[CapturedBreak] = []
+        self._pool: MemoryPool | None = None
+        self._state = "new"
+        self._lock = threading.RLock()
+        self._host_names: frozenset[str] = frozenset()
+        self._graph_hosts: list[tuple[Graph, tuple[str, ...]]] = []
+
+    @contextlib.contextmanager
+    def capture(
+        self,
+        stream: Stream | None = None,
+        pool: MemoryPool | None = None,
+        *,
+        auto_update_ops: Sequence[str] = (),
+        host_args: Mapping[str, Any] | None = None,
+        capture_error_mode: str = "default",
+    ) -> Iterator[BreakableGraph]:
+        """Record the block as segment graphs cut at break ops (which run eagerly, here and at replay).
+
+        Args:
+            stream, pool, auto_update_ops, capture_error_mode: as ``Graph.capture``, for every segment.
+            host_args: the call's per-call host values by name (``{"seq_lens_host": lens}``): an op
+                inside a segment given one of these very objects is refused (it would be frozen).
+        Raises:
+            DevgraphError: already captured (``reset()`` first) or capturing.
+            CaptureError: the block did something a segment cannot hold (see the module docstring).
+        """
+        if self._state != "new":
+            raise DevgraphError(
+                "this breakable graph is capturing already"
+                if self._state == "capturing"
+                else "this breakable graph was already captured; call reset() before capturing again"
+            )
+        stream = stream or self.device.capture_stream()
+        self._pool = pool = pool or self.device.pool()
+        run = _Run(self, stream, pool, auto_update_ops, capture_error_mode, host_args or {})
+        self._state = "capturing"
+        ok = False
+        try:
+            # The device's capture lock for the whole capture: no other capture slips in between segments.
+            with self.device.capture_lock(), stream, _checking(run):
+                run.open_segment()
+                try:
+                    with _break_mode()(run):
+                        yield self
+                except BaseException:
+                    run.close_segment(sys.exc_info())
+                    raise
+                run.close_segment()
+                if run.failed is not None:
+                    raise DevgraphError(
+                        "a break of this capture failed and the error was caught inside the capture "
+                        f"block ({type(run.failed).__name__}: {run.failed}); the capture is abandoned"
+                    ) from run.failed
+            ok = True
+        finally:
+            if not ok:
+                run.abandon()
+                self._state = "new"
+        self._graphs, self._breaks = run.graphs, run.breaks
+        self._index()
+        self._state = "captured"
+        logger.debug(
+            "devgraph: breakable capture of %d segments, %d breaks (%s)",
+            len(self._graphs),
+            len(self._breaks),
+            ", ".join(dict.fromkeys(b.op for b in self._breaks)) or "none",
+        )
+
+    def _index(self) -> None:
+        names: set[str] = set()
+        for b in self._breaks:
+            names.update(b.host_args)
+        self._graph_hosts = []
+        for graph in self._graphs:
+            taken = tuple(sorted({n for t in graph.tasks if t.is_auto for n in t.argument_names}))
+            self._graph_hosts.append((graph, taken))
+            names.update(taken)
+        self._host_names = frozenset(names)
+
+    def is_captured(self) -> bool:
+        """True once a capture has completed (until ``reset()``)."""
+        return self._state == "captured"
+
+    @property
+    def graphs(self) -> tuple[Graph, ...]:
+        """The segment graphs, in replay order (one more than the breaks)."""
+        return tuple(self._graphs)
+
+    @property
+    def captured_breaks(self) -> tuple[CapturedBreak, ...]:
+        """The breaks between the segments, in replay order."""
+        return tuple(self._breaks)
+
+    def pool(self) -> MemoryPool:
+        """The pool every segment captured into."""
+        if self._pool is None:
+            raise DevgraphError("this breakable graph has no pool yet; capture it first")
+        return self._pool
+
+    def replay(self, host_args: Mapping[str, Any] | None = None) -> None:
+        """Replay the segments in order, each break re-run eagerly in between with ``host_args``.
+
+        Args:
+            host_args: ``{argument name: value}`` for this call, given to every break (and every
+                updatable task of the segments) that takes the argument; the others keep the values
+                they last had (frozen at capture, as on a graph).
+        Raises:
+            DevgraphError: not captured, or a name no break or task takes.
+        """
+        with self._lock:
+            if self._state != "captured":
+                raise DevgraphError("replay() of a breakable graph that was never captured (or was reset)")
+            if host_args:
+                unknown = set(host_args) - self._host_names
+                if unknown:
+                    raise DevgraphError(
+                        f"no break or updatable task of this breakable graph takes host argument(s) "
+                        f"{sorted(unknown)}; its breaks take {sorted(self._host_names) or 'none'}"
+                    )
+            import torch
+
+            with torch.no_grad():
+                breaks = self._breaks
+                for i, (graph, taken) in enumerate(self._graph_hosts):
+                    if taken and host_args:
+                        graph.replay({n: host_args[n] for n in taken if n in host_args} or None)
+                    else:
+                        graph.replay()
+                    if i < len(breaks):
+                        b = breaks[i]
+                        b.run({n: v for n, v in host_args.items() if b.takes(n)} if host_args else None)
+
+    def reset(self) -> None:
+        """Drop every segment graph and break, so the breakable graph can be captured again."""
+        if self._state == "capturing":
+            raise DevgraphError("reset() inside the breakable graph's own capture block")
+        with self._lock:
+            for graph in self._graphs:
+                graph.reset()
+            self._graphs, self._breaks, self._graph_hosts = [], [], []
+            self._state = "new"
