@@ -277,24 +277,24 @@ class _Run:
         buffers: list[tuple[int, Any]] = []
         with torch._C.DisableTorchFunction():
             inputs = {_storage(t) for t in _tensors((args, kwargs))}
-            if fake is not None:
-                # Buffers for its fresh results, allocated in this segment: pool memory.
-                for i, leaf in enumerate(tree_flatten(fake)[0]):
-                    if isinstance(leaf, torch.Tensor) and not _aliases(leaf, inputs):
-                        buffers.append(
-                            (i, torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device))
-                        )
+            # Buffers for its results, allocated in this segment (pool memory), shaped by the fake impl.
+            for i, leaf in enumerate(tree_flatten(fake)[0] if fake is not None else ()):
+                if isinstance(leaf, torch.Tensor):
+                    shape, stride = leaf.shape, leaf.stride()
+                    buffers.append(
+                        (i, torch.empty_strided(shape, stride, dtype=leaf.dtype, device=leaf.device))
+                    )
         self.made.update(_storage(b) for _, b in buffers)
         self.close_segment()
         result = func(*args, **kwargs)
         leaves, spec = tree_flatten(result)
         outs: list[tuple[int, Any]] = []
-        if fake is not None:
-            for i, buffer in buffers:
+        for i, buffer in buffers:
+            if not _aliases(leaves[i], inputs):  # a view of an input stays one (the re-run makes it again)
                 buffer.copy_(leaves[i])
                 leaves[i] = buffer
                 outs.append((i, self.owner.device.weak_ref(buffer)))
-        else:
+        if fake is None:
             # No fake impl: its fresh results of capture time are the buffers, held here.
             for i, leaf in enumerate(leaves):
                 if isinstance(leaf, torch.Tensor) and not _aliases(leaf, inputs):
@@ -327,7 +327,7 @@ def _storage(t: torch.Tensor) -> int:
 def _aliases(t: Any, inputs: set[int]) -> bool:
     import torch
 
-    return isinstance(t, torch.Tensor) and t.device.type != "meta" and _storage(t) in inputs
+    return isinstance(t, torch.Tensor) and _storage(t) in inputs
 
 
 def _fake_result(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -45,15 +45,13 @@ def _name_of(op: Any) -> str:
         lookup_op(op, "break op", _SPELLING)
         ns, _, rest = op.partition("::")
         return f"{ns}::{rest.partition('.')[0]}"
-    schema = getattr(op, "_schema", None)
-    if schema is not None:
-        return str(schema.name)
-    qualified = getattr(op, "_qualified_op_name", None)  # OpOverloadPacket
-    if isinstance(qualified, str):
-        return qualified
-    inner = getattr(op, "_opoverload", None)  # torch.library.custom_op's CustomOpDef
-    if inner is not None:
-        return str(inner._schema.name)
+    import torch
+
+    op = getattr(op, "_opoverload", op)  # torch.library.custom_op's CustomOpDef
+    if isinstance(op, torch._ops.OpOverload):
+        return str(op._schema.name)
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return str(op._qualified_op_name)
     raise DevgraphError(f"break op {op!r} is not an op: {_SPELLING}")
 
 
@@ -122,7 +120,7 @@ def call_name(func: Any) -> str | None:
     are named after the aten op they call.
     """
     schema = getattr(func, "_schema", None)
-    if schema is not None:
+    if schema is not None and hasattr(schema, "name"):
         return str(schema.name)
     qualified = getattr(func, "_qualified_op_name", None)
     if isinstance(qualified, str):
