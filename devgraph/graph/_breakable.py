@@ -122,7 +122,14 @@ class CapturedBreak:
     _outs: list[tuple[int, Any]] = attrs.field(factory=list, repr=False)  # (result leaf, its buffer)
 
     def takes(self, name: str) -> bool:
+        """Whether the call has a host argument ``name`` (``replay(host_args)`` replaces it)."""
         return name in self._slots
+
+    @property
+    def call(self) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+        """The captured call ``(op, args, kwargs)``: pool tensors as non-owning views, host values
+        as captured (for a loop of one's own over ``BreakableGraph.graphs``)."""
+        return self._func, tuple(self._args), dict(self._kwargs)
 
     def run(self, host_args: Mapping[str, Any] | None) -> None:
         """Re-run the call (with ``host_args`` replacing its host values) and write its fresh results
