@@ -56,6 +56,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -64,6 +65,7 @@ from devgraph._errors import CaptureError, DevgraphError
 from devgraph._source import user_source_line
 from devgraph.graph._breaks import break_ops, call_name
 from devgraph.graph._capture import op_check
+from devgraph.graph._compiled_regions import _describe, _wrapper_code
 from devgraph.graph._opnames import resolve_auto_update_ops
 
 if TYPE_CHECKING:
@@ -280,6 +282,17 @@ class _Run:
                 source=source,
                 remedy="mark the op that calls it as the break instead (devgraph.mark_break('ns::outer_op'))",
             )
+        compiled = _compiled_graph_frame()
+        if compiled is not None:
+            raise CaptureError(
+                "a break op called from a torch.compile'd graph: compiled code runs (and is captured) as "
+                "one unit, so the capture cannot be cut inside it",
+                op=name,
+                source=_describe(compiled),
+                remedy="compile the code between the breaks, not the code that calls them (e.g. "
+                "torch.compile each layer's MLP and projections, leave attention outside), or use "
+                "mode='piecewise', which compiles the pieces between splitting ops",
+            )
         fake = _fake_result(func, args, kwargs)
         buffers: list[tuple[int, Any]] = []
         with torch._C.DisableTorchFunction():
@@ -314,6 +327,17 @@ class _Run:
         return tree_unflatten(leaves, spec)
 
 
+def _compiled_graph_frame() -> FrameType | None:
+    """The frame of the Dynamo-compiled graph running on this thread (its ``disable`` wrapper), or None."""
+    wrapper = _wrapper_code()
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is wrapper:
+            return frame
+        frame = frame.f_back
+    return None
+
+
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
     import torch
     from torch.utils._pytree import tree_flatten
@@ -324,11 +348,16 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
 
 
 def _storage(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage; 0 for a tensor with none (meta, fake, functional, sparse)."""
     import torch
+    from torch._subclasses.fake_tensor import is_fake
 
-    if t.device.type == "meta" or t.layout != torch.strided:
+    if t.device.type == "meta" or t.layout != torch.strided or is_fake(t):
         return 0
-    return int(t.untyped_storage().data_ptr())
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except RuntimeError:  # a functional or other wrapper tensor
+        return 0
 
 
 def _aliases(t: Any, inputs: set[int]) -> bool:

@@ -14,6 +14,7 @@ deterministic from a seed). ``packed_batch`` builds its inputs.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +42,7 @@ def varlen_attention(
     """Causal attention within each packed sequence: ``q, k, v [T, H, D]``, boundaries ``cu_seqlens``."""
     _check(q, cu_seqlens)
     out = torch.empty_like(q)
-    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+    for start, end in itertools.pairwise(cu_seqlens):
         if end > start:
             qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
             out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)

@@ -165,7 +165,7 @@ def test_segments_share_one_pool_and_the_breaks_hold_pool_memory_weakly(any_devi
 
 
 def test_host_args_no_break_takes_are_refused(any_device):
-    model, blocks, static = _decoder_case(any_device, num_layers=1)
+    model, _, static = _decoder_case(any_device, num_layers=1)
     bg, _ = _capture_decoder(any_device, model, static)
     with pytest.raises(DevgraphError, match=r"takes host argument\(s\) \[.seq_len.\]"):
         bg.replay(host_args={"seq_len": [1, 2, 3, 4]})
@@ -297,3 +297,32 @@ def test_capture_twice_needs_reset(any_device):
         y = x * 3
     bg.replay()
     torch.testing.assert_close(y, torch.full((2,), 3.0))
+
+
+def test_a_break_inside_compiled_code_is_refused_naming_the_compiled_call():
+    device = devgraph.device("cpu")
+    model, static = _varlen_case(device)
+    compiled = torch.compile(model, backend="eager")
+    bg = BreakableGraph(device, breaks=[VARLEN_ATTENTION])
+    with torch.no_grad(), pytest.raises(CaptureError, match=r"torch\.compile'd graph") as err:
+        compiled(**static)
+        with bg.capture():
+            compiled(**static)
+    assert err.value.op == VARLEN_ATTENTION and "varlen.py" in (err.value.source or "")
+    assert "compile the code between the breaks" in (err.value.remedy or "")
+
+
+def test_compiled_code_between_breaks_is_captured_in_its_segment():
+    device = devgraph.device("cpu")
+    model, static = _varlen_case(device)
+    for layer in model.layers:  # compile the MLPs, not the attention
+        layer.up = torch.compile(layer.up, backend="aot_eager")
+    bg = BreakableGraph(device, breaks=[VARLEN_ATTENTION])
+    with torch.no_grad():
+        model(**static)
+        with bg.capture():
+            out = model(**static)
+        batch = packed_batch([4, 8], seed=5)
+        static["input_ids"].copy_(batch["input_ids"])
+        bg.replay(host_args={"cu_seqlens": batch["cu_seqlens"]})
+        torch.testing.assert_close(out, model(**batch))
