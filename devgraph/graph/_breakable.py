@@ -146,7 +146,7 @@ class CapturedBreak:
                 else:
                     kwargs[keyword] = value
             self.host_args.update(host_args)
-        result = self._func(*args, **kwargs)
+        result = _completed(self.op, self._func(*args, **kwargs))
         if self._outs:
             from torch.utils._pytree import tree_flatten
 
@@ -306,7 +306,7 @@ class _Run:
                     )
         self.made.update(_storage(b) for _, b in buffers)
         self.close_segment()
-        result = func(*args, **kwargs)
+        result = _completed(name, func(*args, **kwargs))
         leaves, spec = tree_flatten(result)
         outs: list[tuple[int, Any]] = []
         for i, buffer in buffers:
@@ -325,6 +325,18 @@ class _Run:
         )
         self.open_segment()
         return tree_unflatten(leaves, spec)
+
+
+def _completed(name: str, result: Any) -> Any:
+    """``result``, waited first when it is a functional collective's (its tensors are only final after
+    ``wait_tensor``, which eager code leaves to the first use; a break's result is copied at once)."""
+    if not name.startswith("_c10d_functional::"):
+        return result
+    import torch
+    from torch.utils._pytree import tree_map
+
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    return tree_map(lambda t: wait(t) if isinstance(t, torch.Tensor) else t, result)
 
 
 def _compiled_graph_frame() -> FrameType | None:
