@@ -18,7 +18,14 @@ Importing this package imports no torch; the public names are re-exported by ``d
 from __future__ import annotations
 
 from devgraph.graph._breakable import BreakableGraph, CapturedBreak
-from devgraph.graph._breaks import ATTENTION_OPS, break_ops, mark_break, marked_breaks, unmark_break
+from devgraph.graph._breaks import (
+    ATTENTION_OPS,
+    break_names,
+    break_ops,
+    mark_break,
+    marked_breaks,
+    unmark_break,
+)
 from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
 from devgraph.graph._graphed import GraphedModule
 from devgraph.graph._tasks import TaskGroup
@@ -36,6 +43,7 @@ __all__ = [
     "MemoryStats",
     "Stream",
     "TaskGroup",
+    "break_names",
     "break_ops",
     "mark_break",
     "marked_breaks",

@@ -22,7 +22,15 @@ from devgraph.graph._opnames import lookup_op
 if TYPE_CHECKING:
     from devgraph.graph._contract import Device
 
-__all__ = ["ATTENTION_OPS", "break_ops", "call_name", "mark_break", "marked_breaks", "unmark_break"]
+__all__ = [
+    "ATTENTION_OPS",
+    "break_names",
+    "break_ops",
+    "call_name",
+    "mark_break",
+    "marked_breaks",
+    "unmark_break",
+]
 
 #: devgraph's attention ops: breaks by default (their host lengths change every call).
 ATTENTION_OPS = ("devgraph::paged_decode_attention",)
@@ -53,6 +61,17 @@ def _name_of(op: Any) -> str:
     if isinstance(op, torch._ops.OpOverloadPacket):
         return str(op._qualified_op_name)
     raise DevgraphError(f"break op {op!r} is not an op: {_SPELLING}")
+
+
+def break_names(ops: Any) -> tuple[str, ...]:
+    """``ops`` (one op or name, or a sequence of them) as checked ``"ns::op"`` names, de-duplicated.
+
+    Raises:
+        DevgraphError: a name that is not qualified or names no registered op, or a non-op.
+    """
+    if isinstance(ops, str) or not isinstance(ops, (list, tuple, set, frozenset)):
+        ops = (ops,)
+    return tuple(dict.fromkeys(_name_of(op) for op in ops))
 
 
 def mark_break(*ops: Any) -> None:
