@@ -55,112 +55,36 @@ import contextlib
 import logging
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph._source import user_source_line
+from devgraph.graph._break_calls import (
+    CapturedBreak,
+    aliases,
+    captured_break,
+    completed,
+    fake_result,
+    storage,
+    tensors,
+)
 from devgraph.graph._breaks import break_ops, call_name
 from devgraph.graph._capture import op_check
 from devgraph.graph._compiled_regions import _describe, _wrapper_code
 from devgraph.graph._opnames import resolve_auto_update_ops
+from devgraph.graph._segment_check import MARK_REMEDY, refusal
 
 if TYPE_CHECKING:
-    import torch
-
     from devgraph.graph._contract import Device, Graph, MemoryPool, Stream
 
 __all__ = ["BreakableGraph", "CapturedBreak"]
 
 logger = logging.getLogger("devgraph")
 
+
 #: torch's own namespaces: their list arguments are shapes, dims, split sizes, not per-call data.
-_TORCH_NAMESPACES = frozenset(
-    {
-        "aten",
-        "prims",
-        "prim",
-        "rngprims",
-        "c10d",
-        "c10d_functional",
-        "_c10d_functional",
-        "_c10d_functional_autograd",
-        "_dtensor",
-        "inductor",
-        "debug_mode_ops",
-        "higher_order",
-    }
-)
-
-_MARK_REMEDY = (
-    "mark it as a break so it runs eagerly between the graphs with each call's values: "
-    "devgraph.mark_break({op!r}) (or breaks=[{op!r}]); if the value is the same on every call, "
-    "static_ops=[{op!r}]"
-)
-
-
-@attrs.define(eq=False)
-class CapturedBreak:
-    """One break of a breakable capture: the call re-run eagerly after segment ``index``.
-
-    Attributes:
-        index: the segment graph it follows (it runs before segment ``index + 1``).
-        op: the op's name (``"devgraph::paged_decode_attention"``).
-        host_args: its host (non-tensor) arguments by name, as captured or last replayed.
-        source: the user's line that called it.
-    """
-
-    index: int
-    op: str
-    host_args: dict[str, Any]
-    source: str | None
-    _func: Callable[..., Any] = attrs.field(repr=False)
-    _args: list[Any] = attrs.field(repr=False)
-    _kwargs: dict[str, Any] = attrs.field(repr=False)
-    _slots: dict[str, tuple[int | None, str]] = attrs.field(repr=False)  # host name -> (position, kw)
-    _outs: list[tuple[int, Any]] = attrs.field(factory=list, repr=False)  # (result leaf, its buffer)
-
-    def takes(self, name: str) -> bool:
-        """Whether the call has a host argument ``name`` (``replay(host_args)`` replaces it)."""
-        return name in self._slots
-
-    @property
-    def call(self) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-        """The captured call ``(op, args, kwargs)``: pool tensors as non-owning views, host values
-        as captured (for a loop of one's own over ``BreakableGraph.graphs``)."""
-        return self._func, tuple(self._args), dict(self._kwargs)
-
-    def run(self, host_args: Mapping[str, Any] | None) -> None:
-        """Re-run the call (with ``host_args`` replacing its host values) and write its fresh results
-        into their capture-time buffers."""
-        args, kwargs = self._args, self._kwargs
-        if host_args:
-            args, kwargs = list(args), dict(kwargs)
-            for name, value in host_args.items():
-                position, keyword = self._slots[name]
-                if position is not None and position < len(args):
-                    args[position] = value
-                else:
-                    kwargs[keyword] = value
-            self.host_args.update(host_args)
-        result = _completed(self.op, self._func(*args, **kwargs))
-        if self._outs:
-            from torch.utils._pytree import tree_flatten
-
-            leaves = tree_flatten(result)[0]
-            for i, buffer in self._outs:
-                if leaves[i].shape != buffer.shape:
-                    raise DevgraphError(
-                        f"break {self.op} returned shape {tuple(leaves[i].shape)} at replay, "
-                        f"{tuple(buffer.shape)} at capture (at {self.source}); the graphs after it read "
-                        "the capture-time shape. Replay only calls of the captured size."
-                    )
-                buffer.copy_(leaves[i])
-
-
 class _Run:
     """The state of one breakable capture in progress (segments opened and closed by the modes)."""
 
@@ -224,9 +148,15 @@ class _Run:
                 remedy="call it from Python code (torch.ops.ns.op(...)) outside torch.compile'd regions, "
                 "or mark the op that calls it as the break",
             )
-        why = _refusal(self, func, args, kwargs)
+        why = refusal(
+            func,
+            args,
+            kwargs,
+            allowed={*self.auto_update_ops, *self.owner.static_ops},
+            device_type=self.owner.device.torch_device.type,
+        )
         if why is not None:
-            raise CaptureError(why, op=name, source=user_source_line(), remedy=_MARK_REMEDY.format(op=name))
+            raise CaptureError(why, op=name, source=user_source_line(), remedy=MARK_REMEDY.format(op=name))
 
     def close_segment(self, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
         stack, self.current = self.current, None
@@ -245,12 +175,12 @@ class _Run:
     # -- bookkeeping of where tensors live (capture only) ------------------------------------------
 
     def see(self, args: Any, result: Any) -> None:
-        for t in _tensors(args):
-            ptr = _storage(t)
+        for t in tensors(args):
+            ptr = storage(t)
             if ptr and ptr not in self.made:
                 self.outside.add(ptr)
-        for t in _tensors(result):
-            ptr = _storage(t)
+        for t in tensors(result):
+            ptr = storage(t)
             if ptr and ptr not in self.outside:
                 self.made.add(ptr)
 
@@ -259,7 +189,7 @@ class _Run:
         import torch
 
         if isinstance(value, torch.Tensor):
-            return self.owner.device.weak_ref(value) if _storage(value) in self.made else value
+            return self.owner.device.weak_ref(value) if storage(value) in self.made else value
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
             return type(value)(self.keep(v) for v in value)
         return value
@@ -293,10 +223,10 @@ class _Run:
                 "torch.compile each layer's MLP and projections, leave attention outside), or use "
                 "mode='piecewise', which compiles the pieces between splitting ops",
             )
-        fake = _fake_result(func, args, kwargs)
+        fake = fake_result(func, args, kwargs)
         buffers: list[tuple[int, Any]] = []
         with torch._C.DisableTorchFunction():
-            inputs = {_storage(t) for t in _tensors((args, kwargs))}
+            inputs = {storage(t) for t in tensors((args, kwargs))}
             # Buffers for its results, allocated in this segment (pool memory), shaped by the fake impl.
             for i, leaf in enumerate(tree_flatten(fake)[0] if fake is not None else ()):
                 if isinstance(leaf, torch.Tensor):
@@ -304,39 +234,27 @@ class _Run:
                     buffers.append(
                         (i, torch.empty_strided(shape, stride, dtype=leaf.dtype, device=leaf.device))
                     )
-        self.made.update(_storage(b) for _, b in buffers)
+        self.made.update(storage(b) for _, b in buffers)
         self.close_segment()
-        result = _completed(name, func(*args, **kwargs))
+        result = completed(name, func(*args, **kwargs))
         leaves, spec = tree_flatten(result)
         outs: list[tuple[int, Any]] = []
         for i, buffer in buffers:
-            if not _aliases(leaves[i], inputs):  # a view of an input stays one (the re-run makes it again)
+            if not aliases(leaves[i], inputs):  # a view of an input stays one (the re-run makes it again)
                 buffer.copy_(leaves[i])
                 leaves[i] = buffer
                 outs.append((i, self.owner.device.weak_ref(buffer)))
         if fake is None:
             # No fake impl: its fresh results of capture time are the buffers, held here.
             for i, leaf in enumerate(leaves):
-                if isinstance(leaf, torch.Tensor) and not _aliases(leaf, inputs):
+                if isinstance(leaf, torch.Tensor) and not aliases(leaf, inputs):
                     outs.append((i, leaf))
-                    self.outside.add(_storage(leaf))
+                    self.outside.add(storage(leaf))
         self.breaks.append(
-            _captured_break(len(self.graphs) - 1, name, source, func, args, kwargs, outs, self.keep)
+            captured_break(len(self.graphs) - 1, name, source, func, args, kwargs, outs, self.keep)
         )
         self.open_segment()
         return tree_unflatten(leaves, spec)
-
-
-def _completed(name: str, result: Any) -> Any:
-    """``result``, waited first when it is a functional collective's (its tensors are only final after
-    ``wait_tensor``, which eager code leaves to the first use; a break's result is copied at once)."""
-    if not name.startswith("_c10d_functional::"):
-        return result
-    import torch
-    from torch.utils._pytree import tree_map
-
-    wait = torch.ops._c10d_functional.wait_tensor.default
-    return tree_map(lambda t: wait(t) if isinstance(t, torch.Tensor) else t, result)
 
 
 def _compiled_graph_frame() -> FrameType | None:
@@ -347,145 +265,6 @@ def _compiled_graph_frame() -> FrameType | None:
         if frame.f_code is wrapper:
             return frame
         frame = frame.f_back
-    return None
-
-
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    import torch
-    from torch.utils._pytree import tree_flatten
-
-    for leaf in tree_flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
-
-
-def _storage(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage; 0 for a tensor with none (meta, fake, functional, sparse)."""
-    import torch
-    from torch._subclasses.fake_tensor import is_fake
-
-    if t.device.type == "meta" or t.layout != torch.strided or is_fake(t):
-        return 0
-    try:
-        return int(t.untyped_storage().data_ptr())
-    except RuntimeError:  # a functional or other wrapper tensor
-        return 0
-
-
-def _aliases(t: Any, inputs: set[int]) -> bool:
-    import torch
-
-    return isinstance(t, torch.Tensor) and _storage(t) in inputs
-
-
-def _fake_result(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The call's result computed by its fake impl (shapes, strides, dtypes), or None where it has
-    none or returns no tensor."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    schema = getattr(func, "_schema", None)
-    if schema is not None and not schema.returns:
-        return None  # writes into what it is given (devgraph's attention ops: ``out``)
-    try:
-        with torch._C.DisableTorchFunction(), _disable_current_modes():
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-            with mode:
-                result = func(*args, **kwargs)
-    except Exception as exc:  # no fake impl, or one that reads values: keep the eager result instead
-        logger.debug("devgraph: no fake result for break %r (%s); its eager result is kept", func, exc)
-        return None
-    return result if any(True for _ in _tensors(result)) else None
-
-
-def _arg_names(func: Any) -> list[str]:
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        overloads = getattr(func, "overloads", None)
-        if overloads is not None and len(func.overloads()) == 1:
-            schema = getattr(func, func.overloads()[0])._schema
-    return [a.name for a in schema.arguments] if schema is not None else []
-
-
-def _captured_break(
-    index: int,
-    name: str,
-    source: str | None,
-    func: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    outs: list[tuple[int, Any]],
-    keep: Callable[[Any], Any],
-) -> CapturedBreak:
-    from devgraph.graph._tasks import holds_tensor
-
-    names = _arg_names(func)
-    slots: dict[str, tuple[int | None, str]] = {}
-    host: dict[str, Any] = {}
-    for i, value in enumerate(args):
-        if i < len(names) and value is not None and not holds_tensor(value):
-            slots[names[i]] = (i, names[i])
-            host[names[i]] = value
-    for key, value in kwargs.items():
-        if value is not None and not holds_tensor(value):
-            slots[key] = (None, key)
-            host[key] = value
-    return CapturedBreak(
-        index=index,
-        op=name,
-        host_args=host,
-        source=source,
-        func=func,
-        args=[keep(a) for a in args],
-        kwargs={k: keep(v) for k, v in kwargs.items()},
-        slots=slots,
-        outs=outs,
-    )
-
-
-def _host_list_args(func: Any) -> list[tuple[int, str]]:
-    """(position, name) of the arguments of ``func``'s schema that are lists of host scalars."""
-    import torch
-
-    found = []
-    for i, arg in enumerate(func._schema.arguments):
-        kind = arg.type
-        if isinstance(kind, torch._C.OptionalType):
-            kind = kind.getElementType()
-        if isinstance(kind, torch._C.ListType) and not isinstance(
-            kind.getElementType(), (torch._C.TensorType, torch._C.OptionalType)
-        ):
-            found.append((i, arg.name))
-    return found
-
-
-_LISTS: dict[Any, list[tuple[int, str]]] = {}
-
-
-def _refusal(run: _Run, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """Why op ``func`` (not a break) cannot be captured in a segment, or None (see the module docstring)."""
-    name = func._schema.name
-    namespace = name.partition("::")[0]
-    if namespace in _TORCH_NAMESPACES or name in run.auto_update_ops or name in run.owner.static_ops:
-        return None
-    lists = _LISTS.get(func)
-    if lists is None:
-        lists = _LISTS[func] = _host_list_args(func)
-    for i, arg in lists:
-        value = args[i] if i < len(args) else kwargs.get(arg)
-        if isinstance(value, (list, tuple)) and len(value) > 0:
-            return (
-                f"{name} reads the host list {arg}={list(value)!r}, which a graph freezes at capture: "
-                "the values of later calls would be ignored"
-            )
-    if run.owner.device.torch_device.type != "cpu":
-        for t in _tensors((args, kwargs)):
-            if t.device.type == "cpu":
-                return (
-                    f"{name} reads a CPU tensor {tuple(t.shape)} on the host at launch, once: a graph "
-                    "freezes what it read"
-                )
     return None
 
 
@@ -523,7 +302,7 @@ def _modes() -> type:
                             "which would freeze it at capture",
                             op=op,
                             source=user_source_line(),
-                            remedy=_MARK_REMEDY.format(op=op),
+                            remedy=MARK_REMEDY.format(op=op),
                         )
             result = func(*args, **kwargs)
             with torch._C.DisableTorchFunction():

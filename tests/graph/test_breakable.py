@@ -331,21 +331,11 @@ def test_compiled_code_between_breaks_is_captured_in_its_segment():
 def test_a_custom_op_reading_a_cpu_tensor_on_a_device_is_refused():
     """The rule behind it (a device graph's kernel reads host memory once, at launch), checked
     directly: the CPU reference and the simulator keep every tensor on the CPU."""
-    from types import SimpleNamespace
-
-    from devgraph.graph._breakable import _refusal
+    from devgraph.graph._segment_check import refusal
 
     op = torch.ops.devgraph_testing.varlen_attention.default
     q = torch.randn(4, 2, 8)
-    on = lambda kind: SimpleNamespace(  # noqa: E731
-        auto_update_ops=(),
-        owner=SimpleNamespace(
-            static_ops=frozenset(), device=SimpleNamespace(torch_device=SimpleNamespace(type=kind))
-        ),
-    )
-    assert "reads a CPU tensor (4, 2, 8)" in _refusal(on("cuda"), op, (q, q, q, []), {})
-    assert _refusal(on("cpu"), op, (q, q, q, []), {}) is None
-    assert "host list cu_seqlens=[0, 4]" in _refusal(on("cpu"), op, (q, q, q, [0, 4]), {})
-    static = on("cpu")
-    static.owner.static_ops = frozenset({VARLEN_ATTENTION})
-    assert _refusal(static, op, (q, q, q, [0, 4]), {}) is None
+    assert "reads a CPU tensor (4, 2, 8)" in refusal(op, (q, q, q, []), {}, allowed=(), device_type="cuda")
+    assert refusal(op, (q, q, q, []), {}, allowed=(), device_type="cpu") is None
+    assert "host list cu_seqlens=[0, 4]" in refusal(op, (q, q, q, [0, 4]), {}, allowed=(), device_type="cpu")
+    assert refusal(op, (q, q, q, [0, 4]), {}, allowed={VARLEN_ATTENTION}, device_type="cpu") is None
