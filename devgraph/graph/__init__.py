@@ -9,9 +9,8 @@
 * ``_opnames``: op names (``namespace::op``) and which ops have Python bodies.
 * ``_weakref``: weak references to graph outputs.
 * ``_graphed``: ``GraphedModule``, what ``devgraph.wrap`` returns.
-* ``_breaks``, ``_breakable``, ``_break_calls``, ``_segment_check``: break ops and ``BreakableGraph`` (one
-  capture cut into segment graphs at
-  break ops, which replay eagerly in between).
+* ``_breaks``, ``_breakable``, ``_break_calls``, ``_segment_check``: break ops and ``BreakableGraph``
+  (one capture cut into segment graphs at break ops, which replay eagerly in between).
 
 Importing this package imports no torch; the public names are re-exported by ``devgraph``.
 """
