@@ -31,7 +31,7 @@ class CapturedBreak:
     Attributes:
         index: the segment graph it follows (it runs before segment ``index + 1``).
         op: the op's name (``"devgraph::paged_decode_attention"``).
-        host_args: its host (non-tensor) arguments by name, as captured or last replayed.
+        host_args: its host (non-tensor) arguments by name, as captured.
         source: the user's line that called it.
     """
 
@@ -44,6 +44,7 @@ class CapturedBreak:
     _kwargs: dict[str, Any] = attrs.field(repr=False)
     _slots: dict[str, tuple[int | None, str]] = attrs.field(repr=False)  # host name -> (position, kw)
     _outs: list[tuple[int, Any]] = attrs.field(factory=list, repr=False)  # (result leaf, its buffer)
+    _wait: bool = attrs.field(default=False, repr=False)  # a functional collective: wait its result
 
     def takes(self, name: str) -> bool:
         """Whether the call has a host argument ``name`` (``replay(host_args)`` replaces it)."""
@@ -56,19 +57,26 @@ class CapturedBreak:
         return self._func, tuple(self._args), dict(self._kwargs)
 
     def run(self, host_args: Mapping[str, Any] | None) -> None:
-        """Re-run the call (with ``host_args`` replacing its host values) and write its fresh results
-        into their capture-time buffers."""
+        """Re-run the call (the names it takes in ``host_args`` replacing its host values; others are
+        ignored) and write its fresh results into their capture-time buffers. The hot path of a
+        replay: one per break per call."""
         args, kwargs = self._args, self._kwargs
         if host_args:
-            args, kwargs = list(args), dict(kwargs)
+            slots = self._slots
             for name, value in host_args.items():
-                position, keyword = self._slots[name]
-                if position is not None and position < len(args):
+                slot = slots.get(name)
+                if slot is None:
+                    continue
+                if args is self._args:  # copied once, on the first argument this call replaces
+                    args, kwargs = list(args), dict(kwargs)
+                position, keyword = slot
+                if position is not None:
                     args[position] = value
                 else:
                     kwargs[keyword] = value
-            self.host_args.update(host_args)
-        result = completed(self.op, self._func(*args, **kwargs))
+        result = self._func(*args, **kwargs)
+        if self._wait:
+            result = completed(self.op, result)
         if self._outs:
             from torch.utils._pytree import tree_flatten
 
@@ -83,10 +91,13 @@ class CapturedBreak:
                 buffer.copy_(leaves[i])
 
 
+_FUNCTIONAL_COLLECTIVES = "_c10d_functional::"
+
+
 def completed(name: str, result: Any) -> Any:
     """``result``, waited first when it is a functional collective's (its tensors are only final after
     ``wait_tensor``, which eager code leaves to the first use; a break's result is copied at once)."""
-    if not name.startswith("_c10d_functional::"):
+    if not name.startswith(_FUNCTIONAL_COLLECTIVES):
         return result
     import torch
     from torch.utils._pytree import tree_map
@@ -186,4 +197,5 @@ def captured_break(
         kwargs={k: keep(v) for k, v in kwargs.items()},
         slots=slots,
         outs=outs,
+        wait=name.startswith(_FUNCTIONAL_COLLECTIVES),
     )

@@ -257,6 +257,13 @@ class _Run:
         return tree_unflatten(leaves, spec)
 
 
+def _torch() -> Any:
+    """torch, imported once it is needed (``import devgraph`` imports no torch)."""
+    import torch
+
+    return torch
+
+
 def _compiled_graph_frame() -> FrameType | None:
     """The frame of the Dynamo-compiled graph running on this thread (its ``disable`` wrapper), or None."""
     wrapper = _wrapper_code()
@@ -357,7 +364,8 @@ class BreakableGraph:
         self._state = "new"
         self._lock = threading.RLock()
         self._host_names: frozenset[str] = frozenset()
-        self._graph_hosts: list[tuple[Graph, tuple[str, ...]]] = []
+        # Per segment: its graph, the host arguments its tasks take, the break after it (the replay's plan).
+        self._plan: list[tuple[Graph, tuple[str, ...], CapturedBreak | None]] = []
 
     @contextlib.contextmanager
     def capture(
@@ -425,10 +433,10 @@ class BreakableGraph:
         names: set[str] = set()
         for b in self._breaks:
             names.update(b.host_args)
-        self._graph_hosts = []
-        for graph in self._graphs:
+        self._plan = []
+        for i, graph in enumerate(self._graphs):
             taken = tuple(sorted({n for t in graph.tasks if t.is_auto for n in t.argument_names}))
-            self._graph_hosts.append((graph, taken))
+            self._plan.append((graph, taken, self._breaks[i] if i < len(self._breaks) else None))
             names.update(taken)
         self._host_names = frozenset(names)
 
@@ -465,25 +473,26 @@ class BreakableGraph:
         with self._lock:
             if self._state != "captured":
                 raise DevgraphError("replay() of a breakable graph that was never captured (or was reset)")
-            if host_args:
-                unknown = set(host_args) - self._host_names
-                if unknown:
-                    raise DevgraphError(
-                        f"no break or updatable task of this breakable graph takes host argument(s) "
-                        f"{sorted(unknown)}; its breaks take {sorted(self._host_names) or 'none'}"
-                    )
-            import torch
+            if host_args and not self._host_names.issuperset(host_args):
+                unknown = sorted(set(host_args) - self._host_names)
+                raise DevgraphError(
+                    f"no break or updatable task of this breakable graph takes host argument(s) {unknown}; "
+                    f"its breaks take {sorted(self._host_names) or 'none'}"
+                )
+            if _torch().is_grad_enabled():  # entering no_grad costs as much as a segment's replay
+                with _torch().no_grad():
+                    self._run(host_args)
+            else:
+                self._run(host_args)
 
-            with torch.no_grad():
-                breaks = self._breaks
-                for i, (graph, taken) in enumerate(self._graph_hosts):
-                    if taken and host_args:
-                        graph.replay({n: host_args[n] for n in taken if n in host_args} or None)
-                    else:
-                        graph.replay()
-                    if i < len(breaks):
-                        b = breaks[i]
-                        b.run({n: v for n, v in host_args.items() if b.takes(n)} if host_args else None)
+    def _run(self, host_args: Mapping[str, Any] | None) -> None:
+        for graph, taken, brk in self._plan:
+            if taken and host_args:
+                graph.replay({n: host_args[n] for n in taken if n in host_args} or None)
+            else:
+                graph.replay()
+            if brk is not None:
+                brk.run(host_args)
 
     def reset(self) -> None:
         """Drop every segment graph and break, so the breakable graph can be captured again."""
@@ -492,5 +501,5 @@ class BreakableGraph:
         with self._lock:
             for graph in self._graphs:
                 graph.reset()
-            self._graphs, self._breaks, self._graph_hosts = [], [], []
+            self._graphs, self._breaks, self._plan = [], [], []
             self._state = "new"
