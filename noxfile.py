@@ -63,9 +63,9 @@ def tests_hf_newest(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the package, tests and benchmarks."""
+    """ruff over the package, tests, benchmarks and tools."""
     session.install("ruff>=0.6")
-    session.run("ruff", "check", "devgraph", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "check", "devgraph", "tests", "benchmarks", "tools", "noxfile.py")
 
 
 @nox.session
@@ -98,11 +98,15 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(name="tests-cuda", venv_backend="none")
 def tests_cuda(session: nox.Session) -> None:
-    """On a CUDA machine: the suite with the `cuda` tests, then the benchmarks (tools/gpu_checks.sh).
+    """On a CUDA machine: ``tools/gpu_oneshot.sh --all``, both step lists of the GPU one-shot.
 
-    Uses the machine's own torch and installs nothing from the network (GPU hosts may have none).
+    The smoke test, the `cuda` tests (those that make captures fail in their own process), every
+    benchmark (torch.compile columns included), then a CPU subset under the machine's torch; each step
+    time-boxed, one summary (benchmarks/results/gpu_oneshot/all/summary.json, or $OUT/all/). Uses the
+    machine's own torch and installs nothing from the network (GPU hosts may have none). Posargs go to
+    the script (``-- --deadline 1800``). The lent machine's two short calls: docs/development.md.
     """
-    session.run("bash", "tools/gpu_checks.sh", *session.posargs, external=True)
+    session.run("bash", "tools/gpu_oneshot.sh", "--all", *session.posargs, external=True)
 
 
 # -- vLLM adapter -------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: timing, summaries, the report header, JSON, plots, a CUDA graph.
+"""What the benchmark scripts share: timing, summaries, the report header, partial JSON, plots, a CUDA graph.
 
 The scripts run as ``python benchmarks/<name>.py``, so this folder is on ``sys.path`` and they
 ``from _common import ...`` first: that import also lets them ``import devgraph`` from a source
@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import platform
 import statistics
 import sys
@@ -93,10 +94,34 @@ def report_header(dev: devgraph.Device, benchmark: str, note: str = CPU_NOTE) ->
 
 
 def write_json(report: dict[str, Any], path: Path) -> Path:
-    """``report`` as indented JSON at ``path`` (its folder created); returns ``path``."""
+    """``report`` as indented JSON at ``path`` (its folder created); returns ``path``.
+
+    The file is replaced whole (written beside it, then renamed): a run killed while writing leaves
+    the previous version, never half a file.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, path)
     return path
+
+
+class PartialReport:
+    """A benchmark's JSON report, rewritten after every row, so a run cut short keeps what it measured.
+
+    ``row_done(report)`` writes the report so far with ``"complete": false``; ``finish(report)`` writes it
+    with ``"complete": true``. A reader (the GPU one-shot's summary, a person) finds every finished row of
+    a run that was killed or ran out of time, and knows from ``complete`` whether the run ended.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def row_done(self, report: dict[str, Any]) -> None:
+        write_json({**report, "complete": False}, self.path)
+
+    def finish(self, report: dict[str, Any]) -> Path:
+        return write_json({**report, "complete": True}, self.path)
 
 
 @functools.cache

@@ -43,8 +43,9 @@ script anywhere in well under a minute.
     python benchmarks/decode_step.py --device cuda --models paged --merge   # ...into one report
     python benchmarks/decode_step.py --device cpu --quick            # smoke run (< 1 min)
 
-Writes ``<out>/decode_step_<backend>.json`` and, with matplotlib, ``.png`` (``_quick`` appended to the
-names under ``--quick``).
+Writes ``<out>/decode_step_<backend>.json`` after every batch's row (``"complete": false`` until the
+last model is done) and, with matplotlib, ``.png`` at the end (``_quick`` appended to the names under
+``--quick``).
 """
 
 from __future__ import annotations
@@ -63,13 +64,13 @@ from typing import Any
 import torch
 from _common import (
     DEFAULT_OUT,
+    PartialReport,
     cuda_graph_capture,
     logger,
     pyplot,
     report_header,
     summarise,
     time_calls,
-    write_json,
 )
 from _decode_workloads import BUILDERS, Skip, Workload, attempt, pool_segment_bytes, release_memory
 
@@ -289,14 +290,23 @@ def batch_methods(
     return row, ref
 
 
-def bench_workload(dev: devgraph.Device, wl: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    """Every method at every batch; ratios per batch."""
+def bench_workload(
+    dev: devgraph.Device,
+    wl: Workload,
+    args: argparse.Namespace,
+    on_row: Callable[[dict[str, Any]], None] = lambda batches: None,
+) -> dict[str, Any]:
+    """Every method at every batch; ratios per batch. ``on_row(batches so far)`` after each batch's
+    row (the torch.compile column, measured last over all batches, is marked not measured yet)."""
     rows: dict[int, dict[str, Any]] = {}
     refs: dict[int, torch.Tensor] = {}
     for b in args.batches:
         logger.info("%s batch %d", wl.name, b)
         rows[b], refs[b] = batch_methods(dev, wl, b, args)
         release_memory(dev)
+        rows[b]["torch_compile"] = {"skipped": "not measured yet (runs after every batch's other columns)"}
+        rows[b]["ratios"] = ratios(rows[b])
+        on_row({str(k): row for k, row in rows.items()})
     if dev.name != "cuda":
         compiled = {
             b: {"skipped": f'mode="reduce-overhead" means CUDA graphs; device is {dev.name}'}
@@ -550,16 +560,29 @@ def merge_previous(report: dict[str, Any], path: Path, args: argparse.Namespace)
             logger.info("--merge: keeping %s from %s (%s)", name, path, when)
 
 
-def measure_model(dev: devgraph.Device, name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One model's whole result: skipped (why), error (what), or shape, devgraph capture and batches."""
+def measure_model(
+    dev: devgraph.Device,
+    name: str,
+    args: argparse.Namespace,
+    on_row: Callable[[dict[str, Any]], None] = lambda result: None,
+) -> dict[str, Any]:
+    """One model's whole result: skipped (why), error (what), or shape, devgraph capture and batches.
+
+    ``on_row(result so far)`` after each batch's row.
+    """
     logger.info("== %s", name)
     result: dict[str, Any] = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     wl = None
+
+    def row_done(batches: dict[str, Any]) -> None:
+        result["batches"] = batches
+        on_row(result)
+
     try:
         with torch.no_grad():
             wl = BUILDERS[name](dev, args)
             result.update(shape=wl.shape, devgraph=wl.devgraph)
-            result["batches"] = bench_workload(dev, wl, args)
+            result["batches"] = bench_workload(dev, wl, args, row_done)
     except Skip as why:
         result["skipped"] = str(why)
     except Exception as exc:
@@ -572,15 +595,20 @@ def measure_model(dev: devgraph.Device, name: str, args: argparse.Namespace) -> 
     return result
 
 
-def save(report: dict[str, Any], stem: Path) -> bool:
-    """Targets recomputed over every model in the report, then the JSON and the plot."""
+def save(report: dict[str, Any], stem: Path, *, complete: bool = True) -> bool:
+    """Targets recomputed over every model in the report, then the JSON (``"complete"``: whether the
+    run ended) and, when complete, the plot (True when plotted)."""
     applicable = (
         None if report["backend"] == "cuda" else f"targets apply to CUDA; device is {report['backend']}"
     )
     order = [n for n in BUILDERS if n in report["models"]]
     report["models"] = {n: report["models"][n] for n in order}
     report["targets"] = [t for n in order for t in evaluate_targets(n, report["models"][n], applicable)]
-    write_json(report, stem.with_suffix(".json"))
+    partial = PartialReport(stem.with_suffix(".json"))
+    if not complete:
+        partial.row_done(report)
+        return False
+    partial.finish(report)
     return plot(report, stem.with_suffix(".png"))
 
 
@@ -632,9 +660,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         merge_previous(report, stem.with_suffix(".json"), args)
     plotted = False
-    for name in args.models:
-        report["models"][name] = measure_model(dev, name, args)
-        plotted = save(report, stem)  # after every model: a run cut short keeps what it measured
+
+    def row_done(name: str, result: dict[str, Any]) -> None:
+        report["models"][name] = result
+        save(report, stem, complete=False)  # after every row: a run cut short keeps what it measured
+
+    for i, name in enumerate(args.models):
+        report["models"][name] = measure_model(dev, name, args, functools.partial(row_done, name))
+        plotted = save(report, stem, complete=i == len(args.models) - 1)
     print(render(report))
     logger.info("wrote %s.json%s", stem, " and .png" if plotted else "")
     failed = [n for n in args.models if "error" in report["models"][n]]

@@ -31,7 +31,8 @@ microseconds, devgraph's runs and the loop's interleaved. Targets, recorded in t
     python benchmarks/host_overhead.py --device cuda   # real CUDA graphs, replay stubbed
     python benchmarks/host_overhead.py --quick         # smoke run (fewer iterations)
 
-Writes ``<out>/host_overhead.json`` (``host_overhead_quick.json`` with ``--quick``).
+Writes ``<out>/host_overhead.json`` (``host_overhead_quick.json`` with ``--quick``) after every case
+(``"complete": false`` until the end).
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import DEFAULT_OUT, logger, report_header, write_json
+from _common import DEFAULT_OUT, PartialReport, logger, report_header
 
 import devgraph
 from devgraph.backends.cuda._device import DeviceMetadataGraph
-from devgraph.compile._ops import host_values
+from devgraph.compile._splitting_ops import host_values
 from devgraph.testing.models import DecoderConfig, KVBlockManager, make_decoder
 
 NOTE = (
@@ -115,14 +116,15 @@ def decode_batch(config: DecoderConfig, device: torch.device, rows: int) -> dict
 
 def full_cases(
     dev: devgraph.Device, layers: int, batches: list[int], sizes: list[int], args: Any
-) -> list[dict[str, Any]]:
-    """One captured model, timed at each batch size of ``batches``."""
+) -> Iterator[dict[str, Any]]:
+    """One captured model, timed at each batch size of ``batches`` (one case each, as measured)."""
     config = DecoderConfig(num_layers=layers)
     model = make_decoder(config, device=dev.torch_device)
     graphed = devgraph.wrap(model, device=dev, batch_sizes=sizes)
     graphed.capture(**decode_batch(config, dev.torch_device, 1))
-    stub_replay(iter(graphed.runner._graphs.values()))
-    return [_full_case(graphed, config, layers, rows, sizes, args) for rows in batches]
+    stub_replay(graph for _, graph in graphed.runner.full.graphs.items())
+    for rows in batches:
+        yield _full_case(graphed, config, layers, rows, sizes, args)
 
 
 def _full_case(
@@ -190,8 +192,8 @@ def stub_splitting_ops(split: Any, names: list[str], state: Any, calls: list[Cal
 class _VllmPiece:
     """A piece as vLLM's PIECEWISE graph wrapper runs it: a dict lookup by size, a replay, the output."""
 
-    def __init__(self, entries: dict[int, Any], state: Any) -> None:
-        self.entries = {size: (e.graph._replay, e.output) for size, e in entries.items()}
+    def __init__(self, graphs: Any, state: Any) -> None:
+        self.entries = {size: (graph._replay, graphs.output(size)) for size, graph in graphs.items()}
         self.state = state
 
     def __call__(self, *args: Any) -> Any:
@@ -202,16 +204,16 @@ class _VllmPiece:
 
 def piecewise_cases(
     dev: devgraph.Device, layers: int, batches: list[int], sizes: list[int], args: Any
-) -> list[dict[str, Any]]:
-    """One traced and captured model, timed at each token count of ``batches``."""
+) -> Iterator[dict[str, Any]]:
+    """One traced and captured model, timed at each token count of ``batches`` (one case each, as measured)."""
     config = DecoderConfig(num_layers=layers)
     model = make_decoder(config, device=dev.torch_device)
     # Eager pieces everywhere: with the replay stubbed, how a piece was compiled does not matter,
     # and inductor would spend minutes compiling 32 layers on a GPU.
     graphed = devgraph.wrap(model, device=dev, mode="piecewise", capture_sizes=sizes, compile_backend="eager")
     graphed.capture(**decode_batch(config, dev.torch_device, 1))
-    module = graphed.runner.module
-    stub_replay(e.graph for r in module.piece_graphs for e in r.entries.values())
+    module = graphed.runner.pieces.module
+    stub_replay(graph for r in module.piece_graphs for _, graph in r.graphs.items())
     step = {rows: decode_batch(config, dev.torch_device, rows) for rows in batches}
     with torch.no_grad():
         stub_splitting_ops(
@@ -220,24 +222,25 @@ def piecewise_cases(
             module.state,
             [lambda b=b: graphed(**b) for b in step.values()],
         )
-    return [_piecewise_case(graphed, layers, rows, step[rows], sizes, args) for rows in batches]
+    for rows in batches:
+        yield _piecewise_case(graphed, layers, rows, step[rows], sizes, args)
 
 
 def _piecewise_case(
     graphed: Any, layers: int, rows: int, batch: dict[str, Any], sizes: list[int], args: Any
 ) -> dict[str, Any]:
     runner = graphed.runner
-    module = runner.module
+    module = runner.pieces.module
     size = min(s for s in sizes if s >= rows)
     split = module.split.module
 
     # The vLLM-style loop over the same split module: captured pieces swapped for _VllmPiece, the
     # same (stubbed) splitting ops and view-only pieces in between.
     ours_pieces = {r.piece.name: r for r in module.piece_graphs if r.entries}
-    theirs_pieces = {name: _VllmPiece(r.entries, module.state) for name, r in ours_pieces.items()}
+    theirs_pieces = {name: _VllmPiece(r.graphs, module.state) for name, r in ours_pieces.items()}
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     buffers = runner.inputs.buffers
-    traced_inputs = runner.traced.inputs
+    traced_inputs = runner.pieces.traced.inputs
     pad = runner.config.pad_value("seq_lens_host")
     state = module.state
 
@@ -292,17 +295,28 @@ def _piecewise_case(
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None] = lambda report: None
+) -> dict[str, Any]:
+    """Every case; ``on_row(report)`` after each (the report so far)."""
     dev = devgraph.device(args.device)
     sizes = [1, 2, 4, 8]
-    cases = []
+    cases: list[dict[str, Any]] = []
     small, large = (2, 4) if args.quick else (2, 32)
+    groups = []
     if "full" in args.modes:
-        for layers in (small, large):
-            cases += full_cases(dev, layers, [1, 3], sizes, args)
-            logger.info("full L=%d done", layers)
+        groups += [full_cases(dev, layers, [1, 3], sizes, args) for layers in (small, large)]
     if "piecewise" in args.modes:
-        cases += piecewise_cases(dev, large, [1, 3], sizes, args)
+        groups.append(piecewise_cases(dev, large, [1, 3], sizes, args))
+    for group in groups:  # generators: each model is built when its first case is asked for
+        for case in group:
+            cases.append(case)
+            on_row(_report(dev, args, cases))
+            logger.info("%s done", _label(case))
+    return _report(dev, args, cases)
+
+
+def _report(dev: devgraph.Device, args: argparse.Namespace, cases: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         **report_header(dev, "host_overhead", note=NOTE),
         "note": NOTE,
@@ -362,10 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         args.iters, args.repeats = 50, 2  # and 4 layers, not 32: a smoke run
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    report = run(args)
-    print(render(report))
     name = "host_overhead_quick.json" if args.quick else "host_overhead.json"
-    print(f"\nwrote {write_json(report, args.out / name)}")
+    partial = PartialReport(args.out / name)
+    report = run(args, on_row=partial.row_done)
+    print(render(report))
+    print(f"\nwrote {partial.finish(report)}")
     return 0
 
 

@@ -12,6 +12,8 @@ devgraph's host work plus the simulator's recording of each re-issue -- compare 
 each other, not with hardware.
 
     python benchmarks/npu_update_order.py --layers 32 --iters 50
+
+Writes ``<out>/npu_update_order.json`` after every order (``"complete": false`` until the end).
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ import contextlib
 import statistics
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
+from _common import DEFAULT_OUT, PartialReport, report_header
 
 import devgraph
 import devgraph.ops as ops
 
 OP = "devgraph::paged_decode_attention"
-COUNTED = ("wait_stream", "record", "graph_task_update_begin", "replay")
+COUNTED = ("Stream.wait_stream", "record", "graph_task_update_begin", "NPUGraph.replay")
 
 
 def _capture(device, layers: int):
@@ -47,30 +51,93 @@ def _capture(device, layers: int):
     return graph, batch, (k, v, table, seq, qs)  # a graph's inputs must outlive it (as on hardware)
 
 
-def _counting(sim, counts: Counter):
-    """Count the torch_npu stream/event calls (wrapping the simulator's classes for the block)."""
-    npu = sim.npu
+#: torch_npu.npu classes and the methods of them ``instrument`` wraps (calls a caller makes).
+METHODS = {
+    "Stream": ("wait_stream", "wait_event", "synchronize"),
+    "Event": ("record", "wait", "synchronize"),
+    "ExternalEvent": ("record", "wait", "reset"),
+    "NPUGraph": ("replay",),
+}
+#: torch_npu.npu functions ``instrument`` wraps.
+FUNCTIONS = (
+    "synchronize",
+    "stream",
+    "set_stream",
+    "current_stream",
+    "graph_task_update_begin",
+    "graph_task_update_end",
+)
+
+
+class Instrument:
+    """Counts the torch_npu calls a caller makes, and the host seconds spent inside them.
+
+    Only outermost calls count (a ``wait_stream`` that records an event inside is one call), per
+    ``"<Class>.<method>"`` or function name. ``seconds`` is the time spent inside those calls and
+    inside the simulator's recording of re-issued ops (its dispatch mode; a ``devgraph::`` op it
+    only forwards to devgraph's kernel is not the simulator's time, the torch_npu ops that kernel
+    launches are): the simulator's own cost, to tell apart from the caller's.
+    """
+
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
+        self.counts: Counter = Counter()
+        self.seconds = 0.0
+        self._depth = 0
+
+    def call(self, name: str, fn, *args, **kwargs):
+        if self._depth:
+            return fn(*args, **kwargs)
+        self.counts[name] += 1
+        return self.timed(fn, *args, **kwargs)
+
+    def timed(self, fn, *args, **kwargs):
+        if self._depth:
+            return fn(*args, **kwargs)
+        self._depth += 1
+        start = self.clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds += self.clock() - start
+            self._depth -= 1
+
+
+@contextlib.contextmanager
+def instrument(sim, clock=time.perf_counter):
+    """Wrap the simulator's torch_npu calls for the block (one thread); yield an ``Instrument``
+    timing them with ``clock``."""
+    from devgraph_sim.npu import _runtime
+
+    npu, probe = sim.npu, Instrument(clock)
     stack = contextlib.ExitStack()
-    targets = [(npu.Stream, "wait_stream"), (npu.ExternalEvent, "record"), (npu.Event, "record"),
-               (npu.NPUGraph, "replay")]  # fmt: skip
-    for cls, name in targets:
-        real = getattr(cls, name)
 
-        def spy(*args, _real=real, _name=name, **kwargs):
-            counts[_name] += 1
-            return _real(*args, **kwargs)
+    def wrap(owner, attr: str, name: str, method: bool) -> None:
+        real = getattr(owner, attr)
+        if method:
+            spy = lambda self, *a, _r=real, **k: probe.call(name, _r, self, *a, **k)  # noqa: E731
+        else:
+            spy = lambda *a, _r=real, **k: probe.call(name, _r, *a, **k)  # noqa: E731
+        setattr(owner, attr, spy)
+        stack.callback(setattr, owner, attr, real)
 
-        setattr(cls, name, spy)
-        stack.callback(setattr, cls, name, real)
-    real_begin = npu.graph_task_update_begin
+    for cls_name, methods in METHODS.items():
+        for attr in methods:
+            wrap(getattr(npu, cls_name), attr, f"{cls_name}.{attr}", True)
+    for attr in FUNCTIONS:
+        wrap(npu, attr, attr, False)
+    recorder = _runtime._SimRecorder
+    real_dispatch = recorder.__torch_dispatch__
 
-    def begin(*args):
-        counts["graph_task_update_begin"] += 1
-        return real_begin(*args)
+    def dispatch(self, func, types, args=(), kwargs=None):
+        if func.namespace == "devgraph":  # devgraph's own kernel runs inside: not the simulator's time
+            return real_dispatch(self, func, types, args, kwargs)
+        return probe.timed(real_dispatch, self, func, types, args, kwargs)
 
-    npu.graph_task_update_begin = begin
-    stack.callback(setattr, npu, "graph_task_update_begin", real_begin)
-    return stack
+    recorder.__torch_dispatch__ = dispatch
+    stack.callback(setattr, recorder, "__torch_dispatch__", real_dispatch)
+    with stack:
+        yield probe
 
 
 def measure(layers: int, iters: int, order: str) -> tuple[float, dict[str, float]]:
@@ -84,15 +151,16 @@ def measure(layers: int, iters: int, order: str) -> tuple[float, dict[str, float
         samples, counts = [], Counter()
         for i in range(iters + 3):
             lens = [1 + (7 * i + b) % 64 for b in range(batch)]
-            counts.clear()
-            with _counting(sim, counts):
+            with instrument(sim) as probe:
                 start = time.perf_counter()
                 graph.replay(host_args={"seq_lens_host": lens})
                 elapsed = time.perf_counter() - start
+            counts = probe.counts
             device.synchronize()  # the device work, untimed
             if i >= 3:
                 samples.append(elapsed)
-        per_replay = {name: counts[name] for name in COUNTED}
+        records = counts["Event.record"] + counts["ExternalEvent.record"]
+        per_replay = {name: records if name == "record" else counts[name] for name in COUNTED}
     return statistics.median(samples) / layers * 1e6, per_replay
 
 
@@ -100,12 +168,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the JSON result")
     args = parser.parse_args()
+    # One intra-op thread: on a loaded small machine OpenMP's spin-waits make every small op slow.
+    torch.set_num_threads(1)
     print(f"replay(host_args) host time per layer, {args.layers} layers, median of {args.iters} (simulator)")
     print(f"{'order':>8}  {'us/layer':>9}  " + "  ".join(f"{c:>23}" for c in COUNTED))
+    rows: dict[str, dict[str, float]] = {}
+    report = {
+        **report_header(devgraph.device("cpu"), "npu_update_order", note=""),
+        "backend": "npu",
+        "device": "npu:0 (simulated)",
+        "device_name": "torch_npu simulator (lazy streams) on the host CPU",
+        "note": "host time of devgraph plus the simulator's recording of each re-issue: compare the orders",
+        "layers": args.layers,
+        "iters": args.iters,
+        "timing": "median host microseconds of graph.replay(host_args) per layer; device work synchronised, untimed",
+        "results": rows,
+    }
+    partial = PartialReport(args.out / "npu_update_order.json")
     for order in ("overlap", "serial"):
         us, calls = measure(args.layers, args.iters, order)
         print(f"{order:>8}  {us:>9.1f}  " + "  ".join(f"{calls[c]:>23}" for c in COUNTED))
+        rows[order] = {"host_us_per_layer": us, "calls_per_replay": calls}
+        partial.row_done(report)
+    print(f"wrote {partial.finish(report)}")
 
 
 if __name__ == "__main__":

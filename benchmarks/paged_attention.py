@@ -21,7 +21,8 @@ the K/V bytes the context really holds divided by flex's graphed time.
     python benchmarks/paged_attention.py --device cpu     # tiny sanity run on CPU (eager only)
 
 Writes ``<out>/paged_attention_<gpu>.json`` (``<gpu>``: the device model as a slug, ``cpu`` on
-CPU) and, when matplotlib is importable, a ``.png`` beside it. Exits 1 when a kernel's output
+CPU) after every row (``"complete": false`` until the end) and, when matplotlib is importable, a
+``.png`` beside it. ``--reduced`` measures the grid's corners only (batches 1, 32; contexts 512, 8192). Exits 1 when a kernel's output
 differs from the old kernel's by more than the dtype's tolerance.
 """
 
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import DEFAULT_OUT, logger, pyplot, report_header, summarise, time_calls, write_json
+from _common import DEFAULT_OUT, PartialReport, logger, pyplot, report_header, summarise, time_calls
 
 import devgraph
 from devgraph.backends import _reference
@@ -51,6 +52,9 @@ KERNELS: dict[str, Callable[..., Any]] = {
 }
 GPU = {"batches": [1, 8, 32, 128], "contexts": [128, 512, 2048, 8192], "max_len": 8192}
 CPU = {"batches": [1, 2], "contexts": [16, 64], "max_len": 128}
+#: ``--reduced``: the corners of the grid (smallest and a large batch, a short and the longest context).
+REDUCED_GPU = {"batches": [1, 32], "contexts": [512, 8192]}
+REDUCED_CPU = {"batches": [1], "contexts": [16]}
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 
 
@@ -80,11 +84,31 @@ def make_cache(args: argparse.Namespace, device: torch.device, batch: int) -> di
     return cache
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None] = lambda report: None
+) -> dict[str, Any]:
+    """Every (batch, context) row; ``on_row(report)`` after each (the report so far)."""
     dev = devgraph.device(args.device)
     device = dev.torch_device
     scale = args.head_dim**-0.5
     rows: list[dict[str, Any]] = []
+    report = {
+        **report_header(dev, "paged_attention"),
+        "workload": {
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "block_size": args.block_size,
+            "max_len": args.max_len,
+            "dtype": str(args.dtype),
+        },
+        "grid": {"batches": list(args.batches), "contexts": list(args.contexts)},
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "timing": "per-call latency between device timing events; graph: replay of a CUDA graph "
+        "captured once per batch, seq_lens rewritten per context",
+        "results": rows,
+    }
     for batch in args.batches:
         c = make_cache(args, device, batch)
         calls = {name: _bind(fn, c, scale) for name, fn in KERNELS.items()}
@@ -122,26 +146,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             flex_us = row["flex"].get("graph", row["flex"].get("eager", {})).get("median_us")
             row["flex_read_gb_per_s"] = kv_bytes / flex_us / 1e3 if flex_us else None
             rows.append(row)
+            on_row(report)
             logger.info("batch %d context %d done", batch, context)
         del c, calls, graphs
         if dev.name == "cuda":
             torch.cuda.empty_cache()  # the next batch's caches and graph pools start from free memory
-    return {
-        **report_header(dev, "paged_attention"),
-        "workload": {
-            "heads": args.heads,
-            "kv_heads": args.kv_heads,
-            "head_dim": args.head_dim,
-            "block_size": args.block_size,
-            "max_len": args.max_len,
-            "dtype": str(args.dtype),
-        },
-        "iters": args.iters,
-        "warmup": args.warmup,
-        "timing": "per-call latency between device timing events; graph: replay of a CUDA graph "
-        "captured once per batch, seq_lens rewritten per context",
-        "results": rows,
-    }
+    return report
 
 
 def _bind(kernel: Callable[..., Any], c: dict[str, Any], scale: float) -> Callable[[], Any]:
@@ -238,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument(
+        "--reduced",
+        action="store_true",
+        help="the grid's corners only: batches 1,32 x contexts 512,8192 on a GPU (1 x 16 on cpu); "
+        "--batches/--contexts still win",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -247,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = args.device != "cpu"
     defaults = {
         **(GPU if gpu else CPU),
+        **((REDUCED_GPU if gpu else REDUCED_CPU) if args.reduced else {}),
         "heads": 32 if gpu else 4,
         "kv_heads": 8 if gpu else 2,
         "head_dim": 128 if gpu else 16,
@@ -263,10 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     if max(args.contexts) > args.max_len:
         parser.error(f"contexts {args.contexts} exceed --max-len {args.max_len}")
 
-    report = run(args)
+    stem = (
+        args.out / f"paged_attention_{_slug(report_header(devgraph.device(args.device), 'paged_attention'))}"
+    )
+    partial = PartialReport(stem.with_suffix(".json"))
+    report = run(args, on_row=partial.row_done)
     print(render(report))
-    stem = args.out / f"paged_attention_{_slug(report)}"
-    write_json(report, stem.with_suffix(".json"))
+    partial.finish(report)
     plotted = plot(report, stem.with_suffix(".png"))
     logger.info("wrote %s.json%s", stem, " and .png" if plotted else "")
     tolerance = TOLERANCE[args.dtype]

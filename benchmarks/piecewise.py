@@ -16,8 +16,8 @@ Build time is trace + compile (Dynamo, passes, split, per-piece compile) and cap
     python benchmarks/piecewise.py                      # best device (CUDA when present)
     python benchmarks/piecewise.py --device cpu         # reference simulator smoke run (small sizes)
 
-Writes ``<out>/piecewise_<backend>.json`` and, when matplotlib is importable, a plot
-``piecewise_<backend>.png``.
+Writes ``<out>/piecewise_<backend>.json`` after every row (``"complete": false`` until the end) and,
+when matplotlib is importable, a plot ``piecewise_<backend>.png``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 import torch
-from _common import DEFAULT_OUT, logger, pyplot, report_header, time_calls, write_json
+from _common import DEFAULT_OUT, PartialReport, logger, pyplot, report_header, time_calls
 
 import devgraph
 from devgraph.testing.models import DecoderConfig, KVBlockManager, make_decoder
@@ -77,13 +77,27 @@ def prefill_batch(manager: KVBlockManager, first_id: int, tokens: int, seq_len: 
     return batch
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None] = lambda report: None
+) -> dict[str, Any]:
+    """Prefill rows, then decode rows; ``on_row(report)`` after each (the report so far)."""
     dev = devgraph.device(args.device)
     config = model_config(args, dev, max(args.prefill_sizes))
     torch_device = dev.torch_device
     eager = make_decoder(config, device=torch_device)
     results: dict[str, Any] = {"prefill": {}, "decode": {}, "build_seconds": {}}
     err: dict[str, float] = {}
+    report = {
+        **report_header(dev, "piecewise"),
+        "model": {k: str(v) for k, v in attrs.asdict(config).items()},
+        "seq_len": args.seq_len,
+        "compile_backend": args.compile_backend or "device default",
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "timing": "median per-call latency between device timing events",
+        "max_abs_err_vs_eager": err,
+        "results": results,
+    }
 
     def median_us(call: Callable[[], Any]) -> float:
         return 1000.0 * statistics.median(time_calls(dev, call, args.iters, args.warmup))
@@ -118,6 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["speedup"] = row["eager_us"] / row["piecewise_us"]
             results["prefill"][t] = row
             err[f"prefill {t}"] = float((piecewise(**batch).float() - eager(**batch).float()).abs().max())
+            on_row(report)
 
     # -- decode: eager vs full vs piecewise -----------------------------------------------------
     full_model = make_decoder(config, device=torch_device)
@@ -167,18 +182,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             want = eager(**batch).float()
             err[f"decode full {b}"] = float((full(**batch).float() - want).abs().max())
             err[f"decode piecewise {b}"] = float((pw_decode(**batch).float() - want).abs().max())
-
-    return {
-        **report_header(dev, "piecewise"),
-        "model": {k: str(v) for k, v in attrs.asdict(config).items()},
-        "seq_len": args.seq_len,
-        "compile_backend": args.compile_backend or "device default",
-        "iters": args.iters,
-        "warmup": args.warmup,
-        "timing": "median per-call latency between device timing events",
-        "max_abs_err_vs_eager": err,
-        "results": results,
-    }
+            on_row(report)
+    return report
 
 
 def render(report: dict[str, Any]) -> str:
@@ -266,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     if not gpu:
         torch.set_num_threads(1)  # tiny kernels: OpenMP wake-ups dominate otherwise
 
-    report = run(args)
+    stem = args.out / f"piecewise_{devgraph.device(args.device).name}"
+    partial = PartialReport(stem.with_suffix(".json"))
+    report = run(args, on_row=partial.row_done)
     print(render(report))
-    stem = args.out / f"piecewise_{report['backend']}"
-    write_json(report, stem.with_suffix(".json"))
+    partial.finish(report)
     plotted = plot(report, stem.with_suffix(".png"))
     logger.info("wrote %s.json%s", stem, " and .png" if plotted else "")
     tolerance = 0.1 if gpu else 1e-3

@@ -11,7 +11,7 @@ recorded ops from Python): expect it to be slower than eager there.
     python benchmarks/replay_vs_eager.py                 # best available device
     python benchmarks/replay_vs_eager.py --device cuda --iters 2000
 
-Writes ``<out>/replay_vs_eager_<device>.json``.
+Writes ``<out>/replay_vs_eager_<device>.json``, after every mode (``"complete": false`` until the end).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from _common import (
     DEFAULT_OUT,
+    PartialReport,
     cuda_graph_capture,
     logger,
     report_header,
     summarise,
     time_calls,
-    write_json,
 )
 
 import devgraph
@@ -71,27 +71,14 @@ def devgraph_replay(
     return graph.replay, out
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None] = lambda report: None
+) -> dict[str, Any]:
+    """Every mode's row; ``on_row(report)`` after each (the report so far)."""
     dev = devgraph.device(args.device)
     x, fn = make_workload(dev.torch_device, args.hidden, args.steps)
-    with torch.inference_mode():
-        expected = fn().clone()
-        calls: dict[str, tuple[Callable[[], Any], torch.Tensor | None]] = {"eager": (fn, None)}
-        calls["devgraph"] = devgraph_replay(dev, fn)
-        if dev.name == "cuda":
-            graph, out, _ = cuda_graph_capture(fn)  # the same capture by hand: what devgraph wraps
-            calls["torch.cuda.CUDAGraph"] = (graph.replay, out)
-        results: dict[str, dict[str, float]] = {}
-        for label, (call, out) in calls.items():
-            samples = time_calls(dev, call, args.iters, args.warmup)
-            results[label] = summarise([ms * 1000.0 for ms in samples], unit="us")
-            if out is not None:
-                dev.synchronize()
-                results[label]["max_abs_err"] = float((out - expected).abs().max())
-    eager = results["eager"]["median_us"]
-    for row in results.values():
-        row["speedup_vs_eager"] = eager / row["median_us"] if row["median_us"] else float("nan")
-    return {
+    results: dict[str, dict[str, float]] = {}
+    report = {
         **report_header(dev, "replay_vs_eager"),
         "workload": {
             "hidden": args.hidden,
@@ -104,6 +91,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "timing": "per-call latency between device timing events (start, call, end, end.synchronize())",
         "results": results,
     }
+    with torch.inference_mode():
+        expected = fn().clone()
+        calls: dict[str, tuple[Callable[[], Any], torch.Tensor | None]] = {"eager": (fn, None)}
+        calls["devgraph"] = devgraph_replay(dev, fn)
+        if dev.name == "cuda":
+            graph, out, _ = cuda_graph_capture(fn)  # the same capture by hand: what devgraph wraps
+            calls["torch.cuda.CUDAGraph"] = (graph.replay, out)
+        for label, (call, out) in calls.items():
+            samples = time_calls(dev, call, args.iters, args.warmup)
+            results[label] = summarise([ms * 1000.0 for ms in samples], unit="us")
+            if out is not None:
+                dev.synchronize()
+                results[label]["max_abs_err"] = float((out - expected).abs().max())
+            eager = results["eager"]["median_us"]
+            median = results[label]["median_us"]
+            results[label]["speedup_vs_eager"] = eager / median if median else float("nan")
+            on_row(report)
+    return report
 
 
 def render(report: dict[str, Any]) -> str:
@@ -135,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    report = run(args)
+    backend = devgraph.device(args.device).name
+    partial = PartialReport(args.out / f"replay_vs_eager_{backend}.json")
+    report = run(args, on_row=partial.row_done)
     print(render(report))
-    path = write_json(report, args.out / f"replay_vs_eager_{report['backend']}.json")
-    logger.info("wrote %s", path)
+    logger.info("wrote %s", partial.finish(report))
     for mode, row in report["results"].items():
         if row.get("max_abs_err", 0.0) > 1e-3:
             logger.error("%s output differs from eager by %.3g", mode, row["max_abs_err"])

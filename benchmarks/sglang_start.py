@@ -13,7 +13,7 @@ Needs the SGLang test environment (``nox -s tests-sglang`` builds it)::
     .nox/tests-sglang/bin/python benchmarks/sglang_start.py                 # 3 models, a few minutes
     .nox/tests-sglang/bin/python benchmarks/sglang_start.py --models qwen3  # one
 
-Writes ``<out>/sglang_start.json``; exits 1 if a ratio is above the target or tokens differ.
+Writes ``<out>/sglang_start.json`` after every model (``"complete": false`` until the end); exits 1 if a ratio is above the target or tokens differ.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE_DIR = ROOT / "tests" / "sglang"
+ENGINE_DIR = ROOT / "tests" / "adapters" / "sglang"
 TARGET = 2.0
 
 
@@ -71,9 +71,27 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     sys.path.insert(0, str(ENGINE_DIR))
+    import sglang
     import tiny_model
+    import torch
+    from _common import PartialReport
 
-    rows = []
+    import devgraph
+
+    rows: list[dict] = []
+    report = {
+        "benchmark": "sglang_start",
+        "what": "seconds sgl.Engine(...) takes to return on cpu, devgraph decode graphs on vs off",
+        "target_ratio": TARGET,
+        "max_running_requests": args.max_running,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
+        "sglang": sglang.__version__,
+        "torch": torch.__version__,
+        "devgraph": devgraph.__version__,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "rows": rows,
+    }
+    partial = PartialReport(args.out / "sglang_start.json")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for arch in args.models.split(","):
@@ -96,27 +114,8 @@ def main() -> int:
                 f"tokens identical: {rows[-1]['tokens_identical']}",
                 flush=True,
             )
-    import sglang
-    import torch
-
-    import devgraph
-
-    report = {
-        "benchmark": "sglang_start",
-        "what": "seconds sgl.Engine(...) takes to return on cpu, devgraph decode graphs on vs off",
-        "target_ratio": TARGET,
-        "max_running_requests": args.max_running,
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
-        "sglang": sglang.__version__,
-        "torch": torch.__version__,
-        "devgraph": devgraph.__version__,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "rows": rows,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "sglang_start.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+            partial.row_done(report)  # a run cut short keeps the models it measured
+    print(f"wrote {partial.finish(report)}")
     return 0 if all(r["ratio"] <= TARGET and r["tokens_identical"] for r in rows) else 1
 
 

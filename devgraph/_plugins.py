@@ -22,7 +22,7 @@ from devgraph import _hookspecs
 from devgraph._errors import BackendUnavailable, DevgraphError, PluginLoadError
 
 if TYPE_CHECKING:
-    from devgraph.graph._contract import Device
+    from devgraph.graph import Device
 
 __all__ = ["BackendInfo", "BackendSpec", "Probe", "device", "list_backends", "plugin_manager"]
 

@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 from devgraph._errors import DevgraphError
 from devgraph._plugins import device as _device
-from devgraph.graph._contract import Device
-from devgraph.graph._graphed import GraphedModule
+from devgraph.graph import Device
 
 if TYPE_CHECKING:  # torch is imported when first needed: ``import devgraph`` stays cheap
     import torch
+
+    from devgraph.runner import GraphedModule
 
 __all__ = ["wrap"]
 
@@ -25,7 +26,7 @@ def _is_hf_model(model: object) -> bool:
 
 def _argument_names(model: Callable[..., Any]) -> list[str] | None:
     """The argument names of ``model``'s calls (None: unknown, or open-ended ``*args``/``**kwargs``)."""
-    from devgraph.runner._calls import signature_of
+    from devgraph.runner import signature_of
 
     try:
         params = list(signature_of(model).parameters.values())
@@ -64,7 +65,7 @@ def wrap(
 
         return wrap_hf(model, dev, **options)
     from devgraph.compile import compile_option_names
-    from devgraph.runner import GraphRunner, RunnerConfig, make_config, piecewise_runner
+    from devgraph.runner import GraphedModule, GraphRunner, RunnerConfig, make_config, piecewise_runner
 
     defaults = model.devgraph_options() if hasattr(model, "devgraph_options") else {}
     merged = {**defaults, **options}

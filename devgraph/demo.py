@@ -18,9 +18,9 @@ import torch
 
 import devgraph
 from devgraph._errors import DevgraphError
-from devgraph.graph._contract import Device
+from devgraph.graph import Device
 
-__all__ = ["run_demo", "run_tp_demo"]
+__all__ = ["bisect_case", "run_demo", "run_tp_demo"]
 
 
 def _timed(device: Device, fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -205,6 +205,31 @@ def _tp_rank(rank: int, world_size: int, steps: int, batch_sizes: tuple[int, ...
         "vs_eager": vs_eager,
         "vs_single": vs_single,
     }
+
+
+def bisect_case(
+    device: str | None, batch: int, bucket: int | None
+) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """``devgraph bisect demo``: the wrapped tiny decoder and a decode step of ``batch`` rows served by
+    the graph of ``bucket`` (default ``batch + 1``: a padded bucket), after a few steps of history."""
+    from devgraph.testing.models import KVBlockManager, make_decoder
+
+    if batch < 1:
+        raise DevgraphError(f"--batch must be a positive integer, got {batch}")
+    bucket = batch + 1 if bucket is None else bucket
+    if bucket < batch:
+        raise DevgraphError(
+            f"--bucket {bucket} is smaller than --batch {batch}: the bucket serving a call holds it"
+        )
+    dev = devgraph.device(device)
+    model = make_decoder(device=dev.torch_device)
+    graphed = devgraph.wrap(model, device=dev, batch_sizes=[bucket])
+    manager = KVBlockManager(model.config, device=dev.torch_device)
+    tokens = [(7 * i + 3) % model.config.vocab_size for i in range(batch)]
+    for _ in range(3):  # a few steps of history, so attention reads more than one token
+        kwargs = manager.decode_batch(list(range(batch)), tokens)
+        tokens = graphed(**kwargs).argmax(-1).tolist()
+    return graphed, (), manager.decode_batch(list(range(batch)), tokens)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from _import_graph import Import, circles, imported_names, imports
+from _import_graph import Import, circles, imported_names, imports, modules
 
 import devgraph
 from devgraph.testing import conformance
@@ -106,8 +106,7 @@ def test_the_import_graph_sees_function_level_and_type_checking_imports(import_g
         e.source == "devgraph._wrap" and e.target == "devgraph.adapters.hf" and e.lazy for e in import_graph
     )
     assert any(
-        e.source == "devgraph._plugins" and e.target == "devgraph.graph._contract" and e.type_only
-        for e in import_graph
+        e.source == "devgraph._plugins" and e.target == "devgraph.graph" and e.type_only for e in import_graph
     )
 
 
@@ -155,7 +154,7 @@ def _layer(module: str) -> str:
     return parts[1]  # backends, ops, runner, compile, adapters, testing
 
 
-#: Which layers a layer may import. Arrows point down (adapters > runner > compile > ops > core);
+#: Which layers a layer may import. Arrows point down (adapters > debug > runner > compile > ops > core);
 #: backends implement the core contract and are found through plugins, so no layer imports one
 #: (nor another backend: each is its own package); no layer imports devgraph.testing, which sits
 #: beside the stack and may import anything. Inside the library, names come from the module that
@@ -167,12 +166,15 @@ _MAY_IMPORT = {
     "ops": {"core", "ops"},
     "runner": {"core", "ops", "compile", "runner"},
     "compile": {"core", "ops", "compile"},
-    "adapters": {"core", "ops", "runner", "compile", "adapters", "api"},
+    "debug": {"core", "ops", "runner", "compile", "debug"},
+    "adapters": {"core", "ops", "runner", "compile", "debug", "adapters", "api"},
 }
 
-#: The upward reaches DESIGN.md allows, made when called: wrap() builds runners and hands Hugging
-#: Face models to their adapter (so ``import devgraph`` stays cheap).
+#: The upward reaches DESIGN.md allows, made when called (or named for types only): wrap() builds
+#: runners and hands Hugging Face models to their adapter, and ``devgraph.GraphedModule`` loads the
+#: runner on first use (so ``import devgraph`` stays cheap).
 _LAZY_REACH = {
+    ("devgraph", "devgraph.runner"),
     ("devgraph._wrap", "devgraph.runner"),
     ("devgraph._wrap", "devgraph.compile"),
     ("devgraph._wrap", "devgraph.adapters.hf"),
@@ -198,7 +200,7 @@ def _layer_violations(edges: list[Import]) -> list[str]:
         if source in ("entry", "testing"):
             continue
         allowed = _MAY_IMPORT[source]
-        if target not in allowed and not (edge.lazy and _reaches(edge)):
+        if target not in allowed and not ((edge.lazy or edge.type_only) and _reaches(edge)):
             wrong.append(f"{source} imports {target}: {edge}")
         elif (
             _backend(edge.source) and _backend(edge.target) and _backend(edge.source) != _backend(edge.target)
@@ -228,7 +230,7 @@ def test_imports_point_down_the_layers(import_graph):
         ),
         ("devgraph.compile._trace", "devgraph.runner._calls", True, "compile imports runner"),
         ("devgraph.compile", "devgraph.runner._runner", True, "compile imports runner"),
-        ("devgraph.compile", "devgraph.runner._piecewise", False, "compile imports runner"),
+        ("devgraph.compile", "devgraph.runner._pieces", False, "compile imports runner"),
         ("devgraph.ops._defs", "devgraph.backends.cpu", False, "ops imports backends"),
         ("devgraph.compile._trace", "devgraph", True, "compile imports api"),
         ("devgraph.adapters.hf", "devgraph.testing.models", True, "adapters imports testing"),
@@ -280,3 +282,67 @@ def test_the_test_double_check_sees_an_import(tmp_path):
     bad = tmp_path / "m.py"
     bad.write_text("def f():\n    from devgraph_sim.npu import simulated_torch_npu\n")
     assert imported_names(bad) == [("devgraph_sim.npu", 2)]
+
+
+def _private_owner(module: str) -> str | None:
+    """The package whose private module ``module`` is (``devgraph.graph`` for
+    ``devgraph.graph._tasks``), or None when every component of its name is public."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_"):
+            return ".".join(parts[:i])
+    return None
+
+
+def _face_violations(edges: list[Import], packages: set[str]) -> list[str]:
+    """Imports of another package's private module: a module may import the private modules of
+    its own package and of the packages it sits in (``devgraph._errors`` is the ground floor of
+    every package), and otherwise only faces (``__init__`` exports)."""
+    bad = []
+    for edge in edges:
+        owner = _private_owner(edge.target)
+        if owner is None:
+            continue
+        here = edge.source if edge.source in packages else edge.source.rpartition(".")[0]
+        if here != owner and not here.startswith(owner + "."):
+            bad.append(f"{edge} (import it from {owner}'s face)")
+    return bad
+
+
+def test_packages_meet_only_at_their_faces(import_graph):
+    packages = {name for name, path in modules(_PACKAGE_DIR).items() if path.name == "__init__.py"}
+    bad = _face_violations(import_graph, packages)
+    if bad:
+        pytest.fail(
+            "a module imports another package's private module (export the name from that package's "
+            "__init__ and import it from there):\n  " + "\n  ".join(bad),
+            pytrace=False,
+        )
+
+
+@pytest.mark.parametrize(
+    "source, target, ok",
+    [
+        ("devgraph.runner._runner", "devgraph.graph._contract", False),  # another package's room
+        ("devgraph.runner._runner", "devgraph.runner._calls", True),  # its own package's room
+        ("devgraph.backends.cpu._device", "devgraph.backends._reference", True),  # its parent's room
+        ("devgraph.backends.cpu._device", "devgraph.backends.npu._device", False),  # a sibling's room
+        ("devgraph.graph._contract", "devgraph._errors", True),  # the ground floor
+        ("devgraph.adapters.hf", "devgraph.runner._weights", False),  # a package face reaching in
+    ],
+)
+def test_the_face_check_refuses_a_reach_into_another_package(source, target, ok):
+    packages = {"devgraph", "devgraph.runner", "devgraph.graph", "devgraph.backends", "devgraph.adapters.hf"}
+    edge = Import(source, target, "x.py", 1, False, False)
+    assert (_face_violations([edge], packages) == []) is ok
+
+
+def test_the_toy_plugin_uses_public_names_only():
+    toy = pathlib.Path(__file__).parent / "plugins" / "devgraph_toy_backend"
+    reached = [
+        f"{path.relative_to(toy)}:{line} imports {name}"
+        for path in sorted(toy.rglob("*.py"))
+        for name, line in imported_names(path)
+        if name.startswith("devgraph.") and _private_owner(name) is not None
+    ]
+    assert reached == [], "a third-party backend must need no private devgraph module"

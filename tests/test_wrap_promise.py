@@ -476,7 +476,7 @@ def test_a_parameter_assigned_after_capture_is_followed_in_piecewise_mode():
 
 
 def test_the_weight_watch_trusts_a_registration_count_two_looks_found():
-    from devgraph.runner._state import WeightWatch, registrations
+    from devgraph.runner._weights import WeightWatch, registrations
 
     model = Lin()
     watch = WeightWatch()

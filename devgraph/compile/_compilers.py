@@ -1,4 +1,6 @@
-"""The compilers a piece can be compiled with: eager, inductor, torchair.
+"""The compilers a piece can be compiled with: devgraph's own (eager, inductor) and those backends
+contribute for their device through the ``devgraph_register_compilers(register, device)`` hook (the
+NPU backend's ``torchair``).
 
 devgraph calls them *compilers* (a "backend" in devgraph is a device plugin); the public option
 that picks one, ``compile_backend=``, keeps torch's word (``torch.compile(backend=...)``).
@@ -15,14 +17,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from torch import fx
 
 from devgraph._errors import DevgraphError
 
-__all__ = ["CompiledPiece", "compile_piece"]
+if TYPE_CHECKING:
+    from devgraph.graph import Device
+
+__all__ = ["BUILTIN_COMPILERS", "CompiledPiece", "Compiler", "compile_piece", "compilers_for"]
 
 logger = logging.getLogger("devgraph.compile")
 
@@ -48,45 +53,68 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[...
     return compiled
 
 
-def _torchair(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    try:
-        import torchair  # type: ignore[import-not-found]
-    except ImportError as exc:
-        raise DevgraphError(
-            f"compile_backend='torchair' needs torchair, which cannot be imported here ({exc}); it ships "
-            "with torch_npu (or `pip install torchair`) and needs an Ascend NPU. Use compile_backend='eager' "
-            "to run the pieces uncompiled."
-        ) from None
-    # Every piece is captured into (and replayed from) an ACL graph. No torchair mode runs inside a
-    # capture it does not own: max-autotune runs a GE graph through GE's executor, reduce-overhead and
-    # npugraph_ex capture ACL graphs of their own; vllm-ascend treats torchair graph mode and ACL graph
-    # capture as exclusive. Refuse instead of failing (or mis-capturing) on hardware.
-    raise DevgraphError(
-        f"compile_backend='torchair' (torchair {getattr(torchair, '__version__', '?')}) cannot compile "
-        "pieces that devgraph captures into ACL graphs: none of torchair's modes (max-autotune, "
-        "reduce-overhead, npugraph_ex) may run inside another capture. Use compile_backend='eager' "
-        "(the npu default), or run the model under torchair alone, without devgraph's graphs"
-    )
+#: A compiler: ``(compile_fn, opaque)``.
+Compiler = tuple[Callable[..., Callable[..., Any]], bool]
 
-
-_COMPILERS: dict[str, tuple[Callable[..., Callable[..., Any]], bool]] = {
+#: devgraph's own compilers, on every device.
+BUILTIN_COMPILERS: dict[str, Compiler] = {
     "eager": (_eager, False),
     "inductor": (_inductor, True),
-    "torchair": (_torchair, True),
 }
 
 
-def compile_piece(
-    compiler: str, name: str, gm: fx.GraphModule, example_inputs: Sequence[Any]
-) -> CompiledPiece:
-    """Compile piece ``name`` with ``compiler`` for fake ``example_inputs`` (symbolic sizes kept).
+def compilers_for(device: Device | None) -> dict[str, Compiler]:
+    """Every compiler a piece can get on ``device``: the built-ins, then what backends contribute.
 
     Raises:
-        DevgraphError: an unknown compiler, or one that cannot run here (torchair without torch_npu).
+        DevgraphError: a plugin registers a name twice or a compile function that is not callable.
     """
-    if compiler not in _COMPILERS:
-        raise DevgraphError(f"unknown compile_backend {compiler!r}; choose one of {sorted(_COMPILERS)}")
-    compile_fn, opaque = _COMPILERS[compiler]
+    from devgraph._plugins import call_each_hookimpl, plugin_manager
+
+    found = dict(BUILTIN_COMPILERS)
+    if device is None:
+        return found
+
+    def register(name: str, compile_fn: Callable[..., Callable[..., Any]], opaque: bool = True) -> None:
+        if not isinstance(name, str) or not callable(compile_fn):
+            raise DevgraphError(
+                f"devgraph_register_compilers registered ({name!r}, {compile_fn!r}); it takes a name and a "
+                "compile function compile_fn(graph_module, example_inputs) -> callable"
+            )
+        if name in found:
+            raise DevgraphError(f"compiler {name!r} is registered twice for {device.name}")
+        found[name] = (compile_fn, bool(opaque))
+
+    call_each_hookimpl(
+        plugin_manager().hook.devgraph_register_compilers,
+        "registering compilers",
+        lambda origin: {"register": register, "device": device},
+    )
+    return found
+
+
+def compile_piece(
+    compiler: str,
+    name: str,
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    device: Device | None = None,
+) -> CompiledPiece:
+    """Compile piece ``name`` with ``compiler`` (one of ``compilers_for(device)``) for fake
+    ``example_inputs`` (symbolic sizes kept).
+
+    Raises:
+        DevgraphError: a compiler this device does not have (the message lists those it has), or
+            one that cannot run here.
+    """
+    available = compilers_for(device)
+    if compiler not in available:
+        where = f" on {device.name}" if device is not None else ""
+        raise DevgraphError(
+            f"unknown compile_backend {compiler!r}{where}; choose one of {sorted(available)} "
+            "(backends add their device's compilers: torchair with the npu backend)"
+        )
+    compile_fn, opaque = available[compiler]
     start = time.perf_counter()
     fn = compile_fn(gm, example_inputs)
     seconds = time.perf_counter() - start

@@ -12,17 +12,12 @@ import attrs
 from devgraph._errors import DevgraphError
 
 if TYPE_CHECKING:
-    from devgraph.graph._contract import Device
+    from devgraph.graph import Device
 
-__all__ = ["COMPILE_BACKENDS", "MODES", "CompileConfig", "compile_option_names"]
+__all__ = ["MODES", "CompileConfig", "compile_option_names"]
 
 #: Graph modes, after vLLM's CUDAGraphMode.
 MODES = ("full", "piecewise", "full_and_piecewise")
-
-#: The compilers a piece can be compiled with (None in the config: the device's default). The option
-#: ``compile_backend`` and this name keep torch's word (``torch.compile(backend=...)``); devgraph's own
-#: code calls them compilers, a backend in devgraph being a device plugin.
-COMPILE_BACKENDS = ("eager", "inductor", "torchair")
 
 
 def _sizes(value: Any) -> tuple[int, ...] | None:
@@ -71,10 +66,12 @@ def _check_mode(instance: Any, attribute: Any, value: str) -> None:
 
 
 def _check_backend(instance: Any, attribute: Any, value: str | None) -> None:
-    if value is not None and value not in COMPILE_BACKENDS:
+    # Which compilers exist depends on the device (backends contribute theirs): ``check_device``
+    # checks the name against them once the device is known.
+    if value is not None and (not isinstance(value, str) or not value):
         raise DevgraphError(
-            f"compile_backend must be one of {', '.join(map(repr, COMPILE_BACKENDS))} or None (the "
-            f"device's default), got {value!r}"
+            f"compile_backend must be a compiler's name ('eager', 'inductor', or one a backend adds, such "
+            f"as 'torchair' on npu) or None (the device's default), got {value!r}"
         )
 
 
@@ -119,7 +116,7 @@ class CompileConfig:
     is_decode: Callable[..., bool] | None = None
 
     def __attrs_post_init__(self) -> None:
-        from devgraph.compile._ops import resolve_splitting_ops
+        from devgraph.compile._splitting_ops import resolve_splitting_ops
 
         resolve_splitting_ops(self.splitting_ops)  # raises naming the op and how to spell it
         if self.capture_budget is not None and self.capture_budget < 1:
@@ -129,7 +126,7 @@ class CompileConfig:
 
     def all_splitting_ops(self) -> tuple[str, ...]:
         """devgraph's attention ops followed by ``splitting_ops`` (normalised, de-duplicated)."""
-        from devgraph.compile._ops import resolve_splitting_ops
+        from devgraph.compile._splitting_ops import resolve_splitting_ops
 
         return resolve_splitting_ops(self.splitting_ops)
 
@@ -166,16 +163,20 @@ class CompileConfig:
         return getattr(device, "capture_stream_budget", None) if device is not None else None
 
     def check_device(self, device: Device) -> None:
-        """Raise ``DevgraphError`` when the compiler cannot target ``device``.
+        """Raise ``DevgraphError`` when ``device`` has no such compiler.
 
-        ``torchair`` compiles for Ascend NPUs only; ``eager`` and ``inductor`` run anywhere torch does.
+        ``eager`` and ``inductor`` run anywhere torch does; a backend adds its device's own through
+        ``devgraph_register_compilers`` (``torchair``: the NPU backend).
         """
+        from devgraph.compile._compilers import compilers_for
+
         backend = self.compiler_for(device)
-        if backend == "torchair" and device.name != "npu":
+        available = compilers_for(device)
+        if backend not in available:
             raise DevgraphError(
-                f"compile_backend='torchair' compiles for Ascend NPUs only, and this runner captures on "
-                f"{device.name}; use compile_backend='inductor' or 'eager' there (or None: the device's "
-                "default), or device='npu'"
+                f"compile_backend={backend!r} is not a compiler of {device.name}, where this runner captures "
+                f"(its compilers: {', '.join(map(repr, sorted(available)))}; 'torchair' comes with the npu "
+                "backend); pick one of those, or None (the device's default)"
             )
 
 

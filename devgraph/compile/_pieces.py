@@ -44,9 +44,9 @@ from torch.utils._pytree import tree_map
 
 from devgraph._errors import DevgraphError
 from devgraph.compile._compilers import CompiledPiece
-from devgraph.compile._ops import host_values
 from devgraph.compile._split import Piece, SplitGraph
-from devgraph.graph._contract import Device, Graph, MemoryPool, Stream
+from devgraph.compile._splitting_ops import host_values
+from devgraph.graph import Device, Graph, GraphSet, SharedPool
 
 __all__ = ["PieceGraphs", "PiecewiseModule"]
 
@@ -60,8 +60,7 @@ class _State:
     phase: str = "eager"
     size: int | None = None
     debug: bool = False  # replay checks every input's address, not only those that may move
-    pool: MemoryPool | None = None
-    stream: Stream | None = None
+    shared: SharedPool | None = None  # the pool and stream of the current capture
     host: Mapping[str, Sequence[Any]] | None = None  # op argument -> this call's host list
     # Storages of the current capture pass: the module's inputs (stable), and the outputs the pieces'
     # captures allocated (owned by the pool).
@@ -74,15 +73,13 @@ class _State:
 
 @attrs.define
 class _Entry:
-    """One piece captured for one size."""
+    """What a replay of one piece at one size checks (its graph is in the piece's ``GraphSet``)."""
 
-    graph: Graph
     tensors: list[tuple[int, torch.Tensor, int]]  # (argument index, capture-time tensor, its address)
     scalars: list[tuple[int, Any]]
     # The subset of ``tensors`` checked at every replay (pool memory and staging); the rest only
     # in debug mode (see the module docstring).
     moving: list[tuple[int, torch.Tensor, int]]
-    output: Any
     host_names: tuple[str, ...]
 
 
@@ -146,6 +143,8 @@ class PieceGraphs:
         self.last = last
         self.count = count
         self.entries: dict[int, _Entry] = {}
+        # The graph and (weak) outputs per size; its shared pool is the runner's, set at capture.
+        self.graphs: GraphSet[int] = GraphSet(device, weaken=lambda out: _weak(device, out))
         # Argument index -> staging buffer (flat) for inputs made outside the graphs, shared by sizes.
         self.staging: dict[int, torch.Tensor] = {}
         self.copies = 0  # inputs copied into capture-time tensors at replay (eager-produced inputs)
@@ -169,8 +168,7 @@ class PieceGraphs:
                     "a captured piece cannot take other host values"
                 )
         host = {n: state.host[n] for n in entry.host_names} if entry.host_names and state.host else None
-        entry.graph.replay(host)
-        return entry.output
+        return self.graphs.replay(state.size, host)  # type: ignore[arg-type]
 
     def _staged(self, index: int, arg: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like ``arg`` over this argument's staging buffer (grown if too small)."""
@@ -223,18 +221,24 @@ class PieceGraphs:
                     moving.append(tensors[-1])
             elif not isinstance(a, (list, tuple)):
                 scalars.append((i, a))
-        graph = self.device.graph()
-        with graph.capture(stream=state.stream, pool=state.pool, auto_update_ops=self.device.updatable_ops):
+
+        def body(graph: Graph) -> Any:
             out = self._run(graph, inputs)
             if self.last:
                 # Nothing after the last piece reads its outputs: let the pool have them back now.
                 # (Outside the dispatch modes: building the weak tensors is not work to record.)
                 with _disable_current_modes():
                     out = _weak(self.device, out)
+            return out
+
+        assert state.shared is not None
+        self.graphs.shared = state.shared
+        out = self.graphs.capture(state.size, body)
+        graph = self.graphs.graph(state.size)
         host = tuple(
             name for name in (state.host or {}) if any(t.is_auto and t.takes(name) for t in graph.tasks)
         )
-        self.entries[state.size] = _Entry(graph, tensors, scalars, moving, _weak(self.device, out), host)
+        self.entries[state.size] = _Entry(tensors, scalars, moving, host)
         # What the capture allocated belongs to the pool; an output that aliases an input does not
         # (unless that input is pool memory already).
         outside = {_storage(t) for t in _tensors(inputs)} - state.pool_storages
@@ -261,8 +265,7 @@ class PieceGraphs:
         self.copies += 1
 
     def reset(self) -> None:
-        for entry in self.entries.values():
-            entry.graph.reset()
+        self.graphs.reset()
         self.entries.clear()
         self.staging.clear()
 
@@ -285,7 +288,7 @@ class _SplitOpRunner:
 
 def _check_host_args(split: SplitGraph, device: Device) -> None:
     """A host list may only reach splitting ops (run eagerly) or ops the device updates at replay."""
-    from devgraph.compile._ops import is_host_arg_node, op_names_of
+    from devgraph.compile._splitting_ops import is_host_arg_node, op_names_of
 
     for piece in split.captured:
         for node in piece.graph_module.graph.nodes:
@@ -306,7 +309,7 @@ class PiecewiseModule:
     """A split model whose pieces run compiled, captured per size, or replayed.
 
     Call it with the traced graph's inputs (tensors, in placeholder order). ``host`` maps op
-    argument names to this call's host lists (see ``devgraph.compile._ops.host_arg``).
+    argument names to this call's host lists (see ``devgraph.compile._splitting_ops.host_arg``).
     """
 
     def __init__(self, split: SplitGraph, compiled: Mapping[str, CompiledPiece], device: Device) -> None:
@@ -346,7 +349,7 @@ class PiecewiseModule:
 
     def graphs(self, size: int) -> list[Graph]:
         """The captured graphs of ``size``, one per captured piece, in order."""
-        return [g.entries[size].graph for g in self.piece_graphs if size in g.entries]
+        return [g.graphs.graph(size) for g in self.piece_graphs if size in g.graphs]
 
     def _run(
         self, inputs: Sequence[Any], phase: str, size: int | None, host: Mapping[str, Sequence[Any]] | None
@@ -367,18 +370,18 @@ class PiecewiseModule:
         self,
         inputs: Sequence[Any],
         size: int,
-        pool: MemoryPool,
-        stream: Stream,
+        shared: SharedPool,
         host: Mapping[str, Sequence[Any]] | None,
     ) -> Any:
-        """Capture every piece for ``size`` (inputs already padded to it) into ``pool`` on ``stream``."""
-        self.state.pool, self.state.stream = pool, stream
+        """Capture every piece for ``size`` (inputs already padded to it) into ``shared``'s pool, on
+        its stream (the device's capture stream when it names none)."""
+        self.state.shared = shared
         self.state.stable_storages = {_storage(t) for t in _tensors(list(inputs))}
         try:
-            with stream:
+            with shared.stream or self.device.capture_stream():
                 return self._run(inputs, "capture", size, host)
         finally:
-            self.state.pool, self.state.stream = None, None
+            self.state.shared = None
 
     def replay(
         self,

@@ -15,7 +15,7 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from devgraph.compile._ops import SYM_OPS, is_getitem, is_host_arg_node, is_splitting_node
+from devgraph.compile._splitting_ops import SYM_OPS, is_getitem, is_host_arg_node, is_splitting_node
 
 __all__ = ["Piece", "SplitGraph", "split_graph"]
 

@@ -30,10 +30,15 @@ from devgraph._plugins import device as _device
 from devgraph.compile._compilers import CompiledPiece, compile_piece
 from devgraph.compile._config import CompileConfig
 from devgraph.compile._guards import check_token_guards, symbolic_sizes
-from devgraph.compile._ops import SYM_OPS, bind_host_args, is_host_arg_node, keep_composite_ops_whole
 from devgraph.compile._pieces import PiecewiseModule
 from devgraph.compile._split import SplitGraph, split_graph
-from devgraph.graph._contract import Device
+from devgraph.compile._splitting_ops import (
+    SYM_OPS,
+    bind_host_args,
+    is_host_arg_node,
+    keep_composite_ops_whole,
+)
+from devgraph.graph import Device
 
 __all__ = [
     "CompiledGraph",
@@ -226,7 +231,7 @@ class DevgraphCompiler:
             if chosen != "eager":
                 _check_compilable(piece.name, piece.graph_module)
             compiled[piece.name] = compile_piece(
-                chosen, piece.name, piece.graph_module, piece_inputs[piece.name]
+                chosen, piece.name, piece.graph_module, piece_inputs[piece.name], device
             )
         module = PiecewiseModule(split, compiled, device)
         output = next(n for n in aten.graph.nodes if n.op == "output")
@@ -287,16 +292,16 @@ def _refuse_host_syncs(gm: fx.GraphModule) -> None:
 
     Without this the trace fails later, deep in the lowering, with an error that names neither.
     """
-    from devgraph.graph._capture import _FUNCTION_SYNCS, _SHAPE_REMEDY
+    from devgraph.graph import FUNCTION_SYNCS, SHAPE_REMEDY
 
     for node in gm.graph.nodes:
         if node.op not in ("call_method", "call_function"):
             continue
         name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-        if name in _FUNCTION_SYNCS and (node.op == "call_method" or "Tensor" in str(node.target)):
-            remedy = _FUNCTION_SYNCS[name]
+        if name in FUNCTION_SYNCS and (node.op == "call_method" or "Tensor" in str(node.target)):
+            remedy = FUNCTION_SYNCS[name]
         elif name in _SHAPE_SYNCS:
-            remedy = _SHAPE_REMEDY
+            remedy = SHAPE_REMEDY
         else:
             continue
         raise CaptureError(

@@ -8,11 +8,16 @@
 * ``_collectives``: which collectives a capture replays and which it refuses.
 * ``_opnames``: op names (``namespace::op``) and which ops have Python bodies.
 * ``_weakref``: weak references to graph outputs.
-* ``_graphed``: ``GraphedModule``, what ``devgraph.wrap`` returns.
+* ``_graph_set``: ``GraphSet``, graphs by key in one shared pool (``SharedPool``), outputs held weakly:
+  the core of every holder of graphs (the runner's parts, the pieces, the engine adapters).
 * ``_breaks``, ``_breakable``, ``_break_calls``, ``_segment_check``: break ops and ``BreakableGraph``
   (one capture cut into segment graphs at break ops, which replay eagerly in between).
 
-Importing this package imports no torch; the public names are re-exported by ``devgraph``.
+Importing this package imports no torch. Its face (``__all__``) is what other packages and third-party
+backends use: the contract, the graph set, task groups and host-argument application, and the refusal
+helpers a backend's capture needs (``raise_refusal``, ``is_collective``/``refuse_collective``,
+``has_python_kernel``, ``lookup_op``, ``FUNCTION_SYNCS``/``SHAPE_REMEDY``). ``devgraph`` re-exports the
+user-facing names.
 """
 
 from __future__ import annotations
@@ -26,27 +31,51 @@ from devgraph.graph._breaks import (
     marked_breaks,
     unmark_break,
 )
-from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
-from devgraph.graph._graphed import GraphedModule
-from devgraph.graph._tasks import TaskGroup
+from devgraph.graph._capture import FUNCTION_SYNCS, SHAPE_REMEDY, raise_refusal
+from devgraph.graph._collectives import is_collective, refuse_collective
+from devgraph.graph._contract import (
+    Device,
+    Event,
+    Graph,
+    MemoryPool,
+    MemoryStats,
+    Stream,
+    current_graph,
+    probe_captures,
+)
+from devgraph.graph._graph_set import GraphSet, SharedPool
+from devgraph.graph._opnames import has_python_kernel, lookup_op
+from devgraph.graph._tasks import TaskGroup, apply_host_args, holds_tensor
 from devgraph.graph._weakref import weak_ref_tensor, weak_ref_tensors
 
 __all__ = [
     "ATTENTION_OPS",
     "BreakableGraph",
     "CapturedBreak",
+    "FUNCTION_SYNCS",
+    "SHAPE_REMEDY",
     "Device",
     "Event",
     "Graph",
-    "GraphedModule",
+    "GraphSet",
     "MemoryPool",
     "MemoryStats",
+    "SharedPool",
     "Stream",
     "TaskGroup",
+    "apply_host_args",
     "break_names",
     "break_ops",
+    "current_graph",
+    "has_python_kernel",
+    "holds_tensor",
+    "is_collective",
+    "lookup_op",
     "mark_break",
     "marked_breaks",
+    "probe_captures",
+    "raise_refusal",
+    "refuse_collective",
     "unmark_break",
     "weak_ref_tensor",
     "weak_ref_tensors",

@@ -77,7 +77,7 @@ _SYNC_REMEDY = (
     "keep the value on the device (tensor ops instead of Python numbers), or compute it before "
     "capture and pass it in as a host argument of an updatable task (auto_update_ops)"
 )
-_SHAPE_REMEDY = (
+SHAPE_REMEDY = (
     "data-dependent output shapes cannot be captured: use a fixed-size form (masks, torch.where) "
     "or run this op eagerly (piecewise mode with splitting_ops=[...])"
 )
@@ -90,7 +90,7 @@ _READ_REMEDY = (
 
 #: Tensor methods that make the host wait for a device value (refused only on the capturing device's
 #: tensors: a CPU tensor inside a CUDA capture is host memory, and reading it is no sync).
-_FUNCTION_SYNCS = {
+FUNCTION_SYNCS = {
     "item": _SYNC_REMEDY,
     "tolist": _SYNC_REMEDY,
     "numpy": _COPY_REMEDY,
@@ -117,17 +117,17 @@ _DISPATCH_SYNCS = {
     # linalg's error checks read the info tensor on the host (CUDA syncs there): use the _ex variants.
     "aten::_linalg_check_errors": "use the torch.linalg.*_ex variant (inv_ex, cholesky_ex, ...) and "
     "check its info output after replay",
-    "aten::nonzero": _SHAPE_REMEDY,
+    "aten::nonzero": SHAPE_REMEDY,
     "aten::nonzero_static": "",  # fixed size: allowed
-    "aten::masked_select": _SHAPE_REMEDY,
-    "aten::unique_dim": _SHAPE_REMEDY,
-    "aten::_unique2": _SHAPE_REMEDY,
-    "aten::unique_consecutive": _SHAPE_REMEDY,
-    "aten::unique_dim_consecutive": _SHAPE_REMEDY,
+    "aten::masked_select": SHAPE_REMEDY,
+    "aten::unique_dim": SHAPE_REMEDY,
+    "aten::_unique2": SHAPE_REMEDY,
+    "aten::unique_consecutive": SHAPE_REMEDY,
+    "aten::unique_dim_consecutive": SHAPE_REMEDY,
 }
 
 _SPLIT_REMEDY = "pass the split points as a Python list (host values fixed at capture), not a tensor"
-_BOOL_INDEX = "boolean-mask indexing has a data-dependent shape: " + _SHAPE_REMEDY
+_BOOL_INDEX = "boolean-mask indexing has a data-dependent shape: " + SHAPE_REMEDY
 
 
 def _has_mask(indices: Any) -> bool:
@@ -169,7 +169,7 @@ def dispatch_refusal(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, 
     if name == "aten::one_hot" and (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) != -1:
         return None
     if torch.Tag.dynamic_output_shape in tags:
-        return _SHAPE_REMEDY
+        return SHAPE_REMEDY
     return None
 
 
@@ -195,7 +195,7 @@ def _raise_sync(op: str, remedy: str) -> None:
     # An object collective (all_gather_object...) reaches here through the host syncs it makes:
     # name the collective, not the sync.
     refuse_object_collective(user_source_line)
-    if remedy in (_SHAPE_REMEDY, _BOOL_INDEX, _SPLIT_REMEDY):
+    if remedy in (SHAPE_REMEDY, _BOOL_INDEX, _SPLIT_REMEDY):
         what = (
             "data-dependent output shape inside graph capture: a graph replays the shapes it was "
             "captured with, whatever the new values"
@@ -235,7 +235,7 @@ def _modes() -> tuple[type, type]:
                 # sync there breaks the graph, and the eager remainder comes back through here).
                 return func(*args, **kwargs)
             name = getattr(func, "__name__", "")
-            remedy = _FUNCTION_SYNCS.get(name)
+            remedy = FUNCTION_SYNCS.get(name)
             if (
                 remedy is not None
                 and args

@@ -138,7 +138,12 @@ class CompiledRegions:
         return self
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:
-        sys.setprofile(self._previous)
+        previous = self._previous
+        if previous is not None and not callable(previous) and hasattr(previous, "enable"):
+            # A C profiler (cProfile's): sys.setprofile takes no such object back; it re-installs itself.
+            previous.enable()
+        else:
+            sys.setprofile(previous)
         if self._frame is not None:  # the block raised from inside a compiled graph
             self._end(None)
         if exc_type is None and self._problem is not None:

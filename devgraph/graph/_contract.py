@@ -37,6 +37,7 @@ __all__ = [
     "MemoryStats",
     "Stream",
     "current_graph",
+    "probe_captures",
 ]
 
 #: ``capture_error_mode`` names, as ``torch.accelerator.Graph`` spells them (torch 2.12+): what the
@@ -63,6 +64,38 @@ def _being_captured(graph: Graph) -> Iterator[None]:
         yield
     finally:
         _current.reset(token)
+
+
+_probes: contextvars.ContextVar[tuple[Callable[[Graph], contextlib.AbstractContextManager[Any]], ...]] = (
+    contextvars.ContextVar("devgraph_capture_probes", default=())
+)
+
+
+@contextlib.contextmanager
+def probe_captures(factory: Callable[[Graph], contextlib.AbstractContextManager[Any]]) -> Iterator[None]:
+    """While the block runs, every ``Graph.capture`` in this context also enters ``factory(graph)``.
+
+    It is entered innermost, inside the capture guard: what it issues (a debug tool's copies of each
+    op's output, ``devgraph.bisect``) is captured work like the block's own, on every backend. Probes
+    nest; the outer one is entered first.
+    """
+    token = _probes.set((*_probes.get(), factory))
+    try:
+        yield
+    finally:
+        _probes.reset(token)
+
+
+@contextlib.contextmanager
+def _probed(graph: Graph) -> Iterator[None]:
+    factories = _probes.get()
+    if not factories:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for factory in factories:
+            stack.enter_context(factory(graph))
+        yield
 
 
 @attrs.frozen
@@ -100,13 +133,24 @@ class MemoryPool(abc.ABC):
         # Made on first use: a backend's pool may not call this __init__.
         return self.__dict__.setdefault("_devgraph_users", weakref.WeakSet())
 
+    @property
+    def in_use(self) -> int:
+        """How many graphs hold this pool now (captured or capturing, not reset, not freed)."""
+        return len(self._users())
+
+    @property
+    def retired(self) -> bool:
+        """True once every graph that captured into this pool let go of it: it is never captured
+        into again (CUDA's allocator asserts on it); mint a fresh one (``SharedPool`` does)."""
+        return bool(self.__dict__.get("_devgraph_used")) and not self._users()
+
     def _enlist(self, graph: Graph) -> None:
         """Count ``graph`` as a user of this pool; refuse a pool whose every user let go of it.
 
         CUDA's allocator (and torch_npu's port of it) asserts when a capture joins a pool whose
         last graph was reset or freed, so every backend refuses it, the CPU reference included.
         """
-        if self.__dict__.get("_devgraph_used") and not self._users():
+        if self.retired:
             raise DevgraphError(
                 "this pool's graphs were all reset, freed or failed to capture: a pool is not captured "
                 "into again once its last graph lets go of it (CUDA's allocator asserts on it). Capture "
@@ -334,7 +378,7 @@ class Graph(abc.ABC):
                 stack.callback(self._finish_capture, lambda: body_ok)
                 # The guard's own exit may refuse the capture (a compiled graph it could not record
                 # whole): only a block whose guard also exited cleanly ends the capture.
-                with _being_captured(self), _capture.capturing(self, auto_update_ops):
+                with _being_captured(self), _capture.capturing(self, auto_update_ops), _probed(self):
                     yield self
                 body_ok = True
         except BaseException as exc:

@@ -1,21 +1,35 @@
-"""The graph runners: ``GraphRunner`` (one graph per batch-size bucket) and ``PiecewiseRunner``
-(a model cut at its splitting ops, each piece captured per token-count size; it uses
-``devgraph.compile``, which sits below)."""
+"""The graph runner: one call path (``GraphRunner``) whose "which graphs" is a part.
+
+``WholeGraphs`` (one graph per batch-size bucket) and ``Pieces`` (a model cut at its splitting ops,
+each piece captured per token-count size; it uses ``devgraph.compile``, which sits below) are the
+parts; ``full_and_piecewise`` routes between the two. ``GraphedModule`` is what ``devgraph.wrap``
+returns: a model whose calls a runner serves.
+"""
 
 from devgraph.runner._buckets import choose_bucket, default_batch_sizes, normalise_batch_sizes
-from devgraph.runner._config import RunnerConfig, RunnerStats, make_config
-from devgraph.runner._piecewise import PiecewiseRunner, PiecewiseStats, piecewise_runner
-from devgraph.runner._runner import GraphRunner
+from devgraph.runner._calls import Call, Unsupported, signature_of
+from devgraph.runner._config import RunnerConfig, RunnerStats, make_config, positive_ints
+from devgraph.runner._graphed import GraphedModule
+from devgraph.runner._pieces import Pieces, PiecewiseStats
+from devgraph.runner._runner import GraphRunner, Part, piecewise_runner
+from devgraph.runner._whole import WholeGraphs
 
 __all__ = [
+    "Call",
     "GraphRunner",
-    "PiecewiseRunner",
+    "GraphedModule",
+    "Part",
+    "Pieces",
     "PiecewiseStats",
     "RunnerConfig",
     "RunnerStats",
+    "Unsupported",
+    "WholeGraphs",
     "choose_bucket",
     "default_batch_sizes",
     "make_config",
     "normalise_batch_sizes",
     "piecewise_runner",
+    "positive_ints",
+    "signature_of",
 ]

@@ -14,10 +14,10 @@ from typing import Any
 import attrs
 import torch
 
-from devgraph.graph._tasks import holds_tensor
+from devgraph.graph import holds_tensor
 from devgraph.runner._config import RunnerConfig
 
-__all__ = ["Call", "CallReader", "Unsupported", "TemplateCheck", "read_call", "template_mismatch"]
+__all__ = ["Call", "CallReader", "Unsupported", "TemplateCheck", "template_mismatch"]
 
 
 class Unsupported(Exception):
@@ -192,13 +192,6 @@ def _value_key(v: Any, depth: int) -> Any:
         fields.update((s, getattr(v, s)) for s in slots if hasattr(v, s))
         return (t, id(v), _value_key(fields, depth + 1))
     return (t, v)  # its own hash and equality: a value type
-
-
-def read_call(
-    signature: inspect.Signature, config: RunnerConfig, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Call:
-    """Classify a call's arguments; raise ``Unsupported`` when it cannot be served from a graph."""
-    return CallReader(signature, config).read(args, kwargs)
 
 
 class CallReader:

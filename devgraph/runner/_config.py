@@ -106,7 +106,7 @@ class RunnerConfig:
         check_ranks: ``"capture"`` (default): the ranks agree on their capture sizes once, at
             capture (``RankMismatchError`` otherwise); ``"every_call"``: also on the size each call
             replays (one small all-gather, and a host sync on a device, per call).
-        check_padding: run the padding check at capture (``devgraph.runner._rows``: a few eager runs
+        check_padding: run the padding check at capture (``devgraph.runner._padding``: a few eager runs
             per checked bucket that find models whose rows mix or whose outputs are not per row, and
             then serve only exact bucket sizes). False: the caller vouches that rows are independent
             and every output is cut along its batch dim; the Hugging Face adapter's decode step does

@@ -1,6 +1,6 @@
-"""StaticInputs: the static side of a runner, shared by ``GraphRunner`` and ``PiecewiseRunner``.
+"""StaticInputs: the static side of a runner part (``WholeGraphs``, ``Pieces``).
 
-A graph reads its inputs from fixed addresses. Both runners hold one ``StaticInputs`` that reads
+A graph reads its inputs from fixed addresses. Every part holds one ``StaticInputs`` that reads
 each call (``CallReader``: batched tensors, static tensors, host lists, constants), matches it to
 the captured one (the call template, autocast and default dtype), copies it into static buffers
 sized for the largest size and pads it up to a captured size, and keeps what the graphs depend on
@@ -10,14 +10,12 @@ padding is exact (``check_padding``).
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from devgraph._errors import DevgraphError
-from devgraph.graph._contract import Device
+from devgraph.graph import Device
 from devgraph.runner._calls import (
     Call,
     CallReader,
@@ -27,59 +25,10 @@ from devgraph.runner._calls import (
     template_mismatch,
 )
 from devgraph.runner._config import RunnerConfig
-from devgraph.runner._rows import PaddingVerdict, check_padding
-from devgraph.runner._state import WeightWatch
+from devgraph.runner._padding import PaddingVerdict, check_padding
+from devgraph.runner._weights import WeightAddresses, WeightWatch
 
-__all__ = ["StaticInputs", "WeightAddresses", "ambient"]
-
-
-def _named_weights(fn: object) -> dict[str, torch.Tensor]:
-    if not isinstance(fn, torch.nn.Module):
-        return {}
-    found: dict[str, torch.Tensor] = {f"parameter {n!r}": p for n, p in fn.named_parameters()}
-    found.update({f"buffer {n!r}": b for n, b in fn.named_buffers()})
-    return found
-
-
-class WeightAddresses:
-    """Where a model's parameters and buffers (and a runner's own inputs) lived at capture.
-
-    Graphs read memory by address: a weight moved or replaced after capture is silently stale.
-    ``check`` (``debug=True``) names the first one that moved.
-    """
-
-    def __init__(self) -> None:
-        self._at: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
-
-    def remember(self, fn: object, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Record the addresses of ``tensors`` (``{description: tensor}``) and of ``fn``'s weights,
-        holding the tensors weakly (a replaced weight is freed as it would be without devgraph)."""
-        self._at = {what: (weakref.ref(t), t.data_ptr()) for what, t in (tensors or {}).items()}
-        self._at.update({what: (weakref.ref(t), t.data_ptr()) for what, t in _named_weights(fn).items()})
-
-    def clear(self) -> None:
-        self._at = {}
-
-    def check(self, fn: object) -> None:
-        """Raise ``DevgraphError`` naming a tensor that moved, or a weight replaced, since capture."""
-        for what, (ref, ptr) in self._at.items():
-            tensor = ref()
-            if tensor is None:
-                raise DevgraphError(
-                    f"{what} was freed since capture; the graphs would read freed memory. Keep it alive, "
-                    "or call .capture() again after replacing it."
-                )
-            if tensor.data_ptr() != ptr:
-                raise DevgraphError(
-                    f"{what} no longer lives at its capture address ({ptr:#x} -> {tensor.data_ptr():#x}); "
-                    "the graphs would read stale memory. Call .capture() again after moving or replacing it."
-                )
-        for what, tensor in _named_weights(fn).items():
-            if what in self._at and self._at[what][1] != tensor.data_ptr():
-                raise DevgraphError(
-                    f"{what} was replaced since capture ({self._at[what][1]:#x} -> {tensor.data_ptr():#x}); "
-                    "call .capture() again after loading weights or moving the model."
-                )
+__all__ = ["StaticInputs", "ambient"]
 
 
 class StaticInputs:
@@ -178,7 +127,7 @@ class StaticInputs:
 
     def check_padding(self, example: Call, sizes: list[int]) -> PaddingVerdict | None:
         """Whether calls padded up to the smallest and the largest of ``sizes`` that any call is
-        padded to give the real rows what eager gives them (``devgraph.runner._rows``: ``r`` rows,
+        padded to give the real rows what eager gives them (``devgraph.runner._padding``: ``r`` rows,
         the example's batch kept between the next smaller size and ``size - 1``); sets
         ``exact_only`` when not."""
         ordered = sorted(set(sizes))

@@ -2,7 +2,6 @@
 
 * ``conformance``: the backend conformance suite.
 * ``models``: tiny decoder models for end-to-end tests (and the demo).
-* ``fusion_models``: tiny models holding the patterns the fusion passes rewrite.
 * ``distributed``: ``run_ranks(fn, world_size)`` runs ``fn`` on spawned ranks of one process group
   (gloo on CPU by default), every wait bounded by a timeout.
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 
 from devgraph._errors import CaptureError, DevgraphError
-from devgraph.graph._contract import Device
+from devgraph.graph import Device
 
 __all__ = ["CHECKS", "NotApplicable", "failures", "run"]
 

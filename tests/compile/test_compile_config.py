@@ -17,7 +17,7 @@ from devgraph.compile import (
     resolve_splitting_ops,
 )
 from devgraph.compile.passes import AddRmsNormFusion
-from devgraph.runner import PiecewiseRunner, RunnerConfig
+from devgraph.runner import GraphRunner, RunnerConfig
 
 
 class _Renamed(AddRmsNormFusion):
@@ -32,8 +32,22 @@ def test_config_is_frozen_and_validates_mode_and_backend():
         config.mode = "full"  # type: ignore[misc]
     with pytest.raises(DevgraphError, match="mode must be one of"):
         CompileConfig(mode="partial")
-    with pytest.raises(DevgraphError, match="compile_backend must be one of"):
-        CompileConfig(compile_backend="tvm")
+    with pytest.raises(DevgraphError, match="compile_backend must be a compiler's name"):
+        CompileConfig(compile_backend="")
+
+
+def test_a_compiler_the_device_lacks_is_refused_naming_the_ones_it_has():
+    with pytest.raises(
+        DevgraphError, match=r"compile_backend='tvm' is not a compiler of cpu.*'eager', 'inductor'"
+    ):
+        devgraph.wrap(torch.nn.Linear(4, 4), device="cpu", mode="piecewise", compile_backend="tvm")
+
+
+def test_backends_contribute_compilers_for_their_device_only(npu_sim):
+    from devgraph.compile import compilers_for
+
+    assert sorted(compilers_for(devgraph.device("cpu"))) == ["eager", "inductor"]
+    assert sorted(compilers_for(devgraph.device("npu"))) == ["eager", "inductor", "torchair"]
 
 
 def test_unknown_splitting_op_is_a_clear_error():
@@ -63,7 +77,7 @@ def test_runner_cache_key_folds_the_compile_config():
     dev = devgraph.device("cpu")
     model = torch.nn.Linear(4, 4)
     keys = {
-        PiecewiseRunner(model, dev, RunnerConfig(), CompileConfig(passes=p)).cache_key
+        GraphRunner(model, dev, RunnerConfig(), CompileConfig(passes=p)).pieces.cache_key
         for p in (None, (), ("add_rms_norm",))
     }
     assert len(keys) == 3
@@ -106,8 +120,16 @@ def test_device_default_compile_backend_is_eager_unless_the_device_says_otherwis
 
 
 def test_torchair_without_torch_npu_is_a_clear_error():
+    from devgraph.backends.npu._compilers import torchair
+
     gm = torch.fx.symbolic_trace(torch.nn.ReLU())
     with pytest.raises(DevgraphError, match=r"compile_backend='torchair' needs torchair"):
+        torchair(gm, [torch.zeros(2)])
+
+
+def test_an_unknown_compiler_names_the_ones_there_are():
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    with pytest.raises(DevgraphError, match=r"unknown compile_backend 'torchair'.*\['eager', 'inductor'\]"):
         compile_piece("torchair", "submod_0", gm, [torch.zeros(2)])
 
 
@@ -131,11 +153,11 @@ def test_wrap_routes_piecewise_options_to_the_compile_config():
         max_batch_size=8,
     )
     runner = graphed.runner
-    assert isinstance(runner, PiecewiseRunner)
-    assert runner.compile_config.splitting_ops == ("aten::scaled_dot_product_attention",)
-    assert runner.compile_config.passes == ("add_rms_norm",)
+    assert runner.pieces is not None and runner.full is None
+    assert runner.pieces.compile_config.splitting_ops == ("aten::scaled_dot_product_attention",)
+    assert runner.pieces.compile_config.passes == ("add_rms_norm",)
     assert runner.sizes == [2, 4] and runner.config.max_batch_size == 8
-    assert runner.config.mode == runner.compile_config.mode == "piecewise"
+    assert runner.config.mode == runner.pieces.compile_config.mode == "piecewise"
 
 
 def test_wrap_rejects_compile_options_in_full_mode():
@@ -176,7 +198,7 @@ def test_runner_config_survives_evolve():
 
 
 def test_torchair_off_an_npu_is_a_clear_error_when_the_runner_is_built():
-    with pytest.raises(DevgraphError, match=r"torchair' compiles for Ascend NPUs only.*cpu"):
+    with pytest.raises(DevgraphError, match=r"compile_backend='torchair' is not a compiler of cpu"):
         devgraph.wrap(torch.nn.Linear(4, 4), device="cpu", mode="piecewise", compile_backend="torchair")
 
 
@@ -198,7 +220,7 @@ def test_uuid_on_a_device_folds_the_effective_backend_and_stream_budget():
 
 
 def test_composite_splitting_ops_are_matched_with_their_namespace():
-    from devgraph.compile._ops import keep_composite_ops_whole
+    from devgraph.compile._splitting_ops import keep_composite_ops_whole
 
     lib = torch.library.Library("devgraph_ns_test", "FRAGMENT")
     lib.define("scaled_dot_product_attention(Tensor q, Tensor k, Tensor v) -> Tensor")

@@ -40,7 +40,7 @@ def test_inductor_pieces_equal_eager(decoders, tokens):
 def test_each_compiled_piece_is_one_opaque_task(decoders):
     graphed, _, manager = decoders
     graphed(**manager.decode_batch([99], [5]))
-    module = graphed.runner.module
+    module = graphed.runner.pieces.module
     assert [r.compiled.compiler for r in module.piece_graphs] == ["inductor", "inductor"]
     for graph in module.graphs(2):
         assert graph.recorded_ops == [
@@ -49,4 +49,4 @@ def test_each_compiled_piece_is_one_opaque_task(decoders):
 
 
 def _piece_names(module, graph):
-    return [r.piece.name for r in module.piece_graphs if any(e.graph is graph for e in r.entries.values())]
+    return [r.piece.name for r in module.piece_graphs if any(g is graph for _, g in r.graphs.items())]

@@ -11,7 +11,7 @@ import devgraph
 from devgraph import DevgraphError
 from devgraph.backends.cpu._pool import block_of
 from devgraph.compile import CompileConfig, DevgraphCompiler
-from devgraph.runner import PiecewiseRunner, RunnerConfig
+from devgraph.runner import GraphRunner, RunnerConfig
 
 _lib = torch.library.Library("devgraph_test", "FRAGMENT")
 _lib.define("scale_rows(Tensor x, int[] factors) -> Tensor")
@@ -75,20 +75,20 @@ def test_output_structure_and_values_match_eager(toy, n):
 def test_eager_splitting_op_outputs_are_copied_into_the_captured_inputs(toy):
     _, graphed = toy
     graphed(_x(2))
-    before = graphed.runner.module.input_copies
+    before = graphed.runner.pieces.module.input_copies
     graphed(_x(3))
-    assert graphed.runner.module.input_copies == before + 1
+    assert graphed.runner.pieces.module.input_copies == before + 1
 
 
 def test_piece_outputs_are_weak_references_so_the_pool_can_reuse_them(toy):
     _, graphed = toy
     graphed(_x(4))
-    module = graphed.runner.module
+    module = graphed.runner.pieces.module
     outputs = [
         t
-        for runner in module.piece_graphs
-        for entry in runner.entries.values()
-        for t in (entry.output if isinstance(entry.output, (tuple, list)) else [entry.output])
+        for piece in module.piece_graphs
+        for out in piece.graphs.outputs().values()
+        for t in (out if isinstance(out, (tuple, list)) else [out])
         if isinstance(t, torch.Tensor) and block_of(t) is not None
     ]
     assert outputs and not any(block_of(t).in_use() for t in outputs)
@@ -149,9 +149,9 @@ def test_call_that_differs_from_the_traced_one_falls_back_with_a_warning():
 def test_reset_then_capture_builds_again(toy):
     _, graphed = toy
     graphed.runner.reset()
-    assert graphed.runner.module is None
+    assert graphed.runner.pieces.module is None
     graphed.capture(_x(2))
-    assert graphed.runner.module is not None and graphed.stats.captured_sizes == (2, 4, 8)
+    assert graphed.runner.pieces.module is not None and graphed.stats.captured_sizes == (2, 4, 8)
 
 
 class HostScaled(torch.nn.Module):
@@ -224,7 +224,7 @@ def test_inference_mode_calls_are_served():
 
 def test_strict_mode_raises_instead_of_falling_back():
     model = Toy().requires_grad_(False)
-    runner = PiecewiseRunner(
+    runner = GraphRunner(
         model,
         devgraph.device("cpu"),
         RunnerConfig(strict=True),
@@ -257,7 +257,7 @@ def test_a_failed_capture_leaves_nothing_half_captured(monkeypatch):
         graphed(_x(3))
     assert info.value.batch_size == 2 and "capture_sizes" in info.value.remedy
     runner = graphed.runner
-    assert not runner.captured and runner.module is None and runner.plan is None
+    assert not runner.captured and runner.pieces.module is None and runner.pieces.plan is None
     assert all(not piece.entries for piece in seen)  # every graph of 8, 4 and 2 was reset
     monkeypatch.setattr(PieceGraphs, "_capture", real)
     got = graphed(_x(3))  # builds again from scratch; never "submod_0 has no graph for size 2"
@@ -299,12 +299,12 @@ def test_a_view_of_an_eager_output_read_by_a_later_piece_is_held_strongly():
         [torch.full((64,), 7.0) for _ in range(64)]  # churn: reuse any memory that was freed
         torch.testing.assert_close(got, model(_x(n, seed)))
     runner = graphed.runner
-    assert [p.does_work for p in runner.traced.compiled.split.pieces if not p.is_splitting_op] == [
+    assert [p.does_work for p in runner.pieces.traced.compiled.split.pieces if not p.is_splitting_op] == [
         True,
         False,
         True,
     ]
-    last = runner.module.piece_graphs[-1]
+    last = runner.pieces.module.piece_graphs[-1]
     staged = {b.untyped_storage().data_ptr() for b in last.staging.values()}
     owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *runner.inputs.buffers.values()]}
     for entry in last.entries.values():
@@ -313,13 +313,13 @@ def test_a_view_of_an_eager_output_read_by_a_later_piece_is_held_strongly():
             # Pool memory (weak), the runner's or the model's own tensors, or the piece's staging
             # buffer: never a weak view of an eager output nothing keeps alive.
             assert block_of(kept) is not None or ptr in owned or ptr in staged
-    assert staged and runner.module.input_copies > 0
+    assert staged and runner.pieces.module.input_copies > 0
 
 
 def test_eager_outputs_are_staged_in_one_buffer_per_argument_for_all_sizes():
     _, graphed = _toy(capture_sizes=[2, 4, 8])
     graphed(_x(3))
-    last = graphed.runner.module.piece_graphs[-1]
+    last = graphed.runner.pieces.module.piece_graphs[-1]
     assert len(last.staging) == 1
     (index, buffer), *_ = last.staging.items()
     assert buffer.numel() == 8 * 8  # the largest size's rms_norm output

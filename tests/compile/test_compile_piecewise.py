@@ -124,7 +124,7 @@ def test_sizes_above_the_buckets_run_the_pieces_uncaptured(decoders):
 
 def test_every_piece_has_a_graph_per_size_in_one_shared_pool(decoders):
     runner = decoders.built()
-    module = runner.module
+    module = runner.pieces.module
     assert runner.stats.pieces == decoders.model.config.num_layers + 1
     assert runner.stats.splitting_ops == decoders.model.config.num_layers
     assert runner.stats.captured_sizes == tuple(SIZES)
@@ -137,7 +137,7 @@ def test_every_piece_has_a_graph_per_size_in_one_shared_pool(decoders):
 
 
 def test_attention_runs_eagerly_between_the_pieces(decoders):
-    pieces = decoders.built().traced.compiled.split.pieces
+    pieces = decoders.built().pieces.traced.compiled.split.pieces
     kinds = [p.is_splitting_op for p in pieces]
     assert kinds == [False, True, False, True, False]
     assert all("paged_decode_attention" in p.ops for p in pieces if p.is_splitting_op)
@@ -189,7 +189,7 @@ def test_full_and_piecewise_graphs_share_one_pool(both_modes):
     both_modes.check(both_modes.prefill({ids[0]: _tokens(3, 1), ids[1]: _tokens(2, 2)}))
     both_modes.check(both_modes.manager.decode_batch(ids, _tokens(2, 3)))
     runner = both_modes.graphed.runner
-    pools = {id(g.pool()) for size in runner.plan.sizes for g in runner.module.graphs(size)}
+    pools = {id(g.pool()) for size in runner.pieces.plan.sizes for g in runner.pieces.module.graphs(size)}
     pools.update(id(runner.full.graph(s).pool()) for s in runner.full.sizes)
     assert len(pools) == 1
     both_modes.free(ids)
@@ -271,11 +271,11 @@ def test_hf_model_is_split_at_sdpa_and_its_norms_fused(hf_model):
     assert runner.stats.splitting_ops == 2 and runner.stats.pieces == 3
     assert runner.stats.passes["add_rms_norm"] == 4
     # SDPA returns a fresh tensor every call: the next piece gets it copied into its captured input.
-    assert runner.module.input_copies > 0
+    assert runner.pieces.module.input_copies > 0
 
 
 def test_fused_qwen3_pieces_equal_eager(device):
-    from devgraph.testing.fusion_models import make_tiny_qwen3
+    from _fusion_models import make_tiny_qwen3
 
     model = make_tiny_qwen3()
     graphed = devgraph.wrap(

@@ -6,6 +6,7 @@ import operator
 
 import pytest
 import torch
+from _fusion_models import FusionConfig, make_tiny_llama, make_tiny_qwen3
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import devgraph
@@ -21,7 +22,6 @@ from devgraph.compile import (
     resolve_passes,
 )
 from devgraph.compile.passes import AddRmsNormFusion, match_rms_norm
-from devgraph.testing.fusion_models import FusionConfig, make_tiny_llama, make_tiny_qwen3
 
 TOKENS = 7
 

@@ -283,3 +283,28 @@ def test_graph_break_gives_one_task_per_compiled_graph_and_replays_like_eager():
     x.copy_(fresh)
     graph.replay()
     torch.testing.assert_close(out, body(fresh, w))
+
+
+def test_a_capture_under_cprofile_completes_and_hands_the_profiler_back():
+    # Regression: the capture put cProfile's profiler object back with sys.setprofile, which refuses
+    # it (TypeError mid-capture); a C profiler re-installs itself instead.
+    import cProfile
+    import sys
+
+    import devgraph
+
+    dev = devgraph.device("cpu")
+    x = torch.ones(4)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        graph = dev.graph()
+        with graph.capture():
+            y = x * 2
+        after = sys.getprofile()
+    finally:
+        profiler.disable()
+    assert after is profiler  # profiling goes on after the capture
+    x.fill_(3.0)
+    graph.replay()
+    torch.testing.assert_close(y, torch.full((4,), 6.0))

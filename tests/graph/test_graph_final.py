@@ -63,7 +63,12 @@ DECISIONS = ("_replay_with_host_args", "_update_tasks", "_settle_host_args", "_c
 OVERRIDES = {
     CpuGraph: set(),  # the reference: re-issue every task, then replay
     CudaGraph: {"_replay_with_host_args", "_settle_host_args"},  # note the values only
-    NpuGraph: {"_replay_with_host_args", "_update_tasks", "_check_update_allowed"},  # overlapped
+    NpuGraph: {
+        "_replay_with_host_args",
+        "_update_tasks",
+        "_check_update_allowed",
+        "_settle_host_args",
+    },  # overlapped
     AcceleratorGraph: set(),  # task update refused by its _task_update_begin
 }
 

@@ -97,7 +97,7 @@ def _collectives_per_piece(graphed) -> list[list[str]]:
             for node in piece.graph_module.graph.nodes
             if "c10d" in str(node.target) and "wait_tensor" not in str(node.target)
         ]
-        for piece in graphed.runner.traced.compiled.split.captured
+        for piece in graphed.runner.pieces.traced.compiled.split.captured
     ]
 
 

@@ -258,8 +258,8 @@ def test_update_after_noted_replays_keeps_the_latest_values():
     assert graph.tasks == ()
 
 
-def _reissues_every_task_at_every_replay(graph, monkeypatch, hook="_task_update_begin"):
-    reissued = _Counter(monkeypatch, type(graph), hook)
+def _reissues_every_task_at_every_replay(graph, monkeypatch, hook="_task_update_begin", owner=None):
+    reissued = _Counter(monkeypatch, type(graph) if owner is None else owner, hook)
     for n in range(2):
         graph.replay(host_args={"seq_lens_host": [6 + n, 2]})
     assert reissued.calls == 2 * 3
@@ -272,9 +272,10 @@ def test_the_reference_backend_reissues_every_task_at_every_replay(monkeypatch):
 def test_the_npu_simulator_reissues_every_task_at_every_replay(monkeypatch):
     from devgraph_sim.npu import simulated_torch_npu
 
-    with simulated_torch_npu():
+    with simulated_torch_npu() as torch_npu:
         graph = _attention_graph(devgraph.device("npu"), torch.bfloat16)
-        _reissues_every_task_at_every_replay(graph, monkeypatch, hook="_reissue")  # its own update path
+        # its own update path: one torch_npu task update per task
+        _reissues_every_task_at_every_replay(graph, monkeypatch, "graph_task_update_begin", torch_npu.npu)
 
 
 # -- piecewise: address checks of inputs that cannot move, in debug mode only -------------------------
@@ -294,7 +295,7 @@ def _piecewise(debug):
 
 def test_debug_mode_checks_every_piece_input_and_names_a_moved_weight():
     model, graphed, batch = _piecewise(debug=True)
-    module = graphed.runner.module
+    module = graphed.runner.pieces.module
     entries = [e for r in module.piece_graphs for e in r.entries.values()]
     assert any(len(e.moving) < len(e.tensors) for e in entries)  # some inputs cannot move...
     model.lm_head.weight.data = model.lm_head.weight.data.clone()
@@ -304,13 +305,13 @@ def test_debug_mode_checks_every_piece_input_and_names_a_moved_weight():
 
 def test_pieces_check_only_inputs_that_may_move_outside_debug_mode():
     _, graphed, _batch = _piecewise(debug=False)
-    module = graphed.runner.module
+    module = graphed.runner.pieces.module
     # Moving a piece's stable input (a runner buffer) is not looked for outside debug mode...
     (runner,) = [r for r in module.piece_graphs if r.entries][:1]
     entry = runner.entries[2]
     stable = [i for i, _, _ in entry.tensors if all(i != j for j, _, _ in entry.moving)]
     assert stable
-    inputs = graphed.runner._replay_inputs[2]
+    inputs = graphed.runner.pieces._replay_inputs[2]
     before = module.input_copies
     module.replay(inputs, 2, graphed.runner.padded_host_args({}, 2))
     assert module.input_copies == before

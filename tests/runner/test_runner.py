@@ -319,19 +319,3 @@ def test_captures_from_two_threads_keep_each_threads_stream():
         t.join()
     assert not errors
     assert seen["a"] is seen["b"] is dev.current_stream()  # every thread is back on the default stream
-
-
-def test_shared_capture_makes_a_fresh_pool_once_no_runner_holds_graphs():
-    from types import SimpleNamespace
-
-    from devgraph.runner._shared import SharedCapture
-
-    shared = SharedCapture(devgraph.device("cpu"))
-    a, b = SimpleNamespace(captured=False), SimpleNamespace(captured=False)
-    shared.users += [a, b]
-    pool, stream = shared.get()
-    a.captured = True
-    assert shared.get() == (pool, stream)  # b captures into the pool a's graphs live in
-    a.captured = False  # every graph in the pool was reset: never capture into it again
-    new_pool, same_stream = shared.get()
-    assert new_pool is not pool and same_stream is stream

@@ -4,9 +4,12 @@
 options (``HFOptions``). The modules: ``_adapter`` (``GraphedCausalLM``, ``wrap_hf``), ``_plan``
 (which ``generate`` calls are graphed), ``_step`` (the decode step), ``_prefill`` (piecewise prefill),
 ``_cache`` (one static cache shared by all buckets), ``_moe`` (MoE routing replayable in a graph),
-``_compat`` (the transformers releases the adapter supports).
+``_compat`` (the transformers releases the adapter supports), ``_checks`` (wrap-time checks: position
+biases, whether the decode hook is reached), ``_route`` (how generate reaches the decode step),
+``_refusal`` (a refused capture, said for the model's user).
 """
 
 from devgraph.adapters.hf._adapter import GraphedCausalLM, HFOptions, wrap_hf
+from devgraph.adapters.hf._checks import decode_hook_reachable, position_bias_source
 
-__all__ = ["GraphedCausalLM", "HFOptions", "wrap_hf"]
+__all__ = ["GraphedCausalLM", "HFOptions", "decode_hook_reachable", "position_bias_source", "wrap_hf"]

@@ -18,41 +18,61 @@ the cache is a compilable (static) one; that method returns the instance's ``_co
 it was made for an equal ``compile_config``. For the duration of one ``generate`` (under a lock)
 devgraph sets that per-instance attribute to its route and passes its own ``CompileConfig`` (a
 backend name torch.compile does not know, so nothing is ever compiled by mistake); the model's
-own attributes are put back afterwards. Nothing in transformers or torch is patched. In the
+own attributes are put back afterwards. Where a model type's ``get_compiled_call`` ignores them
+(``llama4``: ``decode_hook_reachable`` is False at wrap), devgraph shadows that method on the
+instance for the same duration (``_route``). Nothing in transformers or torch is patched. In the
 piecewise modes devgraph also sets ``prefill_chunk_size`` to ``max_cache_len``: transformers sends
 a chunked prefill (here: one chunk, the whole prompt) through the same hook.
 
 Calls the decode step cannot serve (beam search and other decoding methods, a cache or
 ``compile_config`` of your own, attentions or hidden states as outputs, a batch above the largest
 bucket, a sequence longer than ``max_cache_len``) run plain ``model.generate`` with a one-time
-warning naming the option, counted in ``stats.fallbacks`` (``strict=True`` raises instead).
-Needs transformers >= 5 and attention layers only (full, sliding-window or chunked).
+warning naming the option, counted in ``stats.fallbacks`` (``strict=True`` raises instead). A
+decode step that cannot be captured raises a ``CaptureError`` once, said for the model's user
+(``_refusal``); later calls run eagerly as ``capture_refused``. Needs transformers >= 5 and attention layers only (full, sliding-window or chunked).
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
 import torch
 
-from devgraph._errors import DevgraphError
+from devgraph._errors import CaptureError, DevgraphError
+from devgraph._fallback_fixes import fallback_fix
 from devgraph._plugins import device as _device
 from devgraph._source import user_stacklevel
 from devgraph.adapters.hf._cache import SharedStaticCache
+from devgraph.adapters.hf._checks import decode_hook_reachable, position_bias_source
 from devgraph.adapters.hf._compat import cache_kwarg
 from devgraph.adapters.hf._plan import eager_reason, read_generate_call
 from devgraph.adapters.hf._prefill import PiecewisePrefill
+from devgraph.adapters.hf._refusal import refusal
+from devgraph.adapters.hf._route import decode_route, route_config
 from devgraph.adapters.hf._step import MAX_MASKS, DecodeRoute, DecodeStep
-from devgraph.graph._contract import Device
-from devgraph.graph._graphed import GraphedModule
-from devgraph.runner import GraphRunner, RunnerConfig, make_config, normalise_batch_sizes
-from devgraph.runner._config import positive_ints
+from devgraph.graph import Device
+from devgraph.runner import (
+    GraphedModule,
+    GraphRunner,
+    RunnerConfig,
+    make_config,
+    normalise_batch_sizes,
+    positive_ints,
+)
 
 __all__ = ["GraphedCausalLM", "HFOptions", "wrap_hf"]
+
+logger = logging.getLogger("devgraph")
+
+
+def _transformers_version() -> str:
+    from transformers import __version__
+
+    return __version__
+
 
 #: RunnerConfig fields a caller may set; the adapter owns the others (arguments, padding, buckets).
 RUNNER_OPTIONS = ("strict", "debug", "warmup_iters", "process_group", "check_ranks")
@@ -151,8 +171,8 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
 
 
 def _prefill_factory(dev: Device, hf: HFOptions, runner_config: RunnerConfig, options: dict[str, Any]) -> Any:
-    """A function building the prefill's ``PiecewiseRunner`` for a ``PrefillRow``."""
-    from devgraph.runner._piecewise import piecewise_runner
+    """A function building the prefill's piecewise ``GraphRunner`` for a ``PrefillRow``."""
+    from devgraph.runner import piecewise_runner
 
     options = {
         "splitting_ops": ("aten::scaled_dot_product_attention",),
@@ -220,14 +240,27 @@ class GraphedCausalLM(GraphedModule):
             None if prefill_factory is None else PiecewisePrefill(model, self.cache, prefill_factory)
         )
         self._route = DecodeRoute(model, step, self.runner, self.runner.note_fallback, self.prefill)
+        #: why the decode step (the prefill pieces) could not be captured; such calls then run eagerly
+        self.refused: str | None = None
+        self.prefill_refused: str | None = None
         self._lock = threading.RLock()
+        # transformers returns the plain forward for some model types (llama4): reach the route by
+        # shadowing get_compiled_call on this instance during generate instead.
+        self._shadow_hook = not decode_hook_reachable(model)
+        if self._shadow_hook:
+            logger.info(
+                "devgraph: %s.get_compiled_call ignores the per-instance compiled call in transformers %s; "
+                "devgraph shadows it on this instance during generate() to reach its decode step",
+                type(model).__name__,
+                _transformers_version(),
+            )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``model(*args, **kwargs)``, eagerly: only ``generate()`` is graphed (counted and warned once)."""
         self.runner.note_fallback(
             "forward_not_graphed",
-            "calling the wrapper runs the model's forward eagerly; only generate() replays graphs. Use "
-            "graphed.generate(...), or devgraph.wrap a module whose forward takes and returns tensors",
+            "calling the wrapper runs the model's forward eagerly; only generate() replays graphs (or "
+            "devgraph.wrap a module whose forward takes and returns tensors)",
         )
         return self.module(*args, **kwargs)
 
@@ -251,7 +284,17 @@ class GraphedCausalLM(GraphedModule):
         return list(self.runner.sizes)
 
     def capture(self) -> GraphedCausalLM:  # type: ignore[override]
-        """Capture every bucket's decode step (and the prefill pieces) now: a short greedy generation."""
+        """Capture every bucket's decode step (and the prefill pieces) now: a short greedy generation.
+
+        Call it right after ``wrap`` to learn at once whether the model can be captured.
+
+        Raises:
+            CaptureError: the model's decode step (or prefill pieces) cannot be captured: the message
+                names the model's module and line and what to do.
+            DevgraphError: an earlier capture was refused already (the message repeats why).
+        """
+        if self.refused is not None:
+            raise DevgraphError(f"{self.refused}. Fix: {fallback_fix('capture_refused')}")
         with self._lock:
             if not self.runner.captured or (self.prefill is not None and not self.prefill.runner.captured):
                 ids = torch.zeros(1, 2, dtype=torch.long, device=self.module.device)
@@ -271,6 +314,8 @@ class GraphedCausalLM(GraphedModule):
         call = read_generate_call(args, kwargs)
         _check_inputs(call.named, model)
         why, config = eager_reason(model, call, self.runner.sizes[-1], self.options.max_cache_len)
+        if why is None and self.refused is not None:
+            why = ("capture_refused", self.refused)
         if why is not None:
             self.runner.note_fallback(*why)  # raises when strict; counts; warns once per reason
             return model.generate(*args, **kwargs)
@@ -279,11 +324,14 @@ class GraphedCausalLM(GraphedModule):
         with self._lock, torch.no_grad():
             self.cache.allocate(model, self._step.extra_kwargs)
             self.cache.reset()
-            fields: dict[str, Any] = {"compile_config": _route_config()}
+            fields: dict[str, Any] = {"compile_config": route_config()}
             if config.cache_implementation is not None:  # "static" from the model's config: ours is static
                 fields["cache_implementation"] = None
             self._route.prefill = self.prefill
-            if self.prefill is not None:
+            if self.prefill is not None and self.prefill_refused is not None:
+                self.runner.note_fallback("capture_refused", self.prefill_refused)
+                self._route.prefill = None
+            elif self.prefill is not None:
                 if config.prefill_chunk_size is None:
                     # transformers sends a chunked prefill through the decode hook (a plain one calls
                     # the model directly): one chunk as long as the cache is the whole prompt.
@@ -305,10 +353,29 @@ class GraphedCausalLM(GraphedModule):
             else:
                 named.update(fields)
             decodes, prefills = self._route.decode_calls, self._route.prefill_calls
-            with _decode_route(model, self._route, fields["compile_config"]):
-                out = model.generate(**named, **{cache_kwarg(model): self.cache.view(rows)})
+            try:
+                with decode_route(model, self._route, fields["compile_config"], shadow=self._shadow_hook):
+                    out = model.generate(**named, **{cache_kwarg(model): self.cache.view(rows)})
+            except CaptureError as err:
+                raise self._refuse(err) from None
             self._check_hook_reached(out, call.input_ids.shape[1], decodes, prefills)
             return out
+
+    def _refuse(self, err: CaptureError) -> CaptureError:
+        """Remember that the decode step (or the prefill pieces) cannot be captured; the error to raise.
+
+        Later calls run eagerly, counted as ``capture_refused``, instead of failing the same way again.
+        """
+        stage = self._route.stage
+        better = refusal(self.module, err, stage)
+        first = better.message.split(": ", 1)[0]
+        at = f" at {better.source.split(': ', 1)[0]}" if better.source else ""
+        summary = f"{first} (op {better.op}{at}; the first generate() raised the CaptureError saying why)"
+        if stage == "decode":
+            self.refused = summary
+        else:
+            self.prefill_refused = f"{summary}; the prefill runs eagerly, decode from graphs: mode='full' does so without this warning"
+        return better
 
     def _check_hook_reached(self, out: Any, prompt: int, decodes: int, prefills: int) -> None:
         """Count (and warn once) a ``generate`` whose forwards never reached devgraph's hook.
@@ -322,19 +389,25 @@ class GraphedCausalLM(GraphedModule):
         from transformers import __version__
 
         new = sequences.shape[1] - prompt
+        how = (
+            "devgraph shadowed get_compiled_call on this instance (this model type's own returns the plain "
+            "forward)"
+            if self._shadow_hook
+            else "model.get_compiled_call returned devgraph's route"
+        )
         if new >= 2 and self._route.decode_calls == decodes:
             self.runner.note_fallback(
                 "decode_hook_not_reached",
-                f"transformers {__version__} ran the decode steps without calling devgraph's hook "
-                "(model.get_compiled_call); every step ran eagerly. Use a transformers release this "
-                "devgraph supports (the range in its pyproject.toml), or report it",
+                f"transformers {__version__}'s generate() ran the decode steps of {type(self.module).__name__} "
+                f"without calling the forward that model.get_compiled_call returns ({how}); every step ran "
+                "eagerly",
             )
         if new >= 1 and self._route.prefill is not None and self._route.prefill_calls == prefills:
             self.runner.note_fallback(
                 "prefill_hook_not_reached",
-                f"transformers {__version__} ran the prefill without calling devgraph's hook (a chunked "
-                "prefill through model.get_compiled_call); the prefill ran eagerly, not from the pieces. "
-                "Use a transformers release this devgraph supports, or mode='full'",
+                f"transformers {__version__}'s generate() ran the prefill of {type(self.module).__name__} "
+                f"without the chunked-prefill call through model.get_compiled_call ({how}); the prefill ran "
+                "eagerly, not from the pieces",
             )
 
     def __repr__(self) -> str:
@@ -342,37 +415,6 @@ class GraphedCausalLM(GraphedModule):
             f"<GraphedCausalLM {type(self.module).__name__} on {self.runner.device}, "
             f"sizes {self.runner.sizes}, max_cache_len {self.options.max_cache_len}>"
         )
-
-
-def _route_config() -> Any:
-    """A ``CompileConfig`` that lets ``generate`` use the per-instance compiled call on any device."""
-    from transformers import CompileConfig
-
-    # A backend name no torch.compile knows: were transformers ever to compile instead of taking the
-    # per-instance call, it would fail loudly rather than run something else.
-    config = CompileConfig(backend="devgraph-hf-decode-route", mode=None, fullgraph=False)  # type: ignore[arg-type]
-    # transformers' switch (a class attribute it reads per instance) for auto-compile off CUDA.
-    config._compile_all_devices = True  # type: ignore[assignment]
-    return config
-
-
-_MISSING = object()
-
-
-@contextlib.contextmanager
-def _decode_route(model: Any, route: DecodeRoute, compile_config: Any) -> Iterator[None]:
-    """Make ``model.get_compiled_call(compile_config)`` return ``route`` for one ``generate``."""
-    saved = {name: model.__dict__.get(name, _MISSING) for name in ("_compiled_call", "_last_compile_config")}
-    model.__dict__["_compiled_call"] = route
-    model.__dict__["_last_compile_config"] = compile_config
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is _MISSING:
-                model.__dict__.pop(name, None)
-            else:
-                model.__dict__[name] = value
 
 
 # -- model checks ----------------------------------------------------------------------------------
@@ -415,12 +457,14 @@ def _check_model(model: Any, device: Device) -> int:
             "the graphed decode step needs a static KV cache. Use eager model.generate() for this model."
         )
     text_config = config.get_text_config(decoder=True)
-    if getattr(text_config, "model_type", None) == "bloom" or getattr(text_config, "alibi", False) is True:
+    bias = position_bias_source(model)
+    if bias is not None:
         raise DevgraphError(
-            f"{name} adds ALiBi position biases, which its forward builds from the 2-D attention mask; the "
-            "graphed decode step takes the 4-D masks transformers builds for a static cache, so every step "
-            "would run eagerly. Use eager model.generate() for this model, or a model with rotary or "
-            "learned positions"
+            f"{name} adds ALiBi position biases ({bias}): its forward computes them on every call from host "
+            "values and the 2-D attention mask, which a captured decode step over devgraph's static cache "
+            "cannot take (no devgraph mode serves it: mode='piecewise' and 'full_and_piecewise' capture the "
+            "decode step the same way). Use eager model.generate() for this model, or a model with rotary "
+            "or learned positions"
         )
     layer_types, _ = get_layer_types_and_kwargs(text_config)
     for index, layer_type in enumerate(layer_types):

@@ -89,7 +89,10 @@ def eager_reason(
             "sampling run their decode steps through devgraph",
         ), config
     if config.use_cache is False:
-        return ("use_cache", "use_cache=False: every step reruns the whole sequence"), config
+        return (
+            "use_cache",
+            f"use_cache=False ({_origin(model, call, 'use_cache')}): every step reruns the whole sequence",
+        ), config
     if config.cache_implementation not in (None, "static"):
         return (
             "cache_implementation",
@@ -117,7 +120,18 @@ def eager_reason(
     if need > max_cache_len:
         return (
             "sequence_too_long",
-            f"prompt {prompt_len} + {new} new tokens needs {need} KV-cache slots, max_cache_len is "
-            f"{max_cache_len}; wrap with a larger max_cache_len",
+            f"prompt {prompt_len} + {new} new tokens needs {need} KV-cache slots, max_cache_len is {max_cache_len}",
         ), config
     return None, config
+
+
+def _origin(model: Any, call: GenerateCall, field: str) -> str:
+    """Where a generation setting came from: the call, the ``generation_config`` passed, or the model."""
+    if field in call.config_kwargs():
+        return "passed to generate()"
+    if call.named.get("generation_config") is not None:
+        return "from the generation_config passed to generate()"
+    where = f"model.generation_config.{field}"
+    if getattr(model.config, field, None) is not None:
+        where += f", from model.config.{field}, which {type(model.config).__name__} sets"
+    return f"not passed: {where}"

@@ -1,6 +1,6 @@
 """Prefill from pieces (``mode="piecewise"``/``"full_and_piecewise"``): the prompt, split at attention.
 
-A ``PiecewiseRunner`` serves ``PrefillRow``: one sequence's ``T`` prompt tokens as rows (the token
+A piecewise ``GraphRunner`` serves ``PrefillRow``: one sequence's ``T`` prompt tokens as rows (the token
 dimension is what the pieces are captured for), its 4-D mask rows ``[T, max_cache_len]`` (built by
 transformers' mask code outside the graph, as for decode), writing keys/values into a one-row
 *scratch* static cache whose write position the row resets itself (an in-place device op, so every

@@ -110,13 +110,16 @@ class DecodeRoute:
         self.prefill = prefill  # a PiecewisePrefill (piecewise modes) or None: prefill runs eagerly
         self.decode_calls = 0  # forwards of one token per row that reached this route (hf.py checks)
         self.prefill_calls = 0  # forwards of several tokens per row that reached it
+        self.stage = "decode"  # what the last call was: which graphs a CaptureError came from
 
     def __call__(self, **kwargs: Any) -> Any:
         why = self._not_decode(kwargs)
         if why == "prefill":
             self.prefill_calls += 1
+            self.stage = "prefill"
             return self.run_prefill(kwargs)
         self.decode_calls += 1
+        self.stage = "decode"
         if why is not None:
             self.on_eager(*why)
             return self.model(**kwargs)

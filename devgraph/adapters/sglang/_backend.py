@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,8 +27,8 @@ from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import Bas
 
 import devgraph
 from devgraph._errors import DevgraphError
-from devgraph.adapters.sglang import _stats
-from devgraph.graph._contract import Device, Graph, MemoryPool
+from devgraph.adapters.sglang import _compare_eager, _stats
+from devgraph.graph import Device, Graph, GraphSet, SharedPool
 
 logger = logging.getLogger(__name__)
 
@@ -37,27 +36,14 @@ WARMUP_RUNS = 2
 """Eager runs before each capture (SGLang's in-tree backends do two as well)."""
 
 
-class _SharedPool:
-    """One pool per devgraph device for every live devgraph backend (decode graphs share memory).
-
-    A pool whose graphs were all reset is not captured into again (CUDA's allocator asserts), so
-    a fresh one is made whenever none of the backends using it still holds graphs.
-    """
-
-    def __init__(self) -> None:
-        self._pools: dict[str, MemoryPool] = {}
-        self._users: dict[str, weakref.WeakSet] = {}
-
-    def get(self, device: Device, user: DevgraphGraphBackend) -> MemoryPool:
-        key = str(device)
-        users = self._users.setdefault(key, weakref.WeakSet())
-        if key not in self._pools or not any(u.holds_graphs() for u in users):
-            self._pools[key] = device.pool()
-        users.add(user)
-        return self._pools[key]
+#: One ``SharedPool`` per devgraph device for every live devgraph backend (decode graphs share
+#: memory); it renews its pool once every graph captured into it was reset.
+SHARED_POOLS: dict[str, SharedPool] = {}
 
 
-SHARED_POOL = _SharedPool()
+def shared_pool(device: Device) -> SharedPool:
+    """The ``SharedPool`` every devgraph backend on ``device`` captures into."""
+    return SHARED_POOLS.setdefault(str(device), SharedPool(device))
 
 
 def devgraph_device_for(torch_device: str | torch.device) -> Device:
@@ -120,9 +106,8 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
             )
         self._runner = cuda_graph_runner
         self._device = devgraph_device_for(cuda_graph_runner.model_runner.device)
-        self._graphs: dict[Any, Graph] = {}
-        self._outputs: dict[Any, Any] = {}
-        self._pool: MemoryPool | None = None
+        self._graphs: GraphSet[Any] = GraphSet(self._device, shared_pool(self._device), weaken=_weak_outputs)
+        self._in_session = False
         self._inputs_keepalive: dict[Any, Any] = {}
 
     # -- introspection ------------------------------------------------------------------------
@@ -135,7 +120,7 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
     @property
     def graphs(self) -> Mapping[Any, Graph]:
         """The captured graphs by SGLang ``ShapeKey`` (read-only view)."""
-        return dict(self._graphs)
+        return dict(self._graphs.items())
 
     def holds_graphs(self) -> bool:
         """True while any graph of this backend is captured."""
@@ -147,8 +132,11 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
     def capture_session(self, stream: Any) -> Iterator[None]:
         # SGLang's stream is a torch stream of its own device module; devgraph captures on its
         # device's one capture stream (captures are serialised per device), so it is not used.
-        self._pool = SHARED_POOL.get(self._device, self)
-        yield
+        self._in_session = True
+        try:
+            yield
+        finally:
+            self._in_session = False
 
     def capture_one(
         self,
@@ -157,7 +145,7 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
         capture_inputs: Any = None,
         post_warmup_hook: Callable[[], None] | None = None,
     ) -> None:
-        if self._pool is None:
+        if not self._in_session:
             raise DevgraphError("capture_one() outside capture_session(): SGLang's runner opens the session")
         for _ in range(WARMUP_RUNS):
             self._device.synchronize()
@@ -168,12 +156,11 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
         if capture_inputs is not None:
             # The graph reads these by address: keep their owners alive as long as the graph.
             self._inputs_keepalive[shape_key] = capture_inputs
-        graph = self._device.graph()
         start = time.perf_counter()
-        with graph.capture(pool=self._pool, auto_update_ops=self._device.updatable_ops):
-            out = forward_fn()
-        self._graphs[shape_key] = graph
-        self._outputs[shape_key] = _weak_outputs(out)
+        self._graphs.capture(shape_key, lambda graph: forward_fn())
+        graph = self._graphs.graph(shape_key)
+        if _compare_eager.CHECK is not None:  # DEVGRAPH_COMPARE_EAGER: off by default
+            _compare_eager.remember(self, shape_key, forward_fn)
         size = getattr(shape_key, "size", shape_key)
         info = {"graph": type(graph).__name__, "tasks": [group.op for group in graph.tasks]}
 
@@ -234,21 +221,18 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
         return self._replay(shape_key, cpu_update_input)
 
     def cleanup(self) -> None:
-        for graph in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
-        self._outputs.clear()
+        self._graphs.reset()
         self._inputs_keepalive = {}
-        self._pool = None
 
     # -- internals ----------------------------------------------------------------------------
 
     def _replay(self, shape_key: Any, host_args: Any) -> Any:
-        graph = self._graphs[shape_key]
-        host_args = self._for_graph(graph, host_args)
-        graph.replay(host_args=host_args)
+        host_args = self._for_graph(self._graphs.graph(shape_key), host_args)
+        output = self._graphs.replay(shape_key, host_args)
         self._count(shape_key, updated=host_args is not None)
-        return self._outputs[shape_key]
+        if _compare_eager.CHECK is not None:  # DEVGRAPH_COMPARE_EAGER: off by default
+            _compare_eager.replayed(self, shape_key, output)
+        return output
 
     @staticmethod
     def _for_graph(graph: Graph, host_args: Any) -> Any:

@@ -10,6 +10,8 @@ attention backend, whose decode attention is a devgraph op updated by task updat
 
 from __future__ import annotations
 
+import logging
+
 from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
@@ -17,6 +19,44 @@ from sglang.srt.platforms.npu import NPUDeviceMixin
 
 #: Name of the attention backend devgraph registers (``_plugin.register``).
 ATTENTION_BACKEND = "devgraph"
+
+logger = logging.getLogger(__name__)
+
+
+def graph_settings_notes(server_args) -> list[str]:
+    """What SGLang will do with the decode-graph settings on ``cpu`` that the user would not expect.
+
+    SGLang 0.5.23 captures decode graphs on ``cpu`` only with ``enable_torch_compile`` (devgraph's
+    runner then compiles nothing), whatever else is set; and it sizes them by
+    ``cuda_graph_bs_decode``, else ``torch_compile_max_bs``, never by ``cuda_graph_max_bs_decode``.
+    Returns the warnings to give at engine start (empty when the settings do what they say).
+    """
+    if getattr(server_args, "device", None) != "cpu":
+        return []
+    notes = []
+    graphs_off = bool(getattr(server_args, "disable_cuda_graph", False)) or bool(
+        getattr(server_args, "disable_decode_cuda_graph", False)
+    )
+    compile_on = bool(getattr(server_args, "enable_torch_compile", False))
+    sizes = getattr(server_args, "cuda_graph_bs_decode", None)
+    max_bs = getattr(server_args, "cuda_graph_max_bs_decode", None)
+    if not compile_on and not graphs_off:
+        asked = [f"cuda_graph_bs_decode={sizes}"] if sizes else []
+        asked += [f"cuda_graph_max_bs_decode={max_bs}"] if max_bs else []
+        notes.append(
+            "devgraph SGLang platform: no decode graph will be captured"
+            + (f" (though {', '.join(asked)} was given)" if asked else "")
+            + ": on device cpu SGLang 0.5.23 captures decode graphs only with enable_torch_compile=True "
+            "(--enable-torch-compile; devgraph's runner then compiles nothing, it captures the eager ops). "
+            "Set it to capture decode graphs through devgraph, or disable_cuda_graph=True to run "
+            "eagerly without this warning."
+        )
+    elif compile_on and max_bs and sizes:
+        notes.append(
+            f"devgraph SGLang platform: cuda_graph_max_bs_decode={max_bs} is ignored on device cpu: "
+            f"cuda_graph_bs_decode={sizes} lists the decode sizes captured."
+        )
+    return notes
 
 
 class _DevgraphPlatform(SRTPlatform):
@@ -33,6 +73,24 @@ class _DevgraphPlatform(SRTPlatform):
         register()
         if getattr(server_args, "attention_backend", None) is None:
             server_args.attention_backend = ATTENTION_BACKEND
+        for note in graph_settings_notes(server_args):
+            logger.warning(note)
+        max_bs = getattr(server_args, "cuda_graph_max_bs_decode", None)
+        if (
+            getattr(server_args, "device", None) == "cpu"
+            and getattr(server_args, "enable_torch_compile", False)
+            and max_bs
+            and not getattr(server_args, "cuda_graph_bs_decode", None)
+        ):
+            # SGLang sizes cpu graphs by torch_compile_max_bs and never reads this option there;
+            # devgraph's runner compiles nothing, so that limit only sizes the graphs: make the
+            # documented option do what it says (every size up to it, SGLang's cpu buckets).
+            server_args.torch_compile_max_bs = int(max_bs)
+            logger.info(
+                "devgraph SGLang platform: decode graphs up to cuda_graph_max_bs_decode=%d "
+                "(torch_compile_max_bs set to it; nothing is compiled)",
+                max_bs,
+            )
 
     def get_default_attention_backend(self) -> str:
         return ATTENTION_BACKEND

@@ -31,14 +31,26 @@ def activate() -> str | None:
     whose graphs are then NPU graphs (``_backend.devgraph_device_for``).
 
     Raises:
-        DevgraphError: devgraph was selected but its device has no SGLang platform here.
+        DevgraphError: devgraph was selected but its device has no SGLang platform here, or
+            ``DEVGRAPH_BACKEND`` names a backend that is unknown or unavailable (the message names
+            the variable and its value).
     """
     if os.environ.get("SGLANG_PLATFORM") != PLATFORM_NAME:
         return None
     import devgraph
     from devgraph._errors import DevgraphError
 
-    chosen = devgraph.device()
+    try:
+        chosen = devgraph.device()
+    except DevgraphError as exc:
+        forced = os.environ.get("DEVGRAPH_BACKEND")
+        if forced is None:
+            raise
+        # devgraph's message names the backend; the user set a variable: name it, as given.
+        raise DevgraphError(
+            f"SGLANG_PLATFORM=devgraph with DEVGRAPH_BACKEND={forced!r}: {exc}. Set DEVGRAPH_BACKEND to an "
+            "available devgraph backend (`devgraph info` lists them), or unset it to let devgraph choose."
+        ) from exc
     kind = chosen.torch_device.type
     if kind not in _PLATFORMS:
         raise DevgraphError(

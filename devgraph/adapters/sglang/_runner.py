@@ -12,8 +12,10 @@ the eager step bit for bit. Two things differ from SGLang's runner:
 * A batch replays only a graph of its own size, never one padded to a larger bucket: float32 CPU
   GEMMs round a row differently depending on how many rows the matrix has, so a padded step is not
   the eager step. A decode batch of a size with no graph runs eagerly, counted in
-  ``stats().eager_decode`` and warned about once, naming ``cuda_graph_bs_decode`` /
-  ``max_running_requests`` (SGLang's default sizes on ``cpu`` cover every batch up to 16).
+  ``stats().eager_decode``; once per engine, ``EAGER_REPORT_WINDOW`` decode steps after the first
+  eager one, a warning says how many steps ran eagerly, at which sizes, and the
+  ``--cuda-graph-bs-decode`` list (or ``--max-running-requests``) that captures them (SGLang's
+  default sizes on ``cpu`` cover every batch up to 16).
 
 On devices where SGLang's ``resolve_decode_backend`` asks the platform (every out-of-tree device
 except ``npu``/``xpu``) the runner already gets devgraph's backend; where SGLang builds its in-tree
@@ -29,13 +31,14 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
 from devgraph.adapters.sglang import _stats
 from devgraph.adapters.sglang._backend import DevgraphGraphBackend
-from devgraph.graph._contract import Device
+from devgraph.graph import Device
 
 logger = logging.getLogger(__name__)
 
@@ -90,38 +93,51 @@ class _UsesDevgraphBackend:
 class DevgraphDecodeGraphRunner(_UsesDevgraphBackend, DecodeCudaGraphRunner):
     """SGLang's decode graph runner, captured and replayed by devgraph: no compile, exact sizes only."""
 
-    _warned: frozenset[str] = frozenset()
+    #: decode steps, counted from the first eager one, after which the eager ones are reported
+    #: (once per engine, with the numbers): long enough to show the load, short enough for a short run.
+    EAGER_REPORT_WINDOW = 8
+
+    _eager_sizes: Counter | None = None
+    _steps_since_eager: int = 0
+    _reported: bool = False
 
     def can_run_graph(self, forward_batch: Any) -> bool:
         ok = super().can_run_graph(forward_batch)
         bs = forward_batch.batch_size
         if ok and bs in self.capture_bs:
+            self._note_decode_step(bs, eager=False)
             return True
-        if bs > self.max_bs:
-            self._eager_decode(
-                bs,
-                "above",
-                f"devgraph: decode batches larger than {self.max_bs} requests (the largest captured size) "
-                f"run eagerly (first: {bs}); capture every size up to --max-running-requests with "
-                "--cuda-graph-bs-decode, or lower --max-running-requests to the largest captured size. "
-                "Counted in devgraph.adapters.sglang.stats().eager_decode.",
-            )
-        elif ok:
-            self._eager_decode(
-                bs,
-                "between",
-                f"devgraph: decode batches of a size with no captured graph run eagerly (first: {bs}; "
-                f"captured: {self.capture_bs}); devgraph replays only a graph of the batch's exact size "
-                "here (padding changes how CPU GEMMs round). Add the sizes to --cuda-graph-bs-decode. "
-                "Counted in devgraph.adapters.sglang.stats().eager_decode.",
-            )
+        if ok or bs > self.max_bs:  # a decode batch of a size with no graph: eager, never padded
+            self._note_decode_step(bs, eager=True)
         return False
 
-    def _eager_decode(self, bs: int, kind: str, message: str) -> None:
-        if kind not in self._warned:
-            self._warned = self._warned | {kind}
-            logger.warning(message)
-        _stats.record(lambda s: s.eager_decode.update([bs]))
+    def _note_decode_step(self, bs: int, *, eager: bool) -> None:
+        if eager:
+            if self._eager_sizes is None:
+                self._eager_sizes = Counter()
+            self._eager_sizes[bs] += 1
+            _stats.record(lambda s: s.eager_decode.update([bs]))
+        if self._eager_sizes:
+            self._steps_since_eager += 1
+            if not self._reported and self._steps_since_eager >= self.EAGER_REPORT_WINDOW:
+                self._reported = True
+                logger.warning("%s", self.eager_decode_message())
+
+    def eager_decode_message(self) -> str:
+        """How many decode steps ran eagerly, at which sizes, and what to capture."""
+        eager = self._eager_sizes or Counter()
+        n = sum(eager.values())
+        sizes = ", ".join(f"{bs} ({count}x)" for bs, count in sorted(eager.items()))
+        missing = sorted(set(range(1, max(eager) + 1)) - set(self.capture_bs))
+        above = max(eager) > self.max_bs
+        return (
+            f"devgraph: {n} of {self._steps_since_eager} decode steps ran eagerly: no graph of their "
+            f"batch size was captured (captured: {sorted(self.capture_bs)}; eager batch sizes: {sizes}). "
+            "devgraph replays only a graph of the batch's exact size here (padding changes how CPU "
+            f"GEMMs round). Capture them with --cuda-graph-bs-decode {' '.join(map(str, sorted({*self.capture_bs, *missing})))}"
+            + (f", or lower --max-running-requests to {self.max_bs}" if above else "")
+            + ". Counted in devgraph.adapters.sglang.stats().eager_decode."
+        )
 
 
 def graph_runner_cls(device: Device) -> type:

@@ -26,7 +26,8 @@ class GraphStats:
     not counted. ``capture_s``: seconds the decode runner's ``capture()`` took (warm-ups included).
     ``runner``: the class of the decode runner that captured. ``graphs``: per captured size, the
     devgraph graph type and its updatable tasks (``{"graph": "NpuGraph", "tasks":
-    ["devgraph::paged_decode_attention", ...]}``).
+    ["devgraph::paged_decode_attention", ...]}``). ``eager_checks``: with ``DEVGRAPH_COMPARE_EAGER``, one
+    entry per sampled replay (``step``, ``max_abs``, ``rows``, ``flips``: rows whose greedy token flipped).
     """
 
     captured: list[int] = attrs.field(factory=list)
@@ -38,6 +39,7 @@ class GraphStats:
     capture_s: float = 0.0
     runner: str = ""
     graphs: dict = attrs.field(factory=dict)
+    eager_checks: list = attrs.field(factory=list)
 
     def as_dict(self) -> dict:
         """A JSON-ready copy (bucket keys as strings)."""
@@ -51,6 +53,7 @@ class GraphStats:
             "capture_s": round(self.capture_s, 3),
             "runner": self.runner,
             "graphs": {str(k): dict(v) for k, v in self.graphs.items()},
+            "eager_checks": list(self.eager_checks),
         }
 
 

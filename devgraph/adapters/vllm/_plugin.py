@@ -22,7 +22,10 @@ __all__ = [
     "displaced_general_plugins",
     "is_enabled",
     "load_general_plugins",
+    "other_active_platforms",
     "register",
+    "switch_setting",
+    "switch_value_error",
 ]
 
 logger = logging.getLogger("devgraph")
@@ -53,19 +56,71 @@ def is_enabled() -> bool:
 def register() -> str | None:
     """vLLM platform plugin: the devgraph platform's qualified name when switched on, else None.
 
-    Never raises and imports nothing heavy: vLLM calls it while it resolves its platform and treats
-    an exception as "not this plugin". Problems (an unavailable devgraph device, a bad switch value)
-    are reported by the platform at engine start instead.
+    Never raises and, switched off, imports nothing: vLLM calls it while it resolves its platform
+    and treats an exception as "not this plugin". Problems (an unavailable devgraph device, a bad
+    switch value) are reported by the platform at engine start instead. Switched on, it asks the
+    other platform plugins whether they activate too (as vLLM is about to) and, if one does, logs
+    the fix (``VLLM_PLUGINS=devgraph``) before vLLM stops with its bare "Only one platform plugin".
     """
-    return PLATFORM_QUALNAME if is_enabled() else None
+    if not is_enabled():
+        return None
+    _warn_of_other_active_platforms()
+    return PLATFORM_QUALNAME
+
+
+def other_active_platforms(entry_points: Any = None) -> list[str]:
+    """The platform plugins besides devgraph's that vLLM will activate (``VLLM_PLUGINS`` applied).
+
+    Each is asked as vLLM asks it (its function returns a class name or None); one that raises is
+    not active, as vLLM treats it. ``entry_points``: ``importlib.metadata.entry_points`` (tests).
+    """
+    import importlib.metadata
+
+    allowed = _allowed()
+    active = []
+    for ep in (entry_points or importlib.metadata.entry_points)(group=PLATFORM_GROUP):
+        if ep.name == "devgraph" or (allowed is not None and ep.name not in allowed):
+            continue
+        try:
+            if ep.load()() is not None:
+                active.append(ep.name)
+        except Exception:  # vLLM's own rule: a failing plugin function means "not this platform"
+            continue
+    return active
+
+
+def _warn_of_other_active_platforms() -> None:
+    # vLLM refuses to start when two platform plugins activate, with an error that names neither
+    # fix: say it first, from inside vLLM's plugin loop (raising here would make vLLM drop devgraph).
+    others = other_active_platforms()
+    if others:
+        logger.error(
+            "devgraph: %s switches on devgraph's vLLM platform, and the platform plugin(s) %s are "
+            "active too, so vLLM will stop with 'Only one platform plugin can be activated'. Set "
+            "VLLM_PLUGINS=devgraph to run on devgraph's platform (devgraph's general plugin still runs "
+            "the displaced package's general plugins), or unset %s to run on %s.",
+            switch_setting(),
+            ", ".join(repr(name) for name in others),
+            DEVGRAPH_VLLM_ENV,
+            " or ".join(repr(name) for name in others),
+        )
+
+
+def switch_setting() -> str:
+    """The switch as the user set it, quoted as given (``DEVGRAPH_VLLM='Yes '``), for messages."""
+    return f"{DEVGRAPH_VLLM_ENV}={os.environ.get(DEVGRAPH_VLLM_ENV, '')!r}"
 
 
 def switch_value_error() -> str | None:
-    """Why the switch's value is not understood (None when it is "1"-like)."""
+    """Why the switch's value is not understood (None when it is on or off)."""
     value = os.environ.get(DEVGRAPH_VLLM_ENV, "").strip().lower()
     if value in _TRUE or value in _FALSE:
         return None
-    return f"{DEVGRAPH_VLLM_ENV}={os.environ[DEVGRAPH_VLLM_ENV]!r} is not understood; set {DEVGRAPH_VLLM_ENV}=1 or unset it"
+    return (
+        f"{switch_setting()} is not understood (on: {', '.join(_TRUE)}; off: unset or "
+        f"{', '.join(repr(v) for v in _FALSE)}); set {DEVGRAPH_VLLM_ENV}=1 to capture vLLM's graphs "
+        f"through devgraph, or unset {DEVGRAPH_VLLM_ENV} to run vLLM without devgraph"
+    )
 
 
 def _allowed() -> list[str] | None:

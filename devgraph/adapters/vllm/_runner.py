@@ -11,7 +11,9 @@ GPU runner) not at all. ``adopt_model_runner(runner)`` gives the runner the
   and clears only those classes afterwards; devgraph's wrappers get the same treatment, so no
   profiling-time graph (captured against the profiling KV cache) survives into serving;
 * ``_model_forward``: a decode batch above the largest capture size (vLLM runs it eagerly without
-  a word) is counted (``stats()["eager.over_capture_size"]``) and logged once with the fix;
+  a word) is counted (``stats()["eager.over_capture_size"]``); once per engine a warning says how
+  many decode steps ran eagerly, at which sizes, and what to capture (``EagerDecodeReport``: after
+  a window of decode steps under load, or at shutdown);
 * ``_update_full_graph_params_if_needed`` (vllm-ascend's per-step attention update after a FULL
   replay, with its stream synchronisation): nothing, since devgraph's replay re-issues the updatable
   attention tasks itself (replay first, update after, ordered by events).
@@ -20,6 +22,7 @@ GPU runner) not at all. ``adopt_model_runner(runner)`` gives the runner the
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +30,7 @@ from devgraph._errors import DevgraphError
 from devgraph.adapters.vllm import _stats
 from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
 
-__all__ = ["DevgraphModelRunnerMixin", "adopt_model_runner", "wrap_full_model"]
+__all__ = ["DevgraphModelRunnerMixin", "EagerDecodeReport", "adopt_model_runner", "wrap_full_model"]
 
 logger = logging.getLogger("devgraph")
 
@@ -85,10 +88,49 @@ def _all_decode(attn_metadata: Any) -> bool:
     return bool(found) and all(n == 1 for n in found)
 
 
+class EagerDecodeReport:
+    """Decode steps of one engine above its largest capture size (vLLM runs them eagerly).
+
+    Reported once, with the numbers: after ``WINDOW`` decode steps from the first eager one (under
+    load), or when the engine shuts down, whichever comes first.
+    """
+
+    WINDOW = 64
+
+    def __init__(self, largest: int) -> None:
+        self.largest = largest
+        self.steps = 0  # decode steps since the first eager one (eager ones included)
+        self.eager: Counter[int] = Counter()  # eager decode steps by batch size (tokens)
+        self.reported = False
+
+    def step(self, num_tokens: int, *, eager: bool) -> None:
+        if eager:
+            self.eager[num_tokens] += 1
+        if self.eager:
+            self.steps += 1
+
+    def due(self) -> bool:
+        return not self.reported and self.steps >= self.WINDOW
+
+    def message(self, max_num_seqs: int) -> str:
+        """The warning: how many steps ran eagerly, at which sizes, and what to capture."""
+        n = sum(self.eager.values())
+        sizes = ", ".join(f"{size} ({count}x)" for size, count in sorted(self.eager.items()))
+        want = max(max_num_seqs, max(self.eager))
+        return (
+            f"devgraph: {n} of {self.steps} decode steps ran eagerly: their batches were above the largest "
+            f"graph capture size {self.largest} (batch sizes in tokens: {sizes}). To replay them from "
+            f"graphs, capture sizes up to {want}: compilation_config={{'max_cudagraph_capture_size': {want}}} "
+            f"(or list them in cudagraph_capture_sizes), or lower max_num_seqs to {self.largest}. "
+            "Counted in devgraph.adapters.vllm.stats()['eager.over_capture_size']."
+        )
+
+
 class DevgraphModelRunnerMixin:
     """What devgraph adds to a vLLM model runner (see the module docstring)."""
 
-    devgraph_over_size_logged: bool = False
+    #: over-size eager decode steps of this engine, reported once (see ``EagerDecodeReport``)
+    devgraph_eager_report: EagerDecodeReport | None = None
     #: the vLLM model runner's own attributes (set by vLLM's GPUModelRunner this mixes into)
     model: Any
     vllm_config: Any
@@ -126,29 +168,31 @@ class DevgraphModelRunnerMixin:
         if is_forward_context_available():
             context = get_forward_context()
             largest = self.compilation_config.max_cudagraph_capture_size  # type: ignore[attr-defined]
-            if context.cudagraph_runtime_mode == CUDAGraphMode.NONE and largest:
-                self._devgraph_note_eager(_num_tokens(args, kwargs), largest, context)
+            if largest and self.compilation_config.cudagraph_mode.name != "NONE":  # type: ignore[attr-defined]
+                eager = context.cudagraph_runtime_mode == CUDAGraphMode.NONE
+                self._devgraph_note_decode(_num_tokens(args, kwargs), largest, context, eager)
         return super()._model_forward(*args, **kwargs)  # type: ignore[misc]
 
-    def _devgraph_note_eager(self, num_tokens: int | None, largest: int, context: Any) -> None:
-        cc = self.compilation_config  # type: ignore[attr-defined]
-        if cc.cudagraph_mode.name == "NONE" or num_tokens is None or num_tokens <= largest:
+    def _devgraph_note_decode(self, num_tokens: int | None, largest: int, context: Any, eager: bool) -> None:
+        """Count one decode step: eager above the largest capture size, or not; report once."""
+        if num_tokens is None or not _all_decode(context.attn_metadata):
             return
-        if not _all_decode(context.attn_metadata):
+        report = self.__dict__.get("devgraph_eager_report")
+        if report is None:
+            report = self.devgraph_eager_report = EagerDecodeReport(largest)
+        if eager and num_tokens > largest:
+            _stats.count("eager", "over_capture_size")
+        report.step(num_tokens, eager=eager and num_tokens > largest)
+        if report.due():
+            self.devgraph_report_eager_decode()
+
+    def devgraph_report_eager_decode(self) -> None:
+        """Log the over-size eager decode steps seen so far, once per engine (also at shutdown)."""
+        report = self.__dict__.get("devgraph_eager_report")
+        if report is None or report.reported or not report.eager:
             return
-        _stats.count("eager", "over_capture_size")
-        if not DevgraphModelRunnerMixin.devgraph_over_size_logged:
-            DevgraphModelRunnerMixin.devgraph_over_size_logged = True
-            logger.warning(
-                "devgraph: a decode batch of %d tokens is above the largest graph capture size (%d) "
-                "and runs eagerly (counted in devgraph.adapters.vllm.stats()['eager.over_capture_size']). "
-                "To replay it from a graph, raise compilation_config.max_cudagraph_capture_size "
-                "(or list the size in cudagraph_capture_sizes) to at least max_num_seqs, or lower "
-                "max_num_seqs to %d.",
-                num_tokens,
-                largest,
-                largest,
-            )
+        report.reported = True
+        logger.warning("%s", report.message(self.vllm_config.scheduler_config.max_num_seqs))
 
     def _update_full_graph_params_if_needed(self, *args: Any, **kwargs: Any) -> None:
         """vllm-ascend's attention update after a FULL replay: devgraph's replay did it already."""

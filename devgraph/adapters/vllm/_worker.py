@@ -73,6 +73,13 @@ class DevgraphWorkerMixin:
             set_random_seed(self.model_config.seed, self.parallel_config.data_parallel_index)  # type: ignore[attr-defined]
         return times
 
+    def shutdown(self) -> None:
+        # The engine's once-only eager-decode warning, if its window never closed (a short run).
+        report = getattr(getattr(self, "model_runner", None), "devgraph_report_eager_decode", None)
+        if report is not None:
+            report()
+        super().shutdown()  # type: ignore[misc]
+
 
 _built: dict[str, type] = {}
 

@@ -20,10 +20,9 @@ from typing import Any, ClassVar
 import torch
 
 from devgraph._errors import DevgraphError
-from devgraph.adapters.vllm import _stats
-from devgraph.adapters.vllm._host_args import step_host_args
-from devgraph.graph._contract import Graph, MemoryPool
-from devgraph.graph._weakref import weak_ref_tensors
+from devgraph.adapters.vllm import _compare_eager, _stats
+from devgraph.adapters.vllm._host_args import step_host_args, updatable_ops
+from devgraph.graph import Graph, GraphSet, MemoryPool, SharedPool, weak_ref_tensors
 
 __all__ = ["DevgraphGraphWrapper"]
 
@@ -31,15 +30,12 @@ logger = logging.getLogger("devgraph")
 
 
 class _Entry:
-    """One captured batch descriptor: its graph, weak outputs and (for debug) input addresses."""
+    """One captured batch descriptor's input addresses (checked in debug mode; its graph and weak
+    outputs are in the wrapper's ``GraphSet``)."""
 
-    __slots__ = ("graph", "input_addresses", "metadata_addresses", "output")
+    __slots__ = ("input_addresses", "metadata_addresses")
 
-    def __init__(
-        self, graph: Graph, output: Any, input_addresses: list[int], metadata_addresses: dict
-    ) -> None:
-        self.graph = graph
-        self.output = output
+    def __init__(self, input_addresses: list[int], metadata_addresses: dict) -> None:
         self.input_addresses = input_addresses
         self.metadata_addresses = metadata_addresses
 
@@ -52,8 +48,9 @@ def _metadata_addresses(context: Any) -> dict[str, int]:
     found: dict[str, int] = {}
     for i, m in enumerate(metadata_objects(getattr(context, "attn_metadata", None))):
         fields = vars(m) if hasattr(m, "__dict__") else {}
+        unread = getattr(m, "devgraph_unread_fields", ())  # made per step, never read by a graph
         for name, value in fields.items():
-            if isinstance(value, torch.Tensor) and value.numel():
+            if isinstance(value, torch.Tensor) and value.numel() and name not in unread:
                 found[f"{type(m).__name__}[{i}].{name}"] = value.data_ptr()
     return found
 
@@ -141,7 +138,11 @@ class DevgraphGraphWrapper:
                 f"vLLM's global graph pool is {type(pool).__name__}, not a devgraph MemoryPool; "
                 "devgraph captures need the devgraph platform's graph_pool_handle()"
             )
-        self.graph_pool = pool
+        # Graphs by batch descriptor, in vLLM's global pool (renewed through the platform once retired).
+        self.graphs: GraphSet[Any] = GraphSet(
+            self.device, SharedPool(self.device, make=current_platform.graph_pool_handle)
+        )
+        self.graphs.shared.adopt(pool)
         self.entries: dict[Any, _Entry] = {}
         self.debug = os.environ.get("DEVGRAPH_DEBUG", "") == "1" or logging.getLogger("vllm").isEnabledFor(
             logging.DEBUG
@@ -166,6 +167,15 @@ class DevgraphGraphWrapper:
     def cudagraph_wrapper(self) -> DevgraphGraphWrapper:
         return self
 
+    @property
+    def graph_pool(self) -> MemoryPool:
+        """The pool this wrapper captures into (vLLM's global graph pool unless swapped)."""
+        return self.graphs.shared.pool
+
+    @graph_pool.setter
+    def graph_pool(self, pool: MemoryPool) -> None:
+        self.graphs.shared.adopt(pool)
+
     @classmethod
     def clear_all_graphs(cls) -> None:
         """Drop the graphs of every wrapper; the next capture phase captures them again.
@@ -182,8 +192,8 @@ class DevgraphGraphWrapper:
         fresh: dict[int, MemoryPool] = {}
         platform_cls = type(current_platform)
         for wrapper in wrappers:
-            pool = wrapper.graph_pool
-            if pool._users():  # a graph of another owner still holds it
+            pool = wrapper.graphs.shared.current
+            if pool is None or not pool.retired:  # a graph of another owner still holds it
                 continue
             if id(pool) not in fresh:
                 fresh[id(pool)] = current_platform.graph_pool_handle()
@@ -193,8 +203,7 @@ class DevgraphGraphWrapper:
 
     def clear_graphs(self) -> None:
         """Drop this wrapper's graphs; the next capture phase captures them again."""
-        for entry in self.entries.values():
-            entry.graph.reset()
+        self.graphs.reset()
         self.entries.clear()
 
     # -- dispatch ---------------------------------------------------------------------------------
@@ -218,7 +227,10 @@ class DevgraphGraphWrapper:
         entry = self.entries.get(descriptor)
         if entry is None:
             return self._capture(descriptor, args, kwargs, context)
-        return self._replay(entry, args, kwargs, context)
+        output = self._replay(descriptor, entry, args, kwargs, context)
+        if _compare_eager.CHECK is not None:  # DEVGRAPH_COMPARE_EAGER: off by default
+            _compare_eager.replayed(self, output, args, kwargs)
+        return output
 
     def _capture(self, descriptor: Any, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
         from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
@@ -227,21 +239,23 @@ class DevgraphGraphWrapper:
         if self.cudagraph_options.debug_log_enable:
             logger.debug("devgraph: capturing %s graph for %s", self.runtime_mode.name, descriptor)
         addresses = _addresses(args, kwargs)
-        graph = self.device.graph()
-        with (
-            _gc_paused(self.cudagraph_options.gc_disable),
-            graph.capture(pool=self.graph_pool, auto_update_ops=self.device.updatable_ops),
-        ):
+
+        def body(graph: Graph) -> Any:
             output = self.runnable(*args, **kwargs)
             if self.cudagraph_options.weak_ref_output:
                 # Only safe for the last piece (or the whole model): nothing captured after it
                 # reads this output, so its memory may go back to the pool right away.
                 output = weak_ref_tensors(output)
+            return output
+
+        with _gc_paused(self.cudagraph_options.gc_disable):
+            output = self.graphs.capture(descriptor, body, auto_update_ops=updatable_ops(self.device))
+        graph = self.graphs.graph(descriptor)
         if self.runtime_mode.name == "FULL" and not graph.tasks and _carries_host_args(context):
             # The step's attention reads host lengths a replay must re-issue, but the capture found
             # no updatable task (the attention ran inside an op devgraph cannot see into): every
             # replay would attend over the capture-time lengths.
-            graph.reset()
+            self.graphs.discard(descriptor)
             raise DevgraphError(
                 f"{self.runtime_mode.name} graph for {descriptor}: the attention metadata carries "
                 "devgraph_host_args, but the capture recorded no updatable attention task (was the "
@@ -249,12 +263,14 @@ class DevgraphGraphWrapper:
                 "or PIECEWISE"
             )
         metadata = _metadata_addresses(context) if self.runtime_mode.name == "FULL" else {}
-        self.entries[descriptor] = _Entry(graph, weak_ref_tensors(output), addresses, metadata)
+        self.entries[descriptor] = _Entry(addresses, metadata)
         _stats.count("capture", self.runtime_mode.name)
         # The caller gets the captured tensors themselves, not weak views of them.
         return output
 
-    def _replay(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
+    def _replay(
+        self, descriptor: Any, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any
+    ) -> Any:
         if self.debug:
             self._check_addresses(entry, _addresses(args, kwargs))
             if entry.metadata_addresses:
@@ -266,12 +282,13 @@ class DevgraphGraphWrapper:
                         "capture; a FULL graph reads them at their capture-time addresses (vLLM's "
                         "persistent buffers), so this replay would read stale metadata"
                     )
-        host_args = step_host_args(context, entry.graph) if entry.graph.tasks else None
-        entry.graph.replay(host_args=host_args)
+        graph = self.graphs.graph(descriptor)
+        host_args = step_host_args(context, graph) if graph.tasks else None
+        output = self.graphs.replay(descriptor, host_args)
         if host_args is not None:
             _stats.count("update", self.runtime_mode.name)
         _stats.count("replay", self.runtime_mode.name)
-        return entry.output
+        return output
 
     def _check_addresses(self, entry: _Entry, now: list[int]) -> None:
         if now != entry.input_addresses:

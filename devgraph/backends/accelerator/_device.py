@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from devgraph._errors import DevgraphError
-from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
-from devgraph.graph._tasks import TaskGroup
+from devgraph.graph import Device, Event, Graph, MemoryPool, MemoryStats, Stream, TaskGroup
 
 __all__ = [
     "AcceleratorDevice",

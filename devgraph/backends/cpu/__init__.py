@@ -1,4 +1,8 @@
-"""CPU reference backend plugin (registration only; the implementation loads on first use)."""
+"""CPU reference backend plugin (registration only; the implementation loads on first use).
+
+Its face: ``CpuDevice``, the reference device, for a backend (or a test double) built on it;
+loaded on first access, as the device is.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,16 @@ from typing import Any
 
 from devgraph._hookspecs import hookimpl
 from devgraph._plugins import BackendSpec, Probe
+
+__all__ = ["CpuDevice"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CpuDevice":  # imports torch: only when asked for
+        from devgraph.backends.cpu._device import CpuDevice
+
+        return CpuDevice
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _probe() -> Probe:

@@ -21,8 +21,7 @@ import torch
 from devgraph._errors import DevgraphError
 from devgraph.backends.cpu._pool import CpuPool, PoolBytes
 from devgraph.backends.cpu._recorder import Recorder, Segment, Tape
-from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
-from devgraph.graph._tasks import TaskGroup
+from devgraph.graph import Device, Event, Graph, MemoryPool, MemoryStats, Stream, TaskGroup
 
 __all__ = ["CpuDevice", "CpuEvent", "CpuGraph", "CpuStream"]
 

@@ -14,9 +14,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from devgraph._errors import DevgraphError
+from devgraph._source import user_source_line
 from devgraph.backends.cpu._pool import Block, block_of, tensor_bytes
 
 __all__ = ["Held", "describe", "materialise"]
+
+#: Externals of at most this many elements remember the source line that read them.
+_SOURCE_NUMEL = 64
 
 
 class _Layout:
@@ -83,12 +87,16 @@ class _External(_Layout):
     ``DevgraphError`` naming the input instead (the caller must keep graph inputs alive).
     """
 
-    __slots__ = ("op", "ref")
+    __slots__ = ("op", "ref", "source")
 
     def __init__(self, t: torch.Tensor, op: str) -> None:
         super().__init__(t)
         self.ref = StorageWeakRef(t.untyped_storage())
         self.op = op
+        # The line that read it, for the error should it be freed before the capture ends. Only for
+        # small tensors (indices, positions made on the host: what is made and dropped inside a
+        # forward), so reading weights and caches costs no stack walk.
+        self.source = user_source_line() if t.numel() <= _SOURCE_NUMEL else None
 
     def alive(self) -> bool:
         return not self.ref.expired()

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from devgraph.graph._contract import MemoryPool
+from devgraph.graph import MemoryPool
 
 if TYPE_CHECKING:
-    from devgraph.graph._contract import Device
+    from devgraph.graph import Device
 
 __all__ = ["Block", "BlockPool", "CpuPool", "PoolBytes", "block_of", "storage_bytes", "tensor_bytes"]
 

@@ -52,9 +52,7 @@ from devgraph.backends.cpu._collectives import (
 from devgraph.backends.cpu._held import Held, _External, _Ref, _Strong, describe, materialise
 from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
 from devgraph.backends.cpu._rng import RngWatch, is_random
-from devgraph.graph._capture import raise_refusal
-from devgraph.graph._collectives import is_collective, refuse_collective
-from devgraph.graph._opnames import has_python_kernel
+from devgraph.graph import has_python_kernel, is_collective, raise_refusal, refuse_collective
 
 __all__ = ["Entry", "Recorder", "Segment", "Tape", "finish_deferred", "refuse_collective_in_task"]
 
@@ -534,7 +532,7 @@ class Tape:
                         f"{gone[0].describe()} was made inside the capture outside the graph's memory "
                         "and freed when the capture ended; a device graph would read freed memory",
                         op=entry.name,
-                        source=None,
+                        source=gone[0].source,
                         remedy="create the tensor before capture and keep it alive while the graph is "
                         "replayed (copy new values into it), or make it with torch ops inside the block",
                     )

@@ -38,8 +38,7 @@ import torch
 
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph._source import user_source_line
-from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
-from devgraph.graph._tasks import TaskGroup, apply_host_args
+from devgraph.graph import Device, Event, Graph, MemoryPool, MemoryStats, Stream, TaskGroup, apply_host_args
 
 __all__ = [
     "DEVICE_METADATA_OPS",
@@ -210,6 +209,7 @@ class CudaGraph(DeviceMetadataGraph):
     def __init__(self, device: CudaDevice, keep_graph: bool = False) -> None:
         super().__init__(device, keep_graph)
         self.torch_graph: torch.cuda.CUDAGraph | None = None
+        self._capture_pool_id: Any = None  # the torch pool id of the capture under way
 
     def _translate_capture_error(self, exc: BaseException) -> BaseException | None:
         """CUDA's own capture errors ("operation not permitted when stream is capturing") as a
@@ -250,13 +250,16 @@ class CudaGraph(DeviceMetadataGraph):
         mode = "global" if self.capture_error_mode == "default" else self.capture_error_mode
         graph.capture_begin(pool=pool.handle, capture_error_mode=mode)
         self.torch_graph = graph
+        self._capture_pool_id = pool.handle
 
     def _end_capture(self) -> None:
-        assert self.torch_graph is not None
+        graph = self.torch_graph
+        assert graph is not None
         try:
-            self.torch_graph.capture_end()
+            graph.capture_end()
         except BaseException:
             self.torch_graph = None
+            _release_failed_capture(graph, self.device.index, self._capture_pool_id)
             raise
 
     def _abort_capture(self) -> None:
@@ -267,9 +270,14 @@ class CudaGraph(DeviceMetadataGraph):
         # and the error that invalidated it is already propagating.
         try:
             graph.capture_end()
-            graph.reset()
         except RuntimeError as exc:
             logger.debug("ending an aborted capture failed (expected after a CUDA capture error): %s", exc)
+            _release_failed_capture(graph, self.device.index, self._capture_pool_id)
+            return
+        try:
+            graph.reset()
+        except RuntimeError as exc:
+            logger.debug("resetting an aborted capture's torch graph failed: %s", exc)
 
     def _replay(self) -> None:
         assert self.torch_graph is not None
@@ -376,6 +384,56 @@ def _torch_event(event: Event) -> torch.cuda.Event:
     if not isinstance(event, CudaEvent):
         raise DevgraphError(f"expected a cuda event, got {event!r}")
     return event.torch_event
+
+
+#: torch graphs whose failed capture left a record in the pinned-host allocator that Python cannot
+#: end (see ``_release_failed_capture``): kept alive so the allocator's filter never reads a freed graph.
+_FAILED_CAPTURES: list[Any] = []
+
+
+def _release_failed_capture(graph: Any, device_index: int, pool_id: Any) -> None:
+    """Give the caching allocator back what a capture whose ``capture_end()`` raised left behind.
+
+    torch before 2.12 (pytorch #180395) checks ``cudaStreamEndCapture``'s error before it ends the
+    allocator's allocation to the pool, so an invalidated capture leaves the allocator believing a
+    capture is still under way: the next ``empty_cache()``, capture or pool release in the process
+    asserts (``captures_underway.empty()``). Ending the allocation here (``endAllocateToPool``) undoes
+    that. It succeeds only on such a torch; a torch with the fix ended it itself, and the call's
+    "not currently recording" error is the sign to leave the rest to torch. On a torch with the bug,
+    ``CUDAGraph.reset()`` releases the pool only after a successful capture, so the capture's
+    reference on the pool is released here too (``releasePool``: the pool's memory can be freed once
+    no graph uses it). ROCm builds are the exception: ROCm's release/2.11 carries pytorch #190348,
+    whose ``reset()`` releases after a failed capture, and a second release would assert.
+    ``graph.reset()`` then drops the capture's id from torch's table of graphs being captured.
+
+    Never raises: it runs while the capture's own error propagates; what it could not do is logged.
+    """
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is None or release is None:
+        logger.warning(
+            "torch %s has no _cuda_endAllocateToPool/_cuda_releasePool: the caching allocator may still "
+            "believe a capture is under way after this failed capture (pytorch #180395); restart the "
+            "process before capturing again",
+            torch.__version__,
+        )
+    else:
+        try:
+            end(device_index, pool_id)
+        except RuntimeError as exc:
+            logger.debug("torch ended the failed capture's allocation itself: %s", exc)
+        else:
+            logger.debug("ended the allocation of a failed capture to pool %s (pytorch #180395)", pool_id)
+            _FAILED_CAPTURES.append(graph)
+            if getattr(torch.version, "hip", None) is None:
+                try:
+                    release(device_index, pool_id)
+                except RuntimeError as exc:
+                    logger.warning("releasing the failed capture's pool %s failed: %s", pool_id, exc)
+    try:
+        graph.reset()
+    except RuntimeError as exc:
+        logger.debug("resetting a failed capture's torch graph failed: %s", exc)
 
 
 def _is_capture_violation(exc: BaseException) -> bool:

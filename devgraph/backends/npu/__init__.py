@@ -100,3 +100,12 @@ def devgraph_register_op_kernels(register: Callable[..., None]) -> None:
     from devgraph.backends.npu import _kernels
 
     _kernels.register_all(register)
+
+
+@hookimpl
+def devgraph_register_compilers(register: Callable[..., None], device: Any) -> None:
+    """torchair, for pieces captured on an NPU (refused there, naming why: see ``_compilers``)."""
+    if getattr(device, "name", None) == "npu":
+        from devgraph.backends.npu._compilers import torchair
+
+        register("torchair", torchair, opaque=True)

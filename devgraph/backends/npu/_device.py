@@ -12,7 +12,16 @@ update stream between ``graph_task_update_begin/end`` and records the event. A g
 updated since the last replay has its event recorded just before the next replay, so the graph
 never hangs: it replays with the arguments it last had (stale, as on the CPU reference backend).
 ``replay(host_args)`` overlaps the updates with the replay by default (``NpuDevice.update_order``;
-see ``NpuGraph.replay``). The ordering steps are small methods of ``NpuGraph``
+see ``NpuGraph.replay``).
+
+One step's updates are one submission: the device's update lock (one submitter per device: CANN
+fails on task updates submitted from two host threads at once, sglang-omni #2160), one fence, one
+entry onto the update stream, then per task group the begin / re-issue / end / event record that
+torch_npu needs (``graph_task_update_begin`` takes one group's handle). The host lists are built
+once per step and shared by every layer; an attention task whose only new argument is its lengths
+is re-issued from the torch_npu call it launched (``_kernels.Launch``), not by running the devgraph
+op again; what a step re-issues is planned, and checked, before anything is queued
+(``_update_plan``). The ordering steps are small methods of ``NpuGraph``
 (``_fence_update_stream``, ``_release_updated``, ``_release_stale``): tests/backends/npu/test_npu_async.py
 removes each in turn on the asynchronous simulator and watches a test fail.
 """
@@ -20,20 +29,21 @@ removes each in turn on the asynchronous simulator and watches a test fail.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any, TypeAlias
 
 import torch
 
 from devgraph._errors import DevgraphError
 from devgraph._source import user_source_line
-from devgraph.backends.npu import _capture_errors, _handlers, _kernels
-from devgraph.graph._contract import Device, Event, Graph, MemoryPool, MemoryStats, Stream
-from devgraph.graph._tasks import TaskGroup, apply_host_args
+from devgraph.backends.npu import _capture_errors, _handlers, _kernels, _update_plan
+from devgraph.graph import Device, Event, Graph, MemoryPool, MemoryStats, Stream, TaskGroup
 
 __all__ = [
     "NPU_HARDWARE_STREAMS",
@@ -172,6 +182,9 @@ class NpuPool(MemoryPool):
 #: How ``replay(host_args)`` orders the task updates and the replay (``NpuDevice.update_order``).
 UPDATE_ORDERS = ("overlap", "serial")
 
+_UNSET = object()
+_Plan: TypeAlias = "list[_update_plan.Reissue] | _update_plan.LengthsStep"
+
 _thread = threading.local()  # .updating: what this thread is updating now (nesting is refused)
 
 
@@ -186,6 +199,19 @@ class NpuGraph(Graph):
         self._scratch: _kernels.Scratch = {}  # attention workspaces of this graph's capture
         self._capture_work: Any = None
         self._poisoned: str | None = None  # why replay() refuses until reset()
+        #: per auto task group (index): the attention launch a lengths-only update re-issues
+        self._launches: dict[int, _kernels.Launch] = {}
+        #: per auto task group: the tensors its attention call passed (``_kernels.call_signature``)
+        self._call_signatures: dict[int, Any] = {}
+        self._next_call: Any = None  # the signature of the auto task about to be captured
+        self._sink: Any = None  # the launch sink of the auto task being captured
+        #: the tasks a lengths-only step re-issues from their launches (None: none), once made
+        self._fast: _update_plan.FastTasks | None = None
+        self._fast_made = False
+        #: the lengths the last lengths-only steps gave every task of ``_fast``, not yet written into
+        #: their ``host_args`` (``_settle_host_args``): a step copies no task's dict
+        self._pending_lengths: Any = _UNSET
+        self._sink_launches: list[_kernels.Launch] = []
 
     @property
     def _npu(self) -> Any:
@@ -200,6 +226,8 @@ class NpuGraph(Graph):
         self.native = self._npu.NPUGraph()
         self._released = set()
         self._scratch = {}
+        self._launches, self._call_signatures = {}, {}
+        self._fast_made, self._pending_lengths = False, _UNSET
         self._poisoned = None
         mode = "global" if self.capture_error_mode == "default" else self.capture_error_mode
         self.native.capture_begin(pool=pool.handle, capture_error_mode=mode)
@@ -218,6 +246,8 @@ class NpuGraph(Graph):
     def _abort_capture(self) -> None:
         self._leave_capture_work()
         self._scratch = {}
+        self._launches, self._call_signatures = {}, {}
+        self._fast_made, self._pending_lengths = False, _UNSET
         native, self.native = self.native, None
         if native is None:
             return
@@ -250,6 +280,8 @@ class NpuGraph(Graph):
         self.native = None
         self._released = set()
         self._scratch = {}  # the workspaces pointed into this graph's pool: free them with it
+        self._launches, self._call_signatures = {}, {}
+        self._fast_made, self._pending_lengths = False, _UNSET
         self._poisoned = None
 
     # -- the ordering steps of task update (tests/backends/npu/test_npu_async.py removes each in turn) ---------
@@ -265,9 +297,11 @@ class NpuGraph(Graph):
         group.handle[1].record(update_stream)
         self._released.add(group.index)
 
-    def _release_stale(self, stream: Any, skip: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def _release_stale(self, stream: Any, skip: AbstractSet[int] = frozenset()) -> None:
         """Record, on ``stream``, the event of every group nobody updated since the last replay (and
         that ``skip`` does not name): it replays with the arguments it holds instead of hanging."""
+        if len(skip) == len(self._tasks):  # a step updating every task (skip names only tasks)
+            return
         for group in self._tasks:
             if group.index not in self._released and group.index not in skip:
                 group.handle[1].record(stream)
@@ -297,8 +331,8 @@ class NpuGraph(Graph):
             super()._replay_with_host_args(host_args)
             return
         self._check_poisoned()
-        pairs = list(apply_host_args(self._tasks, host_args))  # every check before anything is queued
-        updating = {group.index for group, _ in pairs}
+        plan = self._plan(host_args)  # every check, and the lengths built, before anything is queued
+        updating = _indices(plan)
         if updating & self._released:
             # An event already recorded (an update() since the last replay) would let the
             # replay run that task before this update rewrites it: update first, then replay.
@@ -309,10 +343,10 @@ class NpuGraph(Graph):
             self._release_stale(self._npu.current_stream(self.device.index), updating)
             self._launch()
             try:
-                self._reissue_all(pairs, update_stream)
+                self._reissue_all(plan, update_stream)
             except BaseException:
                 # The replay in flight must not wait forever on the tasks left un-updated.
-                for group, _ in pairs:
+                for group in _groups(plan):
                     if group.index not in self._released:
                         group.handle[1].record(update_stream)
                 raise
@@ -322,9 +356,9 @@ class NpuGraph(Graph):
     def _update_tasks(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Re-issue the updatable tasks with ``host_args`` before the next replay, all or nothing:
         if one re-issue fails, the tasks already re-issued get their previous arguments back."""
-        pairs = list(apply_host_args(self._tasks, host_args))
+        plan = self._plan(host_args)
         with self._updating() as update_stream:
-            self._reissue_all(pairs, update_stream)
+            self._reissue_all(plan, update_stream)
 
     def _check_update_allowed(self, what: str) -> None:
         """Refuse an update nested in another one on this thread, before the graph lock is taken:
@@ -345,50 +379,136 @@ class NpuGraph(Graph):
             finally:
                 _thread.updating = None
 
-    def _reissue(self, group: TaskGroup, host_args: Mapping[str, Any], update_stream: Any) -> None:
-        """Rewrite one auto task with ``host_args`` and release it."""
+    def _plan(self, host_args: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> _Plan:
+        """What this step re-issues, every check done (``_update_plan``)."""
+        if not self._fast_made:
+            self._fast, self._fast_made = _update_plan.fast_tasks(self._tasks, self._launches), True
+        step = _update_plan.lengths_step(self._fast, host_args)
+        if step is not None:
+            return step
+        self._settle_host_args()  # a task by task update reads and writes the tasks' host_args
+        return _update_plan.plan(self._tasks, self._launches, host_args)
+
+    def _settle_host_args(self) -> None:
+        """Write the lengths the last lengths-only steps gave into the tasks' ``host_args``."""
+        pending, self._pending_lengths = self._pending_lengths, _UNSET
+        if pending is not _UNSET and self._fast is not None:
+            for group in self._fast.groups:
+                group.host_args = {**group.host_args, _kernels.LENGTHS: pending}
+
+    def _reissue(
+        self,
+        group: TaskGroup,
+        host_args: Mapping[str, Any],
+        lengths: list[int] | None,
+        update_stream: Any,
+    ) -> None:
+        """Rewrite one auto task and release it: its launch re-issued with ``lengths``, or (None) its
+        op run again with ``host_args`` over the ones it holds. Runs on the update stream, in the
+        graph's work (``_reissue_all``)."""
         npu = self._npu
-        call = group.call_with(host_args)
-        with npu.stream(update_stream), _kernels.graph_work(self._scratch):
-            npu.graph_task_update_begin(update_stream, group.handle[0])
-            try:
-                call()
-            except BaseException:
-                with contextlib.suppress(
-                    Exception
-                ):  # torch_npu has no abort: end it, report the call's error
-                    npu.graph_task_update_end(update_stream)
-                raise
-            npu.graph_task_update_end(update_stream)
+        if lengths is not None:
+            call = functools.partial(self._launches[group.index].reissue, lengths)
+        else:
+            # The arguments not given keep the values the task holds now (as torch_npu's own
+            # update records do), not their capture-time ones.
+            op_call = group.call_with({**group.host_args, **host_args})
+            call = functools.partial(self._call_keeping_launch, group, op_call, _kernels.launch_sink())
+        npu.graph_task_update_begin(update_stream, group.handle[0])
+        try:
+            call()
+        except BaseException:
+            with contextlib.suppress(Exception):  # torch_npu has no abort: end it, report the call's error
+                npu.graph_task_update_end(update_stream)
+            raise
+        npu.graph_task_update_end(update_stream)
         self._release_updated(group, update_stream)
 
-    def _reissue_all(self, pairs: list[tuple[TaskGroup, dict[str, Any]]], update_stream: Any) -> None:
+    def _call_keeping_launch(self, group: TaskGroup, call: Callable[[], Any], sink: Any) -> None:
+        """Run ``call`` (the group's op, again); the launch it makes is the one the group re-issues next."""
+        with sink as launches:
+            call()
+        self._keep_launch(group, launches)
+
+    def _keep_launch(self, group: TaskGroup, launches: list[_kernels.Launch]) -> None:
+        self._settle_host_args()  # the tasks a lengths-only step re-issues may change
+        self._fast_made = False
+        called_with = self._call_signatures.get(group.index)
+        if len(launches) == 1 and called_with is not None and launches[0].called_with == called_with:
+            self._launches[group.index] = launches[0]
+        else:  # not one attention launch: the group is always re-issued through its op
+            self._launches.pop(group.index, None)
+
+    def _reissue_all(self, plan: _Plan, update_stream: Any) -> None:
+        """Re-issue ``plan`` in one submission on the update stream, all or nothing: if one re-issue
+        fails, the tasks already re-issued get their previous arguments back."""
+        if isinstance(plan, _update_plan.LengthsStep):
+            self._reissue_launches(plan, update_stream)
+            return
         done: list[tuple[TaskGroup, dict[str, Any]]] = []
-        for group, host_args in pairs:
-            previous = dict(group.host_args)
-            try:
-                self._reissue(group, host_args, update_stream)
-            except Exception as exc:
-                restored = self._restore([*done, (group, previous)], update_stream)
-                raise DevgraphError(
-                    f"task update of task {group.index} ({group.op}) with {host_args} failed "
-                    f"({type(exc).__name__}: {exc}). "
-                    + (
-                        "Every task of this update keeps its previous arguments (a replay already in "
-                        "flight ran with some new ones: do not use its outputs)."
-                        if restored
-                        else "Restoring the previous arguments failed too: the graph is poisoned; "
-                        "reset() and capture it again."
-                    )
-                ) from exc
-            done.append((group, previous))
-            group.remember(host_args)
+        with self._npu.stream(update_stream), _kernels.graph_work(self._scratch):
+            for group, host_args, lengths in plan:
+                previous = group.host_args  # replaced below, never changed in place
+                try:
+                    self._reissue(group, host_args, lengths, update_stream)
+                except Exception as exc:
+                    self._fail(group, host_args, exc, [*done, (group, previous)], update_stream)
+                done.append((group, previous))
+                group.host_args = {**previous, **host_args}
+
+    def _reissue_launches(self, step: _update_plan.LengthsStep, update_stream: Any) -> None:
+        """``_reissue_all`` of a lengths-only step: per task only what torch_npu needs (begin, the
+        launch with the step's lengths, end, the event)."""
+        npu = self._npu
+        begin, end = npu.graph_task_update_begin, npu.graph_task_update_end
+        fast, lengths = step.fast, step.lengths
+        with npu.stream(update_stream), _kernels.graph_work(self._scratch):
+            for done, (group, launch) in enumerate(zip(fast.groups, fast.launches)):
+                try:
+                    begin(update_stream, group.handle[0])
+                    try:
+                        launch.reissue(lengths)
+                    except BaseException:
+                        with contextlib.suppress(Exception):  # no abort: end it, report the call's error
+                            end(update_stream)
+                        raise
+                    end(update_stream)
+                except Exception as exc:
+                    self._settle_host_args()  # the previous steps' lengths: what to restore
+                    items = [(g, g.host_args) for g in fast.groups[: done + 1]]
+                    self._fail(group, {_kernels.LENGTHS: step.given}, exc, items, update_stream)
+                self._release_updated(group, update_stream)
+        self._pending_lengths = step.given
+
+    def _fail(
+        self,
+        group: TaskGroup,
+        host_args: Mapping[str, Any],
+        exc: Exception,
+        items: list[tuple[TaskGroup, dict[str, Any]]],
+        update_stream: Any,
+    ) -> None:
+        """The re-issue of ``group`` failed with ``exc``: give ``items`` their previous arguments back
+        (``_restore``) and raise the error."""
+        restored = self._restore(items, update_stream)
+        raise DevgraphError(
+            f"task update of task {group.index} ({group.op}) with {dict(host_args)} failed "
+            f"({type(exc).__name__}: {exc}). "
+            + (
+                "Every task of this update keeps its previous arguments (a replay already in "
+                "flight ran with some new ones: do not use its outputs)."
+                if restored
+                else "Restoring the previous arguments failed too: the graph is poisoned; "
+                "reset() and capture it again."
+            )
+        ) from exc
 
     def _restore(self, items: list[tuple[TaskGroup, dict[str, Any]]], update_stream: Any) -> bool:
-        """Re-issue ``items`` with their previous arguments; poison the graph if that fails."""
+        """Re-issue ``items`` with their previous arguments (on the update stream, in the graph's
+        work); poison the graph if that fails."""
         for group, previous in reversed(items):
             try:
-                self._reissue(group, previous, update_stream)
+                self._reissue(group, previous, None, update_stream)
             except Exception as exc:
                 self._poison(f"restoring task {group.index} ({group.op}) after a failed update failed: {exc}")
                 return False
@@ -416,36 +536,49 @@ class NpuGraph(Graph):
         event.reset(stream)
         npu.graph_task_group_begin(stream)
         group.handle = (None, event)
+        if group.is_auto:  # the attention launch the op makes now is what a lengths update re-issues
+            self._call_signatures[group.index], self._next_call = self._next_call, None
+            self._sink = _kernels.launch_sink()
+            self._sink_launches = self._sink.__enter__()
 
     def _task_group_end(self, group: TaskGroup) -> None:
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            sink.__exit__(None, None, None)
+            self._keep_launch(group, self._sink_launches)
         handle = self._npu.graph_task_group_end(self._npu.current_stream(self.device.index))
         group.handle = (handle, group.handle[1])
 
     def _task_update_begin(self, group: TaskGroup) -> None:
         npu = self._npu
+        self._settle_host_args()  # an abort restores the task from its host_args
         stack = contextlib.ExitStack()
         try:
             update_stream = stack.enter_context(self._updating())
             stack.enter_context(npu.stream(update_stream))
             stack.enter_context(_kernels.graph_work(self._scratch))
+            # What the block re-issues is what a later lengths-only update re-issues (auto tasks).
+            launches = stack.enter_context(_kernels.launch_sink())
             npu.graph_task_update_begin(update_stream, group.handle[0])
         except BaseException:
             stack.close()
             raise
-        self._update = (update_stream, stack)
+        self._update = (update_stream, stack, launches)
 
     def _task_update_end(self, group: TaskGroup) -> None:
-        update_stream, stack = self._update
+        update_stream, stack, launches = self._update
         self._update = None
         with stack:
             self._npu.graph_task_update_end(update_stream)
+            if group.is_auto:
+                self._keep_launch(group, launches)
             self._release_updated(group, update_stream)
 
     def _task_update_abort(self, group: TaskGroup) -> None:
         """The re-issue block raised. torch_npu commits whatever it re-issued (no abort): an auto
         task gets its previous arguments back; an explicit group, whose work devgraph cannot
         re-issue, poisons the graph."""
-        update_stream, stack = self._update
+        update_stream, stack, _ = self._update
         self._update = None
         with stack:
             with contextlib.suppress(Exception):  # the block's error is the one to report
@@ -466,6 +599,7 @@ class NpuGraph(Graph):
         ``postprocess_result``. Other ops are captured as called. What the handler allocates (workspace,
         outputs) the task holds weakly, as torch_npu's records do: ordinary pool memory, ordered by the
         stream like any other temporary of the graph."""
+        self._next_call = _kernels.call_signature(func, args, kwargs)
         registry = self.device._handlers  # type: ignore[attr-defined]
         handler = registry.get(getattr(func, "__name__", "")) if registry else None
         if handler is None:
@@ -567,3 +701,15 @@ class NpuDevice(Device):
             reserved=int(npu.memory_reserved(self.index)),
             peak_allocated=int(npu.max_memory_allocated(self.index)),
         )
+
+
+def _groups(plan: _Plan) -> list[TaskGroup]:
+    if isinstance(plan, _update_plan.LengthsStep):
+        return plan.fast.groups
+    return [group for group, _, _ in plan]
+
+
+def _indices(plan: _Plan) -> frozenset[int] | set[int]:
+    if isinstance(plan, _update_plan.LengthsStep):
+        return plan.fast.indices
+    return {group.index for group, _, _ in plan}

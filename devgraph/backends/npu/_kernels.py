@@ -32,6 +32,11 @@ For the same reason graph work takes ``block_table`` as int32 and a contiguous `
 the task points at, freed as soon as a task update returns while the rewritten task keeps its
 address. Eager calls convert both.
 
+While a graph captures an attention task (``launch_sink``), the kernel also hands the graph the one
+torch_npu call it launched (``Launch``): a task update whose only new argument is the lengths
+re-issues that call with them directly, as vllm-ascend re-issues the parameters it keeps at capture,
+instead of running the devgraph op (its checks, views and dispatch) again per layer.
+
 Every kernel imports ``torch_npu`` when it runs: whatever ``sys.modules`` holds then (the real
 module, or a stand-in of it such as devgraph's tests' simulator).
 """
@@ -43,11 +48,23 @@ import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from devgraph.backends import _reference
+from devgraph.graph import weak_ref_tensors
 
-__all__ = ["KEY", "graph_work", "paged_decode_attention", "register_all"]
+__all__ = [
+    "KEY",
+    "LENGTHS",
+    "Launch",
+    "attention_lengths",
+    "call_signature",
+    "graph_work",
+    "launch_sink",
+    "paged_decode_attention",
+    "register_all",
+]
 
 KEY = "PrivateUse1"
 
@@ -79,6 +96,95 @@ def graph_work(scratch: Scratch) -> Iterator[None]:
         yield
     finally:
         _graph_work.reset(token)
+
+
+#: The host argument of ``devgraph::paged_decode_attention`` a ``Launch`` re-issues directly.
+LENGTHS = "seq_lens_host"
+
+# Where the attention kernel hands its launch while a graph captures or re-issues a task, or None.
+_launch_sink: contextvars.ContextVar[list[Launch] | None] = contextvars.ContextVar(
+    "devgraph_npu_launch_sink", default=None
+)
+
+
+@attrs.frozen(eq=False)
+class Launch:
+    """The torch_npu call one attention task launched: re-issued with new lengths, nothing else.
+
+    Tensors are held weakly, as the task group holds its call: the graph (its pool, its scratch)
+    keeps their memory, and a launch must not keep capture-time intermediates alive.
+    """
+
+    op: Any  # torch_npu's npu_fused_infer_attention_score.out
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    batch: int  # the lengths it takes (the query's batch)
+    #: the tensors the kernel was called with (``call_signature``): a graph keeps the launch only
+    #: when they are the op call's own, i.e. no kernel registered over this one staged or converted
+    #: them (its temporaries would be the task's, and the task would hold more than this launch)
+    called_with: tuple[Any, ...]
+
+    def reissue(self, lengths: list[int]) -> None:
+        """Launch the call again with ``lengths`` (from ``attention_lengths``) as its kv lengths."""
+        self.op(*self.args, **{**self.kwargs, "actual_seq_lengths_kv": lengths})
+
+
+@contextlib.contextmanager
+def launch_sink() -> Iterator[list[Launch]]:
+    """Collect the attention launches of the block (an NPU graph opens one per auto task)."""
+    sink: list[Launch] = []
+    token = _launch_sink.set(sink)
+    try:
+        yield sink
+    finally:
+        _launch_sink.reset(token)
+
+
+def attention_lengths(seq_lens_host: Sequence[int], batch: int) -> list[int]:
+    """``seq_lens_host`` as the attention op's ``actual_seq_lengths_kv`` (a list of ``batch`` ints).
+
+    Raises:
+        ValueError: it does not list ``batch`` lengths.
+    """
+    if len(seq_lens_host) != batch:
+        raise ValueError(
+            f"devgraph.paged_decode_attention: seq_lens_host must list B = {batch} lengths on npu "
+            f"(the kernel reads the host lengths: actual_seq_lengths_kv), got {len(seq_lens_host)}"
+        )
+    return [int(n) for n in seq_lens_host]
+
+
+#: The tensors of a ``devgraph::paged_decode_attention`` call a launch is checked against.
+_CALLED_WITH = ("query", "key_cache", "value_cache", "block_table", "out")
+
+
+def _signature(tensors: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(
+        (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else None
+        for t in tensors
+    )
+
+
+def call_signature(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What a ``Launch`` of this call must have been ``called_with`` (None: not the attention op)."""
+    if getattr(func, "_schema", None) is None or func._schema.name != "devgraph::paged_decode_attention":
+        return None
+    bound = dict(zip((a.name for a in func._schema.arguments), args))
+    bound.update(kwargs)
+    return _signature([bound.get(name) for name in _CALLED_WITH])
+
+
+def _keep_launch(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], batch: int, called_with: Sequence[Any]
+) -> None:
+    sink = _launch_sink.get()
+    if sink is None:
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # building the weak tensors is no work of the graph
+        weak_args, weak_kwargs = tuple(weak_ref_tensors(list(args))), weak_ref_tensors(kwargs)
+    sink.append(Launch(op, weak_args, weak_kwargs, batch, _signature(called_with)))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -219,11 +325,7 @@ def paged_decode_attention(
     torch_npu = _torch_npu()
     batch, heads, dim = query.shape
     num_blocks, block_size, kv_heads, _ = key_cache.shape
-    if len(seq_lens_host) != batch:
-        raise ValueError(
-            f"devgraph.paged_decode_attention: seq_lens_host must list B = {batch} lengths on npu "
-            f"(the kernel reads the host lengths: actual_seq_lengths_kv), got {len(seq_lens_host)}"
-        )
+    lengths = attention_lengths(seq_lens_host, batch)
     _check_attention_rules(query, key_cache, block_size)
     in_graph = _in_graph_work(torch_npu)
     if block_table.dtype != torch.int32:
@@ -250,7 +352,7 @@ def paged_decode_attention(
         value_cache.view(num_blocks, block_size, kv_heads * dim),
     )
     kwargs = dict(
-        actual_seq_lengths_kv=[int(n) for n in seq_lens_host],
+        actual_seq_lengths_kv=lengths,
         block_table=block_table,
         num_heads=heads,
         num_key_value_heads=kv_heads,
@@ -262,7 +364,11 @@ def paged_decode_attention(
     workspace, lse = _attention_scratch(torch_npu, key, args, kwargs, in_graph)
     # Eager only (graph work requires a contiguous out): stage a strided out through a buffer.
     target = out.unsqueeze(2) if out.is_contiguous() else torch.empty_like(args[0])
-    torch_npu.npu_fused_infer_attention_score.out(*args, **kwargs, workspace=workspace, out=[target, lse])
+    op = torch_npu.npu_fused_infer_attention_score.out
+    kwargs.update(workspace=workspace, out=[target, lse])
+    op(*args, **kwargs)
+    if in_graph:
+        _keep_launch(op, args, kwargs, batch, (query, key_cache, value_cache, block_table, out))
     if not out.is_contiguous():
         out.copy_(target.squeeze(2))
 

@@ -22,7 +22,7 @@ import attrs
 from torch import fx
 
 if TYPE_CHECKING:
-    from devgraph.graph._contract import Device
+    from devgraph.graph import Device
 
 __all__ = ["Pass", "PassContext", "PassManager"]
 

@@ -22,7 +22,7 @@ from devgraph.compile.passes._norm import (
 from devgraph.compile.passes._qkv import SplitQkvRmsNormRopeFusion
 
 if TYPE_CHECKING:
-    from devgraph.graph._contract import Device
+    from devgraph.graph import Device
 
 __all__ = ["builtin_passes", "contributed_passes", "resolve_passes"]
 

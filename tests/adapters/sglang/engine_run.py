@@ -1,7 +1,7 @@
 """Runs a real ``sgl.Engine`` on CPU under the devgraph platform and writes its outputs as JSON.
 
-``python engine_run.py MODEL_DIR OUT.json graphs|eager [--requests N] [--max-new-tokens N]
-[--max-running N] [--capture 1,2,3] [--page-size N]``: the same engine configuration both ways
+``python engine_run.py MODEL_DIR OUT.json graphs|eager|unset [--requests N] [--max-new-tokens N]
+[--max-running N] [--capture 1,2,3] [--page-size N] [--max-bs N]``: the same engine configuration both ways
 (``SGLANG_PLATFORM=devgraph``, the ``devgraph`` attention backend, the model's saved weights);
 ``graphs`` captures decode graphs through devgraph, ``eager`` runs every step eagerly. On device
 ``cpu`` SGLang 0.5.23 captures decode graphs only with ``enable_torch_compile``;
@@ -57,8 +57,14 @@ def max_new_tokens(n: int, longest: int) -> list[int]:
     return [longest - (i * 37) % (longest // 2 + 1) for i in range(n)]
 
 
-def engine_kwargs(mode: str, *, max_running: int, capture: list[int] | None, page_size: int = 1) -> dict:
-    """The ``sgl.Engine`` arguments of one mode (the graph settings are the only difference)."""
+def engine_kwargs(
+    mode: str, *, max_running: int, capture: list[int] | None, page_size: int = 1, max_bs: int | None = None
+) -> dict:
+    """The ``sgl.Engine`` arguments of one mode (the graph settings are the only difference).
+
+    ``unset``: no graph setting at all (SGLang's defaults: on ``cpu`` no decode graph, and devgraph
+    warns at start). ``max_bs``: ``cuda_graph_max_bs_decode``.
+    """
     kwargs = dict(
         device="cpu",
         page_size=page_size,
@@ -71,14 +77,16 @@ def engine_kwargs(mode: str, *, max_running: int, capture: list[int] | None, pag
         skip_server_warmup=True,
         log_level="warning",
     )
+    if max_bs is not None:
+        kwargs["cuda_graph_max_bs_decode"] = max_bs
     if mode == "graphs":
         kwargs.update(enable_torch_compile=True, torch_compile_max_bs=0)
         if capture is not None:
             kwargs["cuda_graph_bs_decode"] = capture
     elif mode == "eager":
         kwargs.update(disable_cuda_graph=True)
-    else:
-        raise SystemExit(f"mode must be graphs or eager, not {mode!r}")
+    elif mode != "unset":
+        raise SystemExit(f"mode must be graphs, eager or unset, not {mode!r}")
     return kwargs
 
 
@@ -86,7 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir")
     parser.add_argument("out")
-    parser.add_argument("mode", choices=["graphs", "eager"])
+    parser.add_argument("mode", choices=["graphs", "eager", "unset"])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=150)
     parser.add_argument("--max-running", type=int, default=16)
@@ -94,6 +102,7 @@ def main() -> None:
         "--capture", default=None, help="decode capture sizes, e.g. 1,2,4 (default: SGLang's)"
     )
     parser.add_argument("--page-size", type=int, default=1, help="KV cache page (block) size")
+    parser.add_argument("--max-bs", type=int, default=None, help="cuda_graph_max_bs_decode")
     args = parser.parse_args()
     if os.environ.get("SGLANG_PLATFORM") != "devgraph":
         raise SystemExit("run with SGLANG_PLATFORM=devgraph")
@@ -103,7 +112,13 @@ def main() -> None:
     start = time.perf_counter()
     engine = sgl.Engine(
         model_path=args.model_dir,
-        **engine_kwargs(args.mode, max_running=args.max_running, capture=capture, page_size=args.page_size),
+        **engine_kwargs(
+            args.mode,
+            max_running=args.max_running,
+            capture=capture,
+            page_size=args.page_size,
+            max_bs=args.max_bs,
+        ),
     )
     started = time.perf_counter() - start
     print(STARTED, file=sys.stderr, flush=True)

@@ -199,3 +199,32 @@ def test_sglang_platform_devgraph_resolves_devgraphs_platform():
     env = dict(os.environ, SGLANG_PLATFORM="devgraph", DEVGRAPH_BACKEND="cpu")
     resolved = _resolved_platform(env)
     assert resolved == {"cls": "devgraph.adapters.sglang._platform.DevgraphCpuPlatform", "oot": True}
+
+
+def test_server_args_the_platform_reads_at_engine_start_exist():
+    # DevgraphCpuPlatform.apply_server_args_defaults / graph_settings_notes read (and write) these.
+    from sglang.srt.arg_groups.overrides import field_names
+    from sglang.srt.server_args import ServerArgs
+
+    read = {
+        "device",
+        "attention_backend",
+        "disable_cuda_graph",
+        "disable_decode_cuda_graph",
+        "enable_torch_compile",
+        "cuda_graph_bs_decode",
+        "cuda_graph_max_bs_decode",
+        "torch_compile_max_bs",
+    }
+    assert read <= set(field_names(ServerArgs))
+
+
+def test_cpu_decode_capture_still_needs_enable_torch_compile_and_sizes_by_torch_compile_max_bs():
+    # What the start-up warning and the cuda_graph_max_bs_decode translation rest on (SGLang 0.5.23).
+    from sglang.srt.arg_groups import memory_hook
+    from sglang.srt.model_executor.model_runner_components import cuda_graph_setup
+
+    capture = inspect.getsource(cuda_graph_setup.capture_decode_graph)
+    assert 'model_runner.device == "cpu" and not get_flags().capture.enable_torch_compile' in capture
+    sizing = inspect.getsource(memory_hook)
+    assert "torch_compile_max_bs=cfg.torch_compile_max_bs" in sizing

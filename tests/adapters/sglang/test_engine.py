@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -116,9 +117,10 @@ def test_decode_batches_without_a_graph_of_their_size_run_eagerly_counted_and_wa
     assert eager.get(3, 0) > 0  # between graphs: SGLang would have padded it to 4
     assert set(eager) <= {3, 5, 6, 7, 8}
     assert {int(k) for k in stats["replays"]} <= {1, 2, 4} and stats["padded_replays"] == 0
-    assert stderr.count("larger than 4 requests (the largest captured size) run eagerly") == 1
-    assert "--cuda-graph-bs-decode" in stderr and "--max-running-requests" in stderr
-    assert stderr.count("decode batches of a size with no captured graph run eagerly") == 1
+    # One warning for the engine, with the numbers and the sizes to capture.
+    assert stderr.count("decode steps ran eagerly") == 1, stderr[-3000:]
+    assert re.search(r"devgraph: [1-8] of 8 decode steps ran eagerly: no graph of their batch size", stderr)
+    assert "--cuda-graph-bs-decode 1 2 3 4 5 6 7 8, or lower --max-running-requests to 4" in stderr
 
 
 def test_sliding_window_model_is_refused_at_engine_start(tmp_path):
@@ -137,3 +139,23 @@ def test_moe_decode_graphs_are_refused_at_engine_start_naming_the_host_sync(tmp_
     assert not out and engine_run.STARTED not in log
     assert "host synchronisation inside graph capture" in log
     assert "fused_moe_native.py" in log and "Tensor.cpu" in log
+
+
+def test_platform_without_the_graph_switch_warns_at_start_and_captures_nothing(tmp_path):
+    # SGLANG_PLATFORM=devgraph alone: SGLang on cpu captures no decode graph (it needs
+    # enable_torch_compile); devgraph says so at start, naming the option, instead of running silently.
+    model_dir = tiny_model.build(tmp_path / "model", "llama")
+    out, stats, log = _run(model_dir, tmp_path, "unset", "--requests", "2", "--max-new-tokens", "4")
+    assert out, f"engine failed:\n{log[-6000:]}"
+    assert stats == {}  # nothing captured, nothing replayed
+    assert log.count("no decode graph will be captured") == 1
+    assert "enable_torch_compile=True" in log
+    assert log.find("no decode graph will be captured") < log.find(engine_run.STARTED)
+
+
+def test_cuda_graph_max_bs_decode_sizes_the_decode_graphs(tmp_path):
+    model_dir = tiny_model.build(tmp_path / "model", "llama")
+    options = ["--requests", "4", "--max-new-tokens", "4", "--max-running", "8", "--max-bs", "4"]
+    out, stats, log = _run(model_dir, tmp_path, "graphs", *options)
+    assert out, f"engine failed:\n{log[-6000:]}"
+    assert stats["captured"] == [4, 3, 2, 1]  # every size up to it, largest first (not 1..8)

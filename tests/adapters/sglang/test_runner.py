@@ -107,8 +107,12 @@ def test_cpu_decode_runner_replays_only_exact_sizes_and_counts_the_rest(monkeypa
         assert [runner.can_run_graph(batch(bs)) for bs in (1, 2, 4)] == [True] * 3
         # 3 would be padded to 4 by SGLang: a CPU GEMM rounds 3 rows of 4 unlike 3 rows alone.
         assert [runner.can_run_graph(batch(bs)) for bs in (3, 3, 8, 6, 8)] == [False] * 5
-    assert dict(fresh_stats().eager_decode) == {3: 2, 8: 2, 6: 1}
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 2  # once per reason
-    assert "larger than 4 requests" in warnings[1] and "--max-running-requests" in warnings[1]
-    assert "no captured graph" in warnings[0] and "--cuda-graph-bs-decode" in warnings[0]
+        assert caplog.records == []  # reported once the window of decode steps has run
+        assert [runner.can_run_graph(batch(bs)) for bs in (4, 2, 1)] == [True] * 3
+        for bs in (8, 4, 3, 1):  # later steps: counted, never warned again
+            runner.can_run_graph(batch(bs))
+    assert dict(fresh_stats().eager_decode) == {3: 3, 8: 3, 6: 1}
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("devgraph: 5 of 8 decode steps ran eagerly")
+    assert "captured: [1, 2, 4]; eager batch sizes: 3 (2x), 6 (1x), 8 (2x)" in warning
+    assert "--cuda-graph-bs-decode 1 2 3 4 5 6 7 8, or lower --max-running-requests to 4" in warning

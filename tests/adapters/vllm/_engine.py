@@ -49,19 +49,23 @@ def run_python(code_or_script: list[str], env: dict[str, str], timeout: int = EN
 #: engine uses one torch thread). "default" is vLLM's default compilation config, unchanged.
 ALL_RUNS = (
     ("llama", "eager", None),
+    ("llama", "eager-native", None),
     ("llama", "default", "cpu"),
     ("llama", "PIECEWISE", "cpu"),
     ("llama", "FULL", "cpu"),
     ("llama", "FULL_DECODE_ONLY", "cpu"),
     ("llama", "FULL_AND_PIECEWISE", "cpu"),
     ("llama", "PIECEWISE", "toy"),
-    ("mixtral", "eager", None),
+    ("mixtral", "eager-native", None),
     ("mixtral", "default", "cpu"),
-    ("sliding", "eager", None),
+    ("sliding", "eager-native", None),
     ("sliding", "default", "cpu"),
     ("gemma2", "eager", None),
+    ("gemma2", "eager-native", None),
     ("gemma2", "default", "cpu"),
     ("gemma2", "FULL", "cpu"),
+    ("bloom", "eager-native", None),
+    ("bloom", "default", "cpu"),
 )
 
 
@@ -98,4 +102,6 @@ class EngineRuns:
         proc, out = self.runs[key].result()
         if proc.returncode != 0:
             pytest.fail(f"engine run {key} failed:\n{proc.stderr[-6000:]}")
-        return json.loads(out.read_text())
+        record = json.loads(out.read_text())
+        record["log"] = proc.stderr
+        return record

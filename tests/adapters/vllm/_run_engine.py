@@ -1,6 +1,7 @@
 """Run one vLLM engine and write its greedy tokens and devgraph's counters as JSON.
 
-Usage: python _run_engine.py MODEL_DIR MODE OUT_JSON, MODE in eager, default (vLLM's default compilation
+Usage: python _run_engine.py MODEL_DIR MODE OUT_JSON, MODE in eager, eager-native (eager with vLLM's
+torch implementations of its custom ops), default (vLLM's default compilation
 config, unchanged), or a cudagraph_mode (PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE) with
 capture sizes 1, 2, 4, 8.
 Run in a fresh process per engine: vLLM resolves its platform once per process (DEVGRAPH_VLLM is
@@ -28,6 +29,8 @@ PROMPTS = [
     "w150 w151 w152 w153 w154 w155 w156 w157 w158",
 ]
 CAPTURE_SIZES = [1, 2, 4, 8]
+#: Top logprobs recorded per output position (exact floats: JSON keeps a float's repr).
+LOGPROBS = 5
 MAX_TOKENS = [4 + i for i in range(len(PROMPTS))]
 
 
@@ -39,6 +42,10 @@ def main(model: str, mode: str, out: str) -> None:
     compilation: dict = {"mode": 3, "backend": "eager"}  # VLLM_COMPILE, eager pieces
     if mode == "eager":
         kwargs = {"enforce_eager": True}
+    elif mode == "eager-native":
+        # Eager with vLLM's torch implementations of its custom ops (RMSNorm, SiluAndMul, rotary):
+        # the model code a FULL_DECODE_ONLY engine with devgraph's attention runs, graphs aside.
+        kwargs = {"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]}}
     elif mode == "default":
         kwargs = {"max_num_seqs": 8}  # vLLM's default compilation config; fewer capture sizes (16 at most)
     else:
@@ -46,7 +53,9 @@ def main(model: str, mode: str, out: str) -> None:
         kwargs = {"compilation_config": compilation}
     kwargs.setdefault("max_num_seqs", 16)
     llm = LLM(model=model, dtype="float32", seed=0, max_model_len=128, **kwargs)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=LOGPROBS) for n in MAX_TOKENS
+    ]
     with torch.inference_mode():
         results = llm.generate(PROMPTS, params, use_tqdm=False)
     stats = {}
@@ -58,6 +67,11 @@ def main(model: str, mode: str, out: str) -> None:
         pass
     record = {
         "tokens": [list(r.outputs[0].token_ids) for r in results],
+        # Per request, per output position: [[token id, logprob], ...] of the top LOGPROBS tokens.
+        "logprobs": [
+            [sorted([t, p.logprob] for t, p in position.items()) for position in r.outputs[0].logprobs]
+            for r in results
+        ],
         "platform": [c.__module__ + "." + c.__qualname__ for c in type(current_platform).__mro__],
         "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name),
         "capture_sizes": list(llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes or []),

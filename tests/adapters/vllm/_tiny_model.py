@@ -132,3 +132,19 @@ def build_tiny_gemma2(path: Path, seed: int = 0) -> Path:
 
 
 EMBED_SCALE = 0.1
+
+
+def build_tiny_bloom(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Bloom: ALiBi position biases (no rotary), head dim 32, tied embeddings."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    config = BloomConfig(
+        vocab_size=len(WORDS) + 3,
+        hidden_size=128,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+    return _save(BloomForCausalLM, config, path, seed)

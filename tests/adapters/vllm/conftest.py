@@ -39,12 +39,18 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(tiny_model, tmp_path_factory) -> EngineRuns:
-    from _tiny_model import build_tiny_gemma2, build_tiny_mixtral, build_tiny_sliding_mistral
+    from _tiny_model import (
+        build_tiny_bloom,
+        build_tiny_gemma2,
+        build_tiny_mixtral,
+        build_tiny_sliding_mistral,
+    )
 
     models = {
         "llama": tiny_model,
         "mixtral": build_tiny_mixtral(tmp_path_factory.mktemp("tiny-mixtral")),
         "sliding": build_tiny_sliding_mistral(tmp_path_factory.mktemp("tiny-sliding-mistral")),
         "gemma2": build_tiny_gemma2(tmp_path_factory.mktemp("tiny-gemma2")),
+        "bloom": build_tiny_bloom(tmp_path_factory.mktemp("tiny-bloom")),
     }
     return EngineRuns(models, tmp_path_factory.mktemp("engine-runs"))

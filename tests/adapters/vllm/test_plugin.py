@@ -97,3 +97,57 @@ def test_general_plugin_entry_point_is_declared():
     project = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())["project"]
     general = project["entry-points"]["vllm.general_plugins"]
     assert general["devgraph"] == "devgraph.adapters.vllm._plugin:load_general_plugins"
+
+
+def test_bad_switch_value_is_quoted_as_given(monkeypatch):
+    monkeypatch.setenv("DEVGRAPH_VLLM", " Maybe")
+    problem = _plugin.switch_value_error()
+    assert problem.startswith("DEVGRAPH_VLLM=' Maybe' is not understood")
+    assert "set DEVGRAPH_VLLM=1" in problem and "unset DEVGRAPH_VLLM" in problem
+    monkeypatch.setenv("DEVGRAPH_VLLM", " Yes ")  # understood: no problem, quoted as given in messages
+    assert _plugin.switch_value_error() is None
+    assert _plugin.switch_setting() == "DEVGRAPH_VLLM=' Yes '"
+
+
+class _PlatformEP:
+    def __init__(self, name, answer):
+        self.name, self.answer = name, answer
+
+    def load(self):
+        def activate():
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+        return activate
+
+
+def _platform_eps(group):
+    assert group == "vllm.platform_plugins"
+    return [
+        _PlatformEP("devgraph", "devgraph.adapters.vllm._platform.DevgraphPlatform"),
+        _PlatformEP("ascend", "vllm_ascend.platform.NPUPlatform"),
+        _PlatformEP("absent", None),  # its hardware is not here
+        _PlatformEP("broken", RuntimeError("no driver")),  # vLLM treats a failure as inactive
+    ]
+
+
+def test_other_active_platform_plugins_are_found_as_vllm_will_find_them(monkeypatch):
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert _plugin.other_active_platforms(_platform_eps) == ["ascend"]
+    monkeypatch.setenv("VLLM_PLUGINS", "devgraph")  # the fix: vLLM then asks devgraph's only
+    assert _plugin.other_active_platforms(_platform_eps) == []
+
+
+def test_a_second_active_platform_plugin_is_named_with_the_fix_before_vllm_refuses(monkeypatch, caplog):
+    monkeypatch.setenv("DEVGRAPH_VLLM", "1")
+    monkeypatch.setattr(_plugin, "other_active_platforms", lambda: ["ascend"])
+    with caplog.at_level("ERROR", logger="devgraph"):
+        assert _plugin.register() == _plugin.PLATFORM_QUALNAME  # still active: vLLM decides
+    (record,) = caplog.records
+    assert "VLLM_PLUGINS=devgraph" in record.getMessage() and "'ascend'" in record.getMessage()
+    assert "Only one platform plugin can be activated" in record.getMessage()
+    caplog.clear()
+    monkeypatch.setattr(_plugin, "other_active_platforms", lambda: [])
+    _plugin.register()
+    assert not caplog.records

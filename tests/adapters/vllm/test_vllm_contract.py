@@ -120,6 +120,8 @@ def test_the_adapter_uses_no_other_private_vllm_symbol():
     allowed = {q.rpartition(".")[2] for q in PRIVATE_SYMBOLS} | {
         # devgraph's own names and vllm-ascend's (pinned below when vllm-ascend is installed)
         "_update_full_graph_params_if_needed",
+        # instance attributes vLLM's CPU attention reads off the layer (pinned below)
+        *CPU_ATTENTION_LAYER_ATTRIBUTES,
     }
     used = set()
     for path in Path(adapter.__file__).parent.glob("*.py"):
@@ -151,10 +153,11 @@ def test_the_adapter_uses_no_other_private_vllm_symbol():
         "_replay",
         "_prefill",
         "_attend",
-        "_devgraph_note_eager",
+        "_devgraph_note_decode",
         "_pool",
         "_open_group",
         "_reference",
+        "_cpu_attention",
     }
     assert used - own <= allowed, sorted(used - own - allowed)
 
@@ -181,3 +184,37 @@ def test_attention_backend_registry_has_the_custom_slot_and_the_layout():
 
     assert "CUSTOM" in AttentionBackendEnum.__members__
     assert KVCacheLayout.LBNHC.value == (0, 1, 3, 2, 4)
+
+
+#: Attributes of vLLM's attention layer that its CPU attention passes to its kernels, and so does
+#: devgraph's FULL-graph task (_cpu_attention): instance attributes, checked in vLLM's own source.
+CPU_ATTENTION_LAYER_ATTRIBUTES = ("_k_scale_float", "_v_scale_float")
+
+
+def test_cpu_attention_the_full_graph_task_runs_is_vllms():
+    """_cpu_attention subclasses vLLM's CPU_ATTN and calls its kernels with these signatures."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends import cpu_attn
+
+    assert _params(ops.cpu_attn_get_scheduler_metadata) == [
+        "num_reqs", "num_heads", "num_kv_heads", "head_dim", "seq_lens", "dtype", "query_start_loc",
+        "causal", "sliding_window_size", "isa", "enable_kv_split", "dynamic_causal", "kv_cache_dtype",
+    ]  # fmt: skip
+    assert _params(ops.cpu_attention_with_kv_cache) == [
+        "query", "key_cache", "value_cache", "output", "query_start_loc", "seq_lens", "scale", "causal",
+        "alibi_slopes", "sliding_window", "block_table", "softcap", "scheduler_metadata", "s_aux",
+        "dynamic_causal", "k_scale", "v_scale", "kv_cache_dtype",
+    ]  # fmt: skip
+    assert _params(ops.cpu_attn_reshape_and_cache)[:6] == [
+        "key", "value", "key_cache", "value_cache", "slot_mapping", "isa",
+    ]  # fmt: skip
+    # The builder's scheduler parameters the task rebuilds the metadata with, and the metadata
+    # fields it reads.
+    source = inspect.getsource(cpu_attn.CPUAttentionMetadataBuilder)
+    for name in ("self.num_heads", "self.window_size", "self.isa", "VLLM_CPU_ATTN_SPLIT_KV"):
+        assert name in source, name
+    fields = {f.name for f in dataclasses.fields(cpu_attn.CPUAttentionMetadata)}
+    assert {"block_table", "scheduler_metadata", "causal", "dynamic_causal"} <= fields
+    forward = inspect.getsource(cpu_attn.CPUAttentionBackendImpl)
+    for name in CPU_ATTENTION_LAYER_ATTRIBUTES:
+        assert f"layer.{name}" in forward, name

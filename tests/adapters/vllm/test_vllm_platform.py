@@ -43,6 +43,9 @@ def test_broken_setting_fails_at_engine_start_naming_the_switch(tiny_model, tmp_
     assert "DEVGRAPH_VLLM" in last
     if "DEVGRAPH_BACKEND" in setting:
         assert "DEVGRAPH_BACKEND" in last
+    else:  # the value quoted as given, and only the switch's own remedies
+        assert "DEVGRAPH_VLLM='maybe' is not understood" in last
+        assert "DEVGRAPH_VLLM=1 asks" not in last and "DEVGRAPH_BACKEND" not in last
 
 
 def _second_platform_package(tmp_path):
@@ -87,6 +90,10 @@ def test_second_platform_plugin_coexists_through_vllm_plugins_keeping_its_genera
     path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     both = run_python(["-c", PLATFORM_AND_GENERAL_PLUGINS], engine_env(devgraph=True, PYTHONPATH=path))
     assert both.returncode != 0 and "Only one platform plugin can be activated" in both.stderr
+    # devgraph names the fix first, and the package that activated too.
+    fix = both.stderr.find("Set VLLM_PLUGINS=devgraph")
+    assert -1 < fix < both.stderr.find("Only one platform plugin can be activated, but"), both.stderr[-3000:]
+    assert "'fakeaccel'" in both.stderr
     switched = run_python(
         ["-c", PLATFORM_AND_GENERAL_PLUGINS],
         engine_env(devgraph=True, PYTHONPATH=path, VLLM_PLUGINS="devgraph"),

@@ -219,25 +219,65 @@ def test_full_capture_that_records_no_attention_task_is_refused(cpu):
     assert wrapper.entries == {}
 
 
-def test_decode_batch_above_the_largest_capture_size_is_counted_and_logged_once(cpu, caplog):
+def _decode_steps(runner, config, steps):
     from _fake_engine import metadata
-    from vllm.config import CUDAGraphMode
     from vllm.forward_context import set_forward_context
 
-    from devgraph.adapters.vllm import _runner, reset_stats, stats
+    for tokens, mode in steps:
+        with set_forward_context(metadata([3] * tokens), config, cudagraph_runtime_mode=mode):
+            assert runner._model_forward(input_ids=torch.zeros(tokens, dtype=torch.int64)) == "ran"
+
+
+def _over_size_runner():
+    from devgraph.adapters.vllm import _runner, reset_stats
 
     config = _full_config()
     config.compilation_config.max_cudagraph_capture_size = 8
-    runner = _runner.adopt_model_runner(_GpuLikeRunner(config, None))
+    config.scheduler_config.max_num_seqs = 12
     reset_stats()
-    _runner.DevgraphModelRunnerMixin.devgraph_over_size_logged = False
+    return config, _runner.adopt_model_runner(_GpuLikeRunner(config, None))
+
+
+def _eager_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if "decode steps ran eagerly" in r.getMessage()]
+
+
+def test_decode_batches_above_the_largest_capture_size_are_counted_and_reported_once_with_numbers(
+    cpu, caplog
+):
+    from vllm.config import CUDAGraphMode
+
+    from devgraph.adapters.vllm import stats
+
+    config, runner = _over_size_runner()
+    none, full = CUDAGraphMode.NONE, CUDAGraphMode.FULL
     with caplog.at_level(logging.WARNING, logger="devgraph"):
-        for tokens, lens in ((10, [3] * 10), (9, [4] * 9), (4, [5] * 4)):
-            with set_forward_context(metadata(lens), config, cudagraph_runtime_mode=CUDAGraphMode.NONE):
-                assert runner._model_forward(input_ids=torch.zeros(tokens, dtype=torch.int64)) == "ran"
-    assert stats()["eager.over_capture_size"] == 2
-    (record,) = [r for r in caplog.records if "largest graph capture size" in r.getMessage()]
-    assert "max_cudagraph_capture_size" in record.getMessage()
+        # 10 and 9 tokens are above the largest size (8): eager; 4 eager (a prefill-free step vLLM
+        # chose not to replay) is not over-size; 8 and 2 replayed.
+        _decode_steps(runner, config, [(2, full), (10, none), (9, none), (10, none), (4, none), (8, full)])
+        assert stats()["eager.over_capture_size"] == 3
+        assert _eager_warnings(caplog) == []  # a short run: reported at shutdown
+        runner.devgraph_report_eager_decode()  # what the worker's shutdown() calls
+        runner.devgraph_report_eager_decode()
+    (message,) = _eager_warnings(caplog)
+    assert message.startswith("devgraph: 3 of 5 decode steps ran eagerly")  # counted from the first
+    assert "largest graph capture size 8 (batch sizes in tokens: 9 (1x), 10 (2x))" in message
+    assert "capture sizes up to 12: compilation_config={'max_cudagraph_capture_size': 12}" in message
+    assert "lower max_num_seqs to 8" in message
+
+
+def test_over_size_eager_decode_under_load_is_reported_once_after_a_window(cpu, caplog, monkeypatch):
+    from vllm.config import CUDAGraphMode
+
+    from devgraph.adapters.vllm import _runner
+
+    monkeypatch.setattr(_runner.EagerDecodeReport, "WINDOW", 4)
+    config, runner = _over_size_runner()
+    with caplog.at_level(logging.WARNING, logger="devgraph"):
+        _decode_steps(runner, config, [(10, CUDAGraphMode.NONE), (4, CUDAGraphMode.FULL)] * 5)
+        runner.devgraph_report_eager_decode()  # shutdown: already reported, nothing more
+    (message,) = _eager_warnings(caplog)
+    assert message.startswith("devgraph: 2 of 4 decode steps ran eagerly")
 
 
 def test_prefill_batches_above_the_largest_capture_size_are_not_counted(cpu):
@@ -356,7 +396,67 @@ def test_sliding_window_and_soft_cap_use_devgraph_attention_on_cpu_and_are_refus
         limits = _model_attention_limits(type(npu), config)
         assert limits == ["sliding-window attention", "attention logit soft-capping"]
         assert not _devgraph_attention(type(npu), config)
-        with pytest.raises(DevgraphError, match="does not do sliding-window attention or attention logit"):
+        with pytest.raises(
+            DevgraphError,
+            match="this model uses sliding-window attention and attention logit soft-capping, which",
+        ):
             _refuse_attention_limits(type(npu), config)
         config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
         _refuse_attention_limits(type(npu), config)  # no FULL graphs: vLLM-ascend's attention, pieces
+
+
+def _bloom_like():
+    """An ALiBi model's config as vLLM holds it (Bloom: ALiBi by model type)."""
+    return SimpleNamespace(
+        get_sliding_window=lambda: None,
+        hf_text_config=SimpleNamespace(model_type="bloom"),
+        use_mla=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "hf",
+    [
+        {"model_type": "bloom"},
+        {"model_type": "mpt", "attn_config": {"alibi": True}},
+        {"model_type": "falcon", "alibi": True},
+        {"model_type": "jais", "position_embedding_type": "alibi"},
+    ],
+    ids=["bloom", "mpt", "falcon", "jais"],
+)
+def test_alibi_models_are_recognised_from_their_config(hf):
+    from devgraph.adapters.vllm._platform import uses_alibi
+
+    assert uses_alibi(SimpleNamespace(hf_text_config=SimpleNamespace(**hf)))
+    assert not uses_alibi(SimpleNamespace(hf_text_config=SimpleNamespace(model_type="falcon", alibi=False)))
+
+
+def test_alibi_runs_vllms_kernel_on_cpu_and_is_refused_at_the_config_check_on_npu_in_default_words():
+    from vllm.config import CUDAGraphMode
+
+    from devgraph.adapters.vllm._platform import (
+        _attention_backend_qualname,
+        _devgraph_attention,
+        _refuse_attention_limits,
+    )
+    from devgraph_sim.npu import simulated_torch_npu
+
+    config = SimpleNamespace(
+        model_config=_bloom_like(),
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+    )
+    with platform_on("cpu") as cpu:  # vLLM's own CPU kernel takes the ALiBi slopes
+        assert _devgraph_attention(type(cpu), config)
+        assert _attention_backend_qualname(type(cpu)).endswith("_cpu_attention.DevgraphCpuAttentionBackend")
+        _refuse_attention_limits(type(cpu), config)
+    with simulated_torch_npu(), platform_on("npu") as npu:
+        assert _attention_backend_qualname(type(npu)).endswith("_attention.DevgraphAttentionBackend")
+        # Refused before the model (and its weights) loads, in words for a user who chose nothing.
+        with pytest.raises(DevgraphError) as refused:
+            _refuse_attention_limits(type(npu), config)
+        message = str(refused.value)
+        assert "this model uses ALiBi position biases" in message
+        assert "cudagraph_mode=FULL_AND_PIECEWISE (vLLM's default) captures FULL decode graphs" in message
+        assert "compilation_config={'cudagraph_mode': 'PIECEWISE'}" in message
+        config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        _refuse_attention_limits(type(npu), config)  # the platform's own attention, in pieces

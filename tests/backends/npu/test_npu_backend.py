@@ -269,8 +269,11 @@ def test_update_reuses_the_captured_attention_workspace(npu, monkeypatch):
 
     monkeypatch.setattr(npu_kernels, "_attention_scratch", spy)
     graph, *_ = _capture_attention(npu, [5, 9])
-    graph.update({"seq_lens_host": [3, 3]})
+    graph.update({"seq_lens_host": [3, 3], "scale": SCALE})  # not the lengths alone: the kernel runs
     assert len(seen) == 2 and seen[0] is not None and seen[1] is seen[0]
+    # The lengths alone re-issue the launch kept from that run: over the same workspace.
+    (launch,) = graph._launches.values()
+    assert launch.kwargs["workspace"].data_ptr() == seen[0].data_ptr()
 
 
 def test_attention_workspace_is_freed_with_its_graph(npu):
@@ -769,17 +772,17 @@ def test_demo_runs_on_the_npu_simulator_in_bfloat16(capsys):
     assert "torch.bfloat16" in out and "graphed logits match eager" in out
 
 
-def test_torchair_pieces_inside_an_acl_graph_capture_are_refused(monkeypatch):
+def test_torchair_pieces_inside_an_acl_graph_capture_are_refused(sim, monkeypatch):
     # Regression: the npu default compiled pieces with torchair (default max-autotune: a GE graph),
     # then captured them into ACL graphs; vllm-ascend treats the two as exclusive.
     import types
 
-    from devgraph.compile._compilers import compile_piece
+    from devgraph.compile import compile_piece
 
     monkeypatch.setitem(sys.modules, "torchair", types.ModuleType("torchair"))  # importable here
     gm = torch.fx.symbolic_trace(torch.nn.ReLU())
     with pytest.raises(DevgraphError, match="cannot compile pieces that devgraph captures into ACL graphs"):
-        compile_piece("torchair", "submod_0", gm, [torch.zeros(2)])
+        compile_piece("torchair", "submod_0", gm, [torch.zeros(2)], npu_device.NpuDevice(0))
 
 
 def test_npu_default_compile_backend_is_eager_even_with_torchair(sim, monkeypatch):

@@ -67,4 +67,4 @@ def test_piecewise_capture_keeps_to_the_stacks_cap(sim, monkeypatch):
     # 2 pieces per size leave the 2048-stream rule room for all six; the 950's cap keeps four.
     assert len(stats.captured_sizes) == 4 and stats.captured_sizes[-1] == 32
     assert set(stats.captured_sizes) | set(stats.dropped_sizes) == set(sizes)
-    assert graphed.runner.plan.max_sizes == 4
+    assert graphed.runner.pieces.plan.max_sizes == 4

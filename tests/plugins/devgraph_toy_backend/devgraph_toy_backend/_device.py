@@ -1,4 +1,4 @@
-from devgraph.backends.cpu._device import CpuDevice
+from devgraph.backends.cpu import CpuDevice  # the reference device, on the cpu backend's face
 
 
 class ToyDevice(CpuDevice):

@@ -32,6 +32,7 @@ backend. What the simulator adds is the ACL graph machinery around task update:
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -91,11 +92,12 @@ __all__ = [
     "set_stream",
     "stream",
     "synchronize",
+    "update_log",
 ]
 
 
 #: Names in ``__all__`` that are the simulator's own controls, not part of ``torch_npu.npu``.
-SIMULATOR_ONLY = frozenset({"fail_next_capture", "reset_state", "stream_mode"})
+SIMULATOR_ONLY = frozenset({"fail_next_capture", "reset_state", "stream_mode", "update_log"})
 
 #: What ``capture_begin`` raises, per failure ``fail_next_capture`` can inject: the words torch_npu
 #: 2.13 / CANN print (vllm-ascend issues 9691 and 8393).
@@ -115,6 +117,10 @@ CAPTURE_FAILURES = {
 }
 
 
+#: How many task-update begin/end calls ``update_log`` remembers (the oldest are dropped).
+UPDATE_LOG_LENGTH = 100_000
+
+
 class _DeviceState:
     """Process-wide state of the one simulated NPU."""
 
@@ -125,6 +131,11 @@ class _DeviceState:
         self.updating: dict[int, _Update] = {}  # stream id -> task update in progress on it
         self.sched = Scheduler()
         self.fail_captures: list[str] = []  # failures the next capture_begin calls raise
+        #: every graph_task_update_begin/end, in host order: (thread ident, "begin" | "end",
+        #: graph id, task group index); see ``update_log``
+        self.update_log: collections.deque[tuple[int, str, int, int | None]] = collections.deque(
+            maxlen=UPDATE_LOG_LENGTH
+        )
 
 
 _STATE = _DeviceState()
@@ -147,6 +158,7 @@ def reset_state(mode: str = "eager", hang_timeout: float = 2.0) -> list[tuple[in
     work that was still queued (blocked)."""
     _STATE.tls.stream_id = 0
     _STATE.fail_captures.clear()
+    _STATE.update_log.clear()
     for graph_ in list(_STATE.capturing.values()):
         graph_._abandon()
     _STATE.capturing.clear()
@@ -157,6 +169,14 @@ def reset_state(mode: str = "eager", hang_timeout: float = 2.0) -> list[tuple[in
     left = _STATE.sched.clear()
     _STATE.sched = Scheduler(mode, hang_timeout)
     return left
+
+
+def update_log() -> list[tuple[int, str, int, int | None]]:
+    """Every ``graph_task_update_begin`` / ``graph_task_update_end`` since the simulator block began
+    (at most ``UPDATE_LOG_LENGTH``), in the order the host issued them: ``(thread ident, "begin" |
+    "end", graph id, task group index)``. Two host threads submitting task updates at once fail
+    inside CANN (sglang-omni #2160); this shows whether their sequences interleaved."""
+    return list(_STATE.update_log)
 
 
 def stream_mode() -> tuple[str, float]:
@@ -669,6 +689,7 @@ def graph_task_update_begin(stream, handle):
     recorder = _SimRecorder(handle.graph._pool_token.pool, new, updating=True)
     recorder.__enter__()
     _STATE.updating[stream.stream_id] = _Update(recorder, handle, new)
+    _STATE.update_log.append((threading.get_ident(), "begin", handle.graph._id, new.group_index))
 
 
 def _tasks(segment: Segment) -> list[str]:
@@ -686,6 +707,9 @@ def graph_task_update_end(stream):
     update = _STATE.updating.pop(stream.stream_id, None)
     if update is None:
         raise RuntimeError("graph_task_update_end without graph_task_update_begin on this stream")
+    _STATE.update_log.append(
+        (threading.get_ident(), "end", update.handle.graph._id, update.segment.group_index)
+    )
     update.recorder.__exit__(None, None, None)
     old, new = update.handle.segment, update.segment
     issued, captured = _tasks(new), _tasks(old)

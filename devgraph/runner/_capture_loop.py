@@ -1,158 +1,82 @@
-"""What ``GraphRunner`` and ``PiecewiseRunner`` share besides their ``StaticInputs``.
+"""``CaptureLoop``: how every part of a runner captures its sizes.
 
-Each runner is composed of these pieces, none of them a base class:
-
-* ``ThreadOwner``: the one live thread a runner serves while its outputs are views of graph memory;
-* ``Accounts``: calls run eagerly, counted and warned about once (``note_fallback``), recaptures;
-* ``CaptureLoop``: every size captured largest first into one pool on one side stream, with
-  garbage collection frozen, all sizes or none (``all_or_nothing``: what warm-ups and capture
-  change in the model is put back, and a forward that rebinds state is refused);
-* ``SharedCapture``: one pool and one side stream for two runners (``full_and_piecewise``).
+Every size captured largest first into one shared pool on one side stream (a ``SharedPool``:
+parts of one runner share it in ``full_and_*`` modes), with garbage collection frozen
+(``gc_frozen``), all sizes or none (``all_or_nothing``: what warm-ups and capture change in the
+model is put back, and a forward that rebinds state is refused).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import threading
 import time
-import warnings
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
+from devgraph._console import announce
 from devgraph._errors import CaptureError, DevgraphError
-from devgraph._source import user_stacklevel
-from devgraph.graph._contract import Device, MemoryPool, Stream
+from devgraph.graph import Device, SharedPool
+from devgraph.runner._accounts import Accounts
 from devgraph.runner._calls import Call
 from devgraph.runner._config import RunnerConfig, RunnerStats
 from devgraph.runner._inputs import StaticInputs, ambient
+from devgraph.runner._model_state import ModuleState, capture_warnings
+from devgraph.runner._progress import progress, size_ranges
 from devgraph.runner._ranks import RankCheck, capture_context, check_capture
-from devgraph.runner._state import ModuleState, capture_warnings
-from devgraph.runner._util import gc_frozen, progress, size_ranges
 
-__all__ = ["Accounts", "CaptureLoop", "Prepare", "SharedCapture", "ThreadOwner"]
+__all__ = ["CaptureLoop", "Prepare", "gc_frozen"]
 
 logger = logging.getLogger("devgraph")
 
 #: ``prepare(size)`` returns ``(warm_up, capture)``: one eager run of the model at ``size``, and
-#: the capture of that size into ``(pool, stream)``.
-Prepare = Callable[[int], tuple[Callable[[], Any], Callable[[MemoryPool, Stream], None]]]
+#: the capture of that size (into the part's graph set, on the shared pool's stream).
+Prepare = Callable[[int], tuple[Callable[[], Any], Callable[[], None]]]
 
 
-class _Captures(Protocol):
-    @property
-    def captured(self) -> bool: ...
+class _GcState:
+    """What ``gc_frozen`` found on entry, kept while any thread is inside it."""
+
+    lock = threading.RLock()
+    depth = 0
+    was_enabled = True
+    froze = False
 
 
-class SharedCapture:
-    """One pool and one side stream for runners that capture into both (vLLM captures its full and
-    piecewise graphs into one global pool). Without one, a runner makes a fresh pool per capture.
+@contextlib.contextmanager
+def gc_frozen() -> Iterator[None]:
+    """Collect once, then freeze and disable collection while capturing; restore exactly what was found.
 
-    A pool whose graphs were all reset is never captured into again (CUDA's allocator asserts on
-    it): ``get`` makes a fresh pool whenever none of the runners sharing it holds graphs.
+    A collection during capture would walk every live object (``torch.cuda.graph`` collects on
+    entry, SGLang freezes for that reason). The application's own state comes back as it was: gc
+    enabled or disabled, and the objects it froze itself (vLLM and SGLang ``gc.freeze()`` after
+    start-up) stay frozen. ``gc.unfreeze()`` is all or nothing, so when the application has frozen
+    objects already, devgraph freezes nothing more (collection stays disabled while capturing).
+    Nested and concurrent uses share one entry: the first in saves the state, the last out restores it.
     """
-
-    def __init__(self, device: Device) -> None:
-        self.device = device
-        self.users: list[_Captures] = []
-        self._pool: MemoryPool | None = None
-        self._stream: Stream | None = None
-
-    def get(self) -> tuple[MemoryPool, Stream]:
-        if self._pool is None or not any(runner.captured for runner in self.users):
-            self._pool = self.device.pool()
-        if self._stream is None:
-            self._stream = self.device.stream()
-        return self._pool, self._stream
-
-
-class ThreadOwner:
-    """The thread a runner serves (``claim``, under the runner's lock).
-
-    Outputs are views of graph memory that the next replay overwrites. The lock serialises calls,
-    but a thread reads its outputs after the lock is released; if another thread's call replayed
-    in between, it would read that call's result. So without ``clone_outputs`` one live thread at a
-    time uses a runner: a call from a second one is refused while the first is alive. With
-    ``clone_outputs=True`` outputs are copied under the lock and any thread may call.
-    ``caller_serialises``: the caller consumes every output under a lock of its own before any
-    other call (the Hugging Face adapter's ``generate``).
-    """
-
-    def __init__(self, config: RunnerConfig, caller_serialises: bool) -> None:
-        self.free = config.clone_outputs or caller_serialises
-        # The thread whose outputs are views of graph memory; None: nobody's yet.
-        self.owner: threading.Thread | None = None
-
-    def claim(self) -> None:
-        """Make the calling thread the one served, or refuse it.
-
-        Raises:
-            DevgraphError: another live thread holds outputs that are views of graph memory.
-        """
-        if self.free:
-            return
-        me, owner = threading.current_thread(), self.owner
-        if owner is None or owner is me or not owner.is_alive():
-            self.owner = me
-            return
-        raise DevgraphError(
-            f"this graphed model is already used by thread {owner.name!r}, and its outputs are views of "
-            "graph memory that the next call overwrites: a call from this thread "
-            f"({me.name!r}) would replace the result {owner.name!r} is reading. Wrap with "
-            "clone_outputs=True to call it from several threads (each call then returns its own copy), "
-            "or wrap the model once per thread"
-        )
-
-
-class Accounts:
-    """What a runner counts in its ``stats`` and warns about once: eager calls by reason, recaptures.
-
-    ``warned`` holds the categories already warned about (capture warnings use it too).
-    ``serve_what`` says in ``strict=True`` errors what could not be done ("from a graph").
-    """
-
-    def __init__(
-        self, config: RunnerConfig, stats: RunnerStats, lock: threading.RLock, serve_what: str
-    ) -> None:
-        self.config = config
-        self.stats = stats
-        self.lock = lock
-        self.serve_what = serve_what
-        self.warned: set[str] = set()
-
-    def note_fallback(self, category: str, detail: str) -> None:
-        """Account for a call served without graphs: raise when ``strict``, else count it in
-        ``stats.fallbacks[category]`` and ``stats.eager_calls`` and warn once per category.
-
-        Raises:
-            DevgraphError: ``strict=True``.
-        """
-        if self.config.strict:
-            raise DevgraphError(f"cannot serve this call {self.serve_what} (strict=True): {detail}")
-        with self.lock:
-            self.stats.fallbacks[category] = self.stats.fallbacks.get(category, 0) + 1
-            self.stats.eager_calls += 1
-            first = category not in self.warned
-            self.warned.add(category)
-        if first:
-            warnings.warn(
-                f"devgraph: running eagerly ({category}): {detail}. "
-                "Further calls like this fall back silently; see .stats.fallbacks.",
-                stacklevel=user_stacklevel(),
-            )
-
-    def note_recapture(self, replaced: str) -> None:
-        """A weight was replaced since capture (the caller dropped its graphs): count it, warn once."""
-        self.stats.recaptures += 1
-        if "recapture" not in self.warned:
-            self.warned.add("recapture")
-            warnings.warn(
-                f"devgraph: {replaced} was replaced since capture; capturing again (stats.recaptures counts "
-                "this). To keep the graphs, load new weights in place: param.copy_(new), or "
-                "load_state_dict(sd) without assign=True",
-                stacklevel=user_stacklevel(),
-            )
+    with _GcState.lock:
+        if _GcState.depth == 0:
+            _GcState.was_enabled = gc.isenabled()
+            gc.disable()
+            gc.collect()
+            _GcState.froze = gc.get_freeze_count() == 0
+            if _GcState.froze:
+                gc.freeze()
+        _GcState.depth += 1
+    try:
+        yield
+    finally:
+        with _GcState.lock:
+            _GcState.depth -= 1
+            if _GcState.depth == 0:
+                if _GcState.froze:
+                    gc.unfreeze()
+                if _GcState.was_enabled:
+                    gc.enable()
 
 
 class CaptureLoop:
@@ -171,7 +95,7 @@ class CaptureLoop:
         stats: RunnerStats,
         accounts: Accounts,
         *,
-        shared: SharedCapture | None,
+        shared: SharedPool,
         size_noun: str,
         size_options: str,
     ) -> None:
@@ -251,12 +175,9 @@ class CaptureLoop:
         ``all_or_nothing``, which drops everything when a size fails.
         """
         inputs, device = self.inputs, self.device
-        if self.shared is not None:
-            pool, stream = self.shared.get()
-        else:
-            # One side stream for every size: CUDA's allocator reuses a shared pool's freed blocks
-            # only on the stream that allocated them.
-            pool, stream = device.pool(), device.stream()
+        # One side stream for every size: CUDA's allocator reuses a shared pool's freed blocks only
+        # on the stream that allocated them.
+        stream = self.shared.stream or device.capture_stream()
         # every rank captures these sizes, or every rank raises
         self.rank_check = check_capture(
             self.config, device.torch_device.type, sizes, self.size_noun, self.size_options
@@ -279,7 +200,7 @@ class CaptureLoop:
                         warm_up()
                 device.synchronize()
                 try:
-                    capture(pool, stream)
+                    capture()
                 except CaptureError as err:
                     better = f"{err.remedy}; {remedy}" if err.remedy else remedy
                     raise err.with_batch_size(size, better) from err
@@ -297,7 +218,8 @@ class CaptureLoop:
         stats.pool_bytes = device.memory_stats().reserved - before
         stats.captured_sizes = tuple(sorted(sizes))
         if sizes:
-            logger.info(
+            announce(  # on stderr by default (devgraph._console), quiet with DEVGRAPH_QUIET=1
+                logger,
                 "devgraph: %s on %s in %.2f s, pool %.1f MiB%s",
                 summary.format(sizes=size_ranges(sorted(sizes))),
                 device,

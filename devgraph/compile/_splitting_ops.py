@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from devgraph.graph._opnames import lookup_op
+from devgraph.graph import lookup_op
 
 __all__ = [
     "SYM_OPS",

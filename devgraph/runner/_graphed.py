@@ -1,58 +1,24 @@
-"""``GraphedModule``: what ``devgraph.wrap`` returns, a model whose calls a graph runner serves.
+"""``GraphedModule``: what ``devgraph.wrap`` returns, a model whose calls a ``GraphRunner`` serves.
 
-It sits below ``_wrap`` (which picks the runner) and the adapters (the Hugging Face adapter's
-``GraphedCausalLM`` extends it), so neither needs the other for it.
+The Hugging Face adapter's ``GraphedCausalLM`` extends it. ``devgraph.GraphedModule`` loads it on
+first use (the runner layer imports torch; ``import devgraph`` does not).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from devgraph._errors import DevgraphError
-from devgraph.graph._contract import Device
+from devgraph.graph import Device
 
-if TYPE_CHECKING:  # torch is imported when first needed: ``import devgraph`` stays cheap
+if TYPE_CHECKING:
     import torch
 
-__all__ = ["GraphedModule", "Runner", "RunnerCounters"]
+    from devgraph.runner._config import RunnerStats
+    from devgraph.runner._runner import GraphRunner
 
-
-class RunnerCounters(Protocol):
-    """What every runner's ``stats`` counts (``devgraph.runner.RunnerStats`` and its subclasses)."""
-
-    replays: int
-    eager_calls: int
-    fallbacks: dict[str, int]
-    capture_seconds: float
-    pool_bytes: int
-    captured_sizes: tuple[int, ...]
-    recaptures: int
-
-
-class Runner(Protocol):
-    """What ``GraphedModule`` needs of the runner serving its calls.
-
-    ``devgraph.runner.GraphRunner`` and ``devgraph.runner.PiecewiseRunner`` are the two; the runner
-    layer sits above this module, so it is named here by what it does.
-    """
-
-    device: Device
-    sizes: list[int]
-
-    @property
-    def stats(self) -> RunnerCounters: ...
-
-    @property
-    def captured(self) -> bool: ...
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def capture(self, *example_args: Any, **example_kwargs: Any) -> object: ...
-
-    def reset(self) -> None: ...
-
-    def note_fallback(self, category: str, detail: str) -> None: ...
+__all__ = ["GraphedModule"]
 
 
 class GraphedModule:
@@ -68,7 +34,7 @@ class GraphedModule:
     captures again. Moving the model off the wrapper's device is refused: wrap it again there.
     """
 
-    def __init__(self, module: Any, runner: Runner) -> None:
+    def __init__(self, module: Any, runner: GraphRunner) -> None:
         self.module = module  # an nn.Module or any callable: the user's model
         self.runner = runner
 
@@ -81,7 +47,7 @@ class GraphedModule:
         return self
 
     @property
-    def stats(self) -> RunnerCounters:
+    def stats(self) -> RunnerStats:
         """Counters: replays, eager calls, fallbacks by reason, capture seconds, pool bytes."""
         return self.runner.stats
 
@@ -150,9 +116,11 @@ class GraphedModule:
         the wrapper where the module returned itself."""
         if to_device is not None:
             self._check_device(name, to_device)
-        before = _captured_state(self.module)
+        from devgraph.runner._weights import captured_state
+
+        before = captured_state(self.module)
         result = getattr(self.module, name)(*args, **kwargs)
-        if _captured_state(self.module) != before:
+        if captured_state(self.module) != before:
             self._drop_graphs()  # weights moved, cast or replaced, or a training flag flipped
         return self if result is self.module else result
 
@@ -181,17 +149,3 @@ class GraphedModule:
         return (
             f"<GraphedModule {type(self.module).__name__} on {self.runner.device}, sizes {self.runner.sizes}>"
         )
-
-
-def _captured_state(
-    module: Any,
-) -> tuple[list[tuple[str, int, torch.dtype, torch.device]], list[bool]] | None:
-    """What graphs depend on besides the inputs: every weight's address, dtype and device, and
-    every submodule's training flag (None for a plain callable)."""
-    if not hasattr(module, "named_parameters"):
-        return None
-    weights = [
-        (name, t.data_ptr(), t.dtype, t.device)
-        for name, t in [*module.named_parameters(), *module.named_buffers()]
-    ]
-    return weights, [m.training for m in module.modules()]

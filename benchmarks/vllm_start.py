@@ -1,0 +1,177 @@
+"""vLLM engine start time on CPU with devgraph (``DEVGRAPH_VLLM=1``) against the same engine without.
+
+Each run is its own process (vLLM resolves its platform once per process): it imports vLLM, then
+times ``LLM(...)`` (model load, KV cache, and with devgraph the capture of vLLM's FULL decode graphs;
+vLLM's default compilation config, ``max_num_seqs=8``: capture sizes 1, 2, 4, 8) and generates a few
+greedy tokens, which must be identical both ways. Modes:
+
+* ``plain``: vLLM without devgraph, its default config (on CPU: no graphs, the model compiled by
+  Dynamo; warm once its compile cache is, if vLLM can load it back);
+* ``plain-eager``: vLLM without devgraph, ``enforce_eager=True`` (nothing compiled: the least a start does);
+* ``devgraph``: ``DEVGRAPH_VLLM=1``, vLLM's default config (FULL decode graphs through devgraph, model
+  uncompiled).
+
+Each run also reports the seconds of vLLM's ``capture_model()`` inside the start (timed by this
+script's child around vLLM's method): devgraph's graph capture, the part of the start it adds.
+
+One untimed run of each mode first warms the caches (vLLM's compile cache, the OS file cache), then
+``--pairs`` rounds run every mode once, in an order rotating per round, so that a load spike of this
+shared machine hits each mode alike. Reported: min and median ``LLM(...)`` seconds per mode, and the
+ratios devgraph/plain, devgraph/plain-eager of the medians and of the per-round pairs.
+
+Needs the vLLM test environment (``nox -s tests-vllm --install-only`` builds it)::
+
+    .nox/tests-vllm/bin/python benchmarks/vllm_start.py --pairs 3
+
+Writes ``<out>/vllm_start.json`` beside ``sglang_start.json``; exits 1 if the median ratio to the
+``--baseline`` mode is above ``--target`` (1.5) or tokens differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_TESTS = ROOT / "tests" / "adapters" / "vllm"
+TARGET = 1.5
+MODES = ("plain", "plain-eager", "devgraph")
+
+#: The child: import vLLM (untimed), time LLM(...), generate, write JSON.
+CHILD = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+model, mode, out = sys.argv[1:4]
+kwargs = {"enforce_eager": True} if mode == "plain-eager" else {}
+# The share of the start that graph capture takes (this harness's own timer around vLLM's method).
+capture_s = [0.0]
+capture_model = GPUModelRunner.capture_model
+def timed_capture(self, *args, **kwargs):
+    t = time.perf_counter()
+    try:
+        return capture_model(self, *args, **kwargs)
+    finally:
+        capture_s[0] += time.perf_counter() - t
+GPUModelRunner.capture_model = timed_capture
+start = time.perf_counter()
+llm = LLM(model=model, dtype="float32", seed=0, max_model_len=128, max_num_seqs=8, **kwargs)
+started = time.perf_counter() - start
+res = llm.generate(["w1 w2 w3", "w5 w6", "w9"], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+stats = {}
+if mode == "devgraph":
+    from devgraph.adapters.vllm import stats as devgraph_stats
+    stats = devgraph_stats()
+json.dump({"start_s": started, "capture_s": capture_s[0], "stats": stats,
+           "tokens": [list(r.outputs[0].token_ids) for r in res]}, open(out, "w"))
+"""
+
+
+def run(model_dir: Path, mode: str, tmp: Path, timeout: int) -> dict:
+    out = tmp / f"{mode}-{time.monotonic_ns()}.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEVGRAPH_", "VLLM_"))}
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_LOGGING_LEVEL="WARNING",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    if mode == "devgraph":
+        env.update(DEVGRAPH_VLLM="1", DEVGRAPH_BACKEND="cpu")
+    cmd = [sys.executable, "-c", CHILD, str(model_dir), mode, str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"engine ({mode}) failed:\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def summary(values: list[float]) -> dict:
+    return {"min_s": round(min(values), 2), "median_s": round(statistics.median(values), 2), "runs": values}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pairs", type=int, default=3, help="rounds of one timed run per mode")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--baseline", default="plain-eager", choices=MODES)
+    parser.add_argument("--target", type=float, default=TARGET)
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    sys.path.insert(0, str(VLLM_TESTS))
+    from _tiny_model import build_tiny_llama
+
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    captures: dict[str, list[float]] = {m: [] for m in modes}
+    tokens: dict[str, list] = {}
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model_dir = build_tiny_llama(tmp / "llama")
+        for mode in modes:  # warm-up: caches filled, not timed
+            tokens[mode] = run(model_dir, mode, tmp, args.timeout)["tokens"]
+            print(f"warm-up {mode} done", flush=True)
+        for i in range(args.pairs):
+            order = modes[i % len(modes) :] + modes[: i % len(modes)]
+            row = {}
+            for mode in order:
+                result = run(model_dir, mode, tmp, args.timeout)
+                times[mode].append(round(result["start_s"], 2))
+                captures[mode].append(round(result["capture_s"], 2))
+                row[mode] = round(result["start_s"], 2)
+                row[f"{mode}_capture"] = round(result["capture_s"], 2)
+                if result["tokens"] != tokens[mode]:
+                    raise SystemExit(f"{mode}: tokens changed between runs")
+            rounds.append(row)
+            print("round", i, row, flush=True)
+    import torch
+    import vllm
+
+    import devgraph
+
+    report = {
+        "benchmark": "vllm_start",
+        "what": "seconds LLM(...) takes to return on cpu (tiny Llama, fp32, max_num_seqs=8), devgraph on vs off",
+        "target_ratio": args.target,
+        "baseline": args.baseline,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, shared (noisy)",
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "devgraph": devgraph.__version__,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "modes": {
+            m: {**summary(v), "capture_median_s": statistics.median(captures[m])} for m, v in times.items()
+        },
+        "rounds": rounds,
+        "tokens_identical": all(tokens[m] == tokens[modes[0]] for m in modes),
+    }
+    if "devgraph" in times:
+        for base in (m for m in modes if m != "devgraph"):
+            pairs = [r["devgraph"] / r[base] for r in rounds]
+            report[f"ratio_devgraph_to_{base}"] = {
+                "of_medians": round(statistics.median(times["devgraph"]) / statistics.median(times[base]), 2),
+                "pairs_min": round(min(pairs), 2),
+                "pairs_median": round(statistics.median(pairs), 2),
+            }
+    for key, value in report.items():
+        if key.startswith(("modes", "ratio_", "tokens_")):
+            print(key, value)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "vllm_start.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+    ratio = report.get(f"ratio_devgraph_to_{args.baseline}", {}).get("of_medians", 0.0)
+    return 0 if ratio <= args.target and report["tokens_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""A ``CaptureError`` inside a Hugging Face model's own code, said so that its user can act on it.
+
+The capture guard's remedy ("create the tensor before capture", "keep the value on the device") is
+advice for whoever can edit the offending line; for a transformers model that is transformers. The
+user of the model can change the transformers release, generate eagerly, or (when the prefill pieces
+were refused) use ``mode='full'``; ``mode=`` does not help a refused decode step, which every mode
+captures whole. ``refusal`` rebuilds the error to say that, naming the model's module and line.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from devgraph._errors import CaptureError
+
+__all__ = ["refusal"]
+
+
+def _in_model_code(model: Any, source: str | None) -> str:
+    """Whose code the refused line is: the model's modeling module, transformers, or the user's."""
+    module = type(model).__module__
+    if source is None:
+        return f"somewhere in the model's forward ({module}; the line is not known)"
+    path = source.split(":", 1)[0]
+    if module.startswith("transformers.") and f"{os.sep}transformers{os.sep}" in path:
+        return f"the model's own code in transformers ({module}), not yours"
+    return "your code"
+
+
+def refusal(model: Any, err: CaptureError, stage: str) -> CaptureError:
+    """``err`` for a user of ``model``: where the line is and what they can do.
+
+    ``stage`` is ``"decode"`` (the decode step's graphs) or ``"prefill"`` (the piecewise prefill's pieces).
+    """
+    from transformers import __version__
+
+    name = type(model).__name__
+    where = _in_model_code(model, err.source)
+    if stage == "decode":
+        mode_advice = (
+            "mode= does not help: every mode captures the decode step whole; this wrapper now runs "
+            "generate() eagerly (model.generate), counted in stats.fallbacks['capture_refused']"
+        )
+    else:
+        mode_advice = (
+            "or wrap with mode='full' (the prefill runs eagerly, decode from graphs); this wrapper now "
+            "prefills eagerly, counted in stats.fallbacks['capture_refused']"
+        )
+    remedy = (
+        f"the refused line is {where}. What you can do: try another transformers release (this is "
+        f"{__version__}; the model's code changes between releases), or generate eagerly with "
+        f"model.generate(...); {mode_advice}"
+    )
+    if where == "your code" and err.remedy:
+        remedy = f"{err.remedy}; {remedy}"
+    out = CaptureError(
+        f"{name}'s {stage} step cannot be captured: {err.message}",
+        op=err.op,
+        source=err.source,
+        remedy=remedy,
+        batch_size=err.batch_size,
+    )
+    return out

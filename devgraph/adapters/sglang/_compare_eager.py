@@ -1,0 +1,60 @@
+"""``DEVGRAPH_COMPARE_EAGER=n`` for SGLang: every n-th replayed step also runs eagerly and is compared.
+
+The backend's hook lines call ``remember`` at capture (the step's forward function for that shape)
+and ``replayed`` after a replay, only when ``CHECK`` is set (off by default: a replay then pays one
+attribute test). The eager run is SGLang's own forward function of the shape, on the same static
+batch the replay read; its ``LogitsProcessorOutput.next_token_logits`` give each row's margins. A flip
+that is not a near-tie bisects the step (``devgraph.bisect`` of that forward function). Each comparison
+is counted in the backend's stats (``eager_checks``, mirrored to ``DEVGRAPH_SGLANG_STATS``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from devgraph.adapters.sglang import _stats
+from devgraph.debug import BisectOptions, EagerCheck, eager_check_from_env
+from devgraph.debug import bisect as devgraph_bisect
+
+__all__ = ["CHECK", "configure", "remember", "replayed"]
+
+CHECK: EagerCheck | None = None
+_FORWARDS: weakref.WeakKeyDictionary[Any, dict[Any, Callable[[], Any]]] = weakref.WeakKeyDictionary()
+
+
+def configure(environ: Any = None) -> EagerCheck | None:
+    """(Re)read ``DEVGRAPH_COMPARE_EAGER``; returns the check (None: off)."""
+    global CHECK
+    CHECK = eager_check_from_env("sglang", environ)
+    return CHECK
+
+
+def remember(backend: Any, shape_key: Any, forward_fn: Callable[[], Any]) -> None:
+    """Keep the forward function ``backend`` captured for ``shape_key`` (the eager side of a check)."""
+    _FORWARDS.setdefault(backend, {})[shape_key] = forward_fn
+
+
+def _logits(output: Any) -> Any:
+    return getattr(output, "next_token_logits", output)
+
+
+def replayed(backend: Any, shape_key: Any, output: Any) -> None:
+    """On a sampled step, run the shape's forward function eagerly and compare with ``output``."""
+    check = CHECK
+    if check is None:
+        return
+    forward = _FORWARDS.get(backend, {}).get(shape_key)
+    if forward is None or not check.due():
+        return
+
+    def bisect() -> Any:
+        return devgraph_bisect(forward, bisect_options=BisectOptions(device=backend.device))
+
+    result = check.compare(output, forward, _logits, bisect)
+    entry = {"step": result.step, "max_abs": result.max_abs, "rows": result.rows, "flips": len(result.flips)}
+    _stats.record(lambda s: s.eager_checks.append(entry))
+
+
+configure()

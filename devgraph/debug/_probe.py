@@ -1,0 +1,136 @@
+"""The op probe: a dispatch mode that keeps a copy of every op's output, in order.
+
+Entered *inside* a graph capture it is the innermost mode, so the copies it makes are ordinary ops
+of the captured work: the capture records them (on the CPU reference its op recorder, on CUDA and
+NPU the capture stream), they land in the graph's pool, and every replay refills them with the
+replayed values. That is what makes the probe backend-neutral: it asks nothing of a backend but the
+graph contract. Entered around an eager run it keeps the eager values, and it fills the memory of
+ops that return it uninitialised (``empty``) with NaN, so a later read of memory no op wrote shows
+as a difference instead of passing by chance.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from devgraph._source import is_user_path, render, skip_dirs
+
+__all__ = ["OpRecord", "OpProbe", "module_names"]
+
+#: ops whose output memory is uninitialised: nothing to compare, and eager fills them (``poison``)
+UNINITIALISED = frozenset(
+    {
+        "aten::empty",
+        "aten::empty_strided",
+        "aten::empty_like",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+        "aten::empty_permuted",
+    }
+)
+
+
+@attrs.define(eq=False)
+class OpRecord:
+    """One op of a run: its name, where the user's code called it, and copies of its outputs."""
+
+    index: int
+    op: str
+    source: str | None
+    module: str | None
+    outputs: list[torch.Tensor]
+
+
+def module_names(target: Any) -> dict[int, str]:
+    """``id(submodule) -> qualified name`` of every submodule of ``target`` (empty for a plain callable)."""
+    named = getattr(target, "named_modules", None)
+    if named is None:
+        return {}
+    return {id(m): (name or type(m).__name__) for name, m in named()}
+
+
+def _is_view(func: Any) -> bool:
+    rets = func._schema.returns
+    return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensor arguments ``func`` writes (``Tensor(a!)``), as they are after the op."""
+    written: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return written
+
+
+def _where(modules: Mapping[int, str], skip: tuple[str, str]) -> tuple[str | None, str | None]:
+    """The user's source line and the innermost ``nn.Module`` of ``modules`` on the current stack."""
+    source = module = None
+    frame = sys._getframe(2)
+    while frame is not None and (source is None or (modules and module is None)):
+        if source is None:
+            path = os.path.abspath(frame.f_code.co_filename)
+            if is_user_path(path, skip):
+                source = render(path, frame.f_lineno)
+        if modules and module is None:
+            owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+            if owner is not None:
+                module = modules.get(id(owner))
+        frame = frame.f_back  # type: ignore[assignment]
+    return source, module
+
+
+class OpProbe(TorchDispatchMode):
+    """Keep a copy of every op's tensor outputs in ``records`` (see the module docstring).
+
+    Args:
+        modules: ``id(submodule) -> name`` (``module_names``) for the records' module path.
+        poison: fill uninitialised outputs with NaN (eager runs; never inside a capture, where the
+            fill would be captured and hide what a replay leaves in that memory).
+        records: the list to append to (default: a new one).
+    """
+
+    def __init__(
+        self,
+        modules: Mapping[int, str] | None = None,
+        *,
+        poison: bool = False,
+        records: list[OpRecord] | None = None,
+    ) -> None:
+        super().__init__()
+        #: shared by the probes of one run's several captures (the pieces of a piecewise graph)
+        self.records: list[OpRecord] = [] if records is None else records
+        self.modules = dict(modules or {})
+        self.poison = poison
+        self._skip = skip_dirs()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not isinstance(func, torch._ops.OpOverload) or _is_view(func):
+            return out  # a view computes nothing: its base's op was compared
+        name = func._schema.name
+        leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+        if not leaves:  # an op that writes its arguments and returns nothing (a kernel given ``out``)
+            leaves = _written(func, args, kwargs or {})
+        if not leaves:
+            return out
+        if name in UNINITIALISED:
+            if self.poison:
+                for t in leaves:
+                    if t.is_floating_point() or t.is_complex():
+                        t.fill_(float("nan"))
+            return out
+        source, module = _where(self.modules, self._skip)
+        copies = [t.detach().clone() for t in leaves]
+        self.records.append(OpRecord(len(self.records), name, source, module, copies))
+        return out

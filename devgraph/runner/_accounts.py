@@ -1,0 +1,65 @@
+"""``Accounts``: what a runner counts in its ``stats`` and warns about once (eager calls by reason,
+recaptures)."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+from devgraph._errors import DevgraphError
+from devgraph._fallback_fixes import with_fix
+from devgraph._source import user_stacklevel
+from devgraph.runner._config import RunnerConfig, RunnerStats
+
+__all__ = ["Accounts"]
+
+
+class Accounts:
+    """What a runner counts in its ``stats`` and warns about once: eager calls by reason, recaptures.
+
+    ``warned`` holds the categories already warned about (capture warnings use it too).
+    ``serve_what`` says in ``strict=True`` errors what could not be done ("from a graph").
+    """
+
+    def __init__(
+        self, config: RunnerConfig, stats: RunnerStats, lock: threading.RLock, serve_what: str
+    ) -> None:
+        self.config = config
+        self.stats = stats
+        self.lock = lock
+        self.serve_what = serve_what
+        self.warned: set[str] = set()
+
+    def note_fallback(self, category: str, detail: str) -> None:
+        """Account for a call served without graphs: raise when ``strict``, else count it in
+        ``stats.fallbacks[category]`` and ``stats.eager_calls`` and warn once per category.
+
+        Raises:
+            DevgraphError: ``strict=True``.
+        """
+        detail = with_fix(category, detail)  # every warning (and strict error) names the fix
+        if self.config.strict:
+            raise DevgraphError(f"cannot serve this call {self.serve_what} (strict=True): {detail}")
+        with self.lock:
+            self.stats.fallbacks[category] = self.stats.fallbacks.get(category, 0) + 1
+            self.stats.eager_calls += 1
+            first = category not in self.warned
+            self.warned.add(category)
+        if first:
+            warnings.warn(
+                f"devgraph: running eagerly ({category}): {detail}. "
+                "Further calls like this fall back silently; see .stats.fallbacks.",
+                stacklevel=user_stacklevel(),
+            )
+
+    def note_recapture(self, replaced: str) -> None:
+        """A weight was replaced since capture (the caller dropped its graphs): count it, warn once."""
+        self.stats.recaptures += 1
+        if "recapture" not in self.warned:
+            self.warned.add("recapture")
+            warnings.warn(
+                f"devgraph: {replaced} was replaced since capture; capturing again (stats.recaptures counts "
+                "this). To keep the graphs, load new weights in place: param.copy_(new), or "
+                "load_state_dict(sd) without assign=True",
+                stacklevel=user_stacklevel(),
+            )

@@ -1,0 +1,346 @@
+"""``Pieces``: the runner part that cuts a model at its splitting ops and captures each piece per size.
+
+Instead of one graph per size it traces the model once with Dynamo (``DevgraphCompiler``: aten
+lowering, passes, split, per-piece compile), then captures every piece per size into the runner's
+shared pool, largest size first. A replay runs the pieces' graphs with the splitting ops
+(attention) run eagerly in between, so attention sees the call's real metadata. A call larger than
+every captured size runs the compiled pieces uncaptured.
+
+Modes (after vLLM's CUDAGraphMode): ``piecewise`` serves every call this way;
+``full_and_piecewise`` routes uniform decode batches (``is_decode``) that fit a full-graph bucket
+to the runner's ``WholeGraphs`` part and everything else (prefill, mixed batches, larger decode
+batches) here; both capture into one pool on one side stream, as vLLM does.
+
+The runner sits above ``devgraph.compile``: it uses the compiler, never the reverse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch.utils._pytree import tree_unflatten
+
+from devgraph._fallback_fixes import with_fix
+from devgraph.compile import (
+    CapturePlan,
+    CompileConfig,
+    DevgraphCompiler,
+    PiecewiseModule,
+    Traced,
+    plan_capture_sizes,
+    trace_call,
+)
+from devgraph.graph import Device, Graph, SharedPool
+from devgraph.runner._accounts import Accounts
+from devgraph.runner._calls import Call, Unsupported
+from devgraph.runner._capture_loop import CaptureLoop
+from devgraph.runner._config import RunnerConfig, RunnerStats
+from devgraph.runner._inputs import StaticInputs
+from devgraph.runner._progress import size_ranges
+
+__all__ = ["Pieces", "PiecewiseStats"]
+
+logger = logging.getLogger("devgraph")
+
+
+@attrs.define
+class PiecewiseStats(RunnerStats):
+    """Counters of a piecewise runner (``graphed.stats``): ``RunnerStats`` and the compiler's own.
+
+    ``replays`` counts piecewise replays; ``eager_calls`` calls that ran without graphs (a size
+    above the captured ones runs the compiled pieces uncaptured: ``fallbacks['size_not_captured']``);
+    ``full`` holds the full-graph part's own stats in ``full_and_piecewise`` mode.
+    """
+
+    compile_seconds: float = 0.0
+    dropped_sizes: tuple[int, ...] = ()
+    pieces: int = 0
+    splitting_ops: int = 0
+    passes: dict[str, int] = attrs.field(factory=dict)
+    full: RunnerStats | None = None
+
+
+class Pieces:
+    """Per-piece graphs of a traced, split model, one per piece and size (see the module docstring).
+
+    Args:
+        fn: the model.
+        device: the device to capture on.
+        config: the runner's config (pad values, host args, batch dims, debug).
+        compile_config: splitting ops, compiler, passes, capture sizes and budget.
+        shared: the pool and side stream to capture into (shared with a ``WholeGraphs`` part).
+        lock: the runner's lock (the accounts count under it).
+        full_sizes: the batch sizes of a ``WholeGraphs`` part beside this one (their graphs count
+            against the device's capture budget).
+        full_stats: that part's stats (reported in ``stats.full``).
+    Raises:
+        DevgraphError: a compiler this device cannot run, or an unknown pass.
+    """
+
+    kind = "piecewise"
+    match_word = "traced"
+    size_word = "sizes"
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        device: Device,
+        config: RunnerConfig,
+        compile_config: CompileConfig,
+        shared: SharedPool,
+        lock: threading.RLock,
+        *,
+        full_sizes: list[int] | None = None,
+        full_stats: RunnerStats | None = None,
+    ) -> None:
+        from devgraph.compile.passes import resolve_passes
+
+        compile_config.check_device(device)
+        resolve_passes(compile_config.passes, device)  # unknown pass names fail here, not at trace
+        self.fn = fn
+        self.device = device
+        self.config = config
+        self.compile_config = compile_config
+        self.shared = shared
+        self.full_sizes = full_sizes or []
+        requested = compile_config.capture_sizes
+        self.sizes = list(requested) if requested else list(self.full_sizes or _default_sizes(config))
+        self.stats = PiecewiseStats(full=full_stats)
+        self.inputs = StaticInputs(fn, device, config)
+        self.accounts = Accounts(config, self.stats, lock, "piecewise")
+        self.capture_loop = CaptureLoop(
+            self.inputs,
+            device,
+            config,
+            self.stats,
+            self.accounts,
+            shared=shared,
+            size_noun="capture sizes (tokens)",
+            size_options="capture_sizes/capture_budget/traffic",
+        )
+        self.plan: CapturePlan | None = None
+        #: The sizes a call is bucketed into: the captured ones (none before capture).
+        self.buckets: list[int] = []
+        self.traced: Traced | None = None
+        self._replay_inputs: dict[int, list[torch.Tensor]] = {}
+
+    @property
+    def module(self) -> PiecewiseModule | None:
+        """The ``PiecewiseModule`` (None before the first call or ``capture``)."""
+        return self.traced.compiled.module if self.traced else None
+
+    @property
+    def captured(self) -> bool:
+        return self.traced is not None
+
+
+    def graphs(self, size: int) -> list[Graph]:
+        """The captured graphs of ``size``, one per captured piece, in order."""
+        module = self.module
+        return module.graphs(size) if module is not None else []
+
+    @property
+    def cache_key(self) -> str:
+        """A key of everything that changes what this part compiles and captures."""
+        parts = (
+            self.config.uuid(),
+            self.compile_config.uuid(self.device),
+            self.device.name,
+            torch.__version__,
+        )
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+    # -- serve ---------------------------------------------------------------------------------
+
+    def replay(self, call: Call, size: int, host_args: Mapping[str, Any] | None) -> Any:
+        """Replay the pieces of ``size`` (the call is loaded), the splitting ops eagerly in between."""
+        assert self.traced is not None
+        replay_inputs = self._replay_inputs.get(size)
+        if replay_inputs is None:
+            replay_inputs = self._piece_inputs(call, size)
+            if not call.static:  # then the same tensors every call: the buffers' first rows, weights
+                self._replay_inputs[size] = replay_inputs
+        out = self.traced.compiled.module.replay(replay_inputs, size, host_args, debug=self.config.debug)
+        return self._assemble(out, size, call.batch)
+
+    def beyond(self, call: Call, why: Unsupported) -> Any:
+        """A call no captured size serves: the compiled pieces at the call's own size, uncaptured
+        (counted: ``size_not_captured`` above the captured sizes, else ``why``'s category)."""
+        if why.category == "batch_too_large":
+            self._note_uncaptured(call.batch)
+        else:
+            self.accounts.note_fallback(why.category, why.detail)
+        return self._run_uncaptured(call)
+
+    # -- capture -------------------------------------------------------------------------------
+
+    def drop(self) -> None:
+        """Forget the trace and every captured graph; the counters stay."""
+        if self.traced is not None:
+            self.traced.compiled.module.reset()
+        self.traced = None
+        self.plan = None
+        self.buckets = []
+        self._replay_inputs.clear()
+        self.inputs.clear()
+        self.capture_loop.clear()
+        self.stats.pieces = self.stats.splitting_ops = 0
+        self.stats.passes = {}
+        self.stats.dropped_sizes = ()
+        self.stats.compile_seconds = 0.0
+
+    def capture(self, example: Call) -> None:
+        """Trace, compile and capture every planned size (run inside ``CaptureLoop.all_or_nothing``)."""
+        cfg, inputs = self.config, self.inputs
+        # The trace marks the token dim dynamic; Dynamo specialises sizes 0 and 1, so trace with >= 2.
+        trace_size = max(2, max(self.sizes))
+        inputs.alloc(example, trace_size)
+
+        def invoke(tensors: dict[str, torch.Tensor], traced: bool) -> Any:
+            values: dict[str, Any] = dict(tensors)
+            values.update(example.consts)
+            for name in example.host:
+                values[name] = [] if traced else [cfg.pad_value(name)] * trace_size
+            args, kwargs = example.bind(inputs.signature, values)
+            return self.fn(*args, **kwargs)
+
+        tensors = inputs.narrowed(trace_size)
+        tensors.update(example.static)
+        dynamic = {n: cfg.batch_dim(n) for n in example.batched}
+        host = inputs.padded_host_args({}, trace_size)
+        compiler = DevgraphCompiler(
+            self.device, self.compile_config, host_args=[op for _, op in cfg.host_args]
+        )
+        start = time.perf_counter()
+        self.traced = traced = trace_call(invoke, tensors, dynamic, compiler, host, self._run_sizes())
+        self.stats.compile_seconds = time.perf_counter() - start
+        module = traced.compiled.module
+        self.stats.pieces = module.captured_pieces
+        self.stats.splitting_ops = sum(p.is_splitting_op for p in traced.compiled.split.pieces)
+        self.stats.passes = dict(traced.compiled.pass_counts)
+        inputs.remember(example)
+        self.plan = self._plan(module.captured_pieces)
+        self.buckets = list(self.plan.sizes)
+        self.stats.dropped_sizes = self.plan.dropped
+
+        def prepare(size: int) -> tuple[Callable[[], Any], Callable[[], None]]:
+            host = inputs.padded_host_args({}, size)  # padding only: what warm-up and capture see
+            piece_inputs = self._piece_inputs(example, size)
+
+            def warm_up() -> Any:
+                return module(*piece_inputs, host=host)
+
+            def capture() -> None:
+                module.capture(piece_inputs, size, self.shared, host)
+
+            return warm_up, capture
+
+        self.capture_loop.run(
+            list(self.plan.sizes),
+            prepare,
+            remedy="or run the offending op eagerly between the pieces (splitting_ops=[...]), "
+            "or capture fewer sizes (capture_sizes=[...])",
+            summary=f"captured {module.captured_pieces} pieces x {len(self.plan.sizes)} sizes ({{sizes}})",
+            tail=f"; {self.stats.splitting_ops} splitting ops run eagerly in between",
+            desc=f"devgraph piecewise capture ({self.device})",
+            example=example,
+        )
+
+    def _run_sizes(self) -> list[int] | None:
+        """The token counts the pieces may run at below the largest (None: every count, when the
+        budget leaves no piece captured)."""
+        budget = self._budget()
+        return None if budget is not None and budget < 1 else list(self.sizes)
+
+    def _budget(self) -> int | None:
+        budget = self.compile_config.effective_budget(self.device)
+        if budget is not None and self.full_sizes:
+            budget -= len(self.full_sizes)  # one graph per decode batch size (assumed one stream each)
+        return budget
+
+    def _plan(self, pieces: int) -> CapturePlan:
+        traffic = dict(self.compile_config.traffic) if self.compile_config.traffic else None
+        budget = self._budget()
+        if budget is not None and budget < 1:
+            logger.warning("devgraph: the full graphs use the whole capture budget; pieces are not captured")
+            return CapturePlan((), tuple(self.sizes), max(1, pieces), budget)
+        return plan_capture_sizes(
+            self.sizes,
+            max(1, pieces),
+            budget,
+            traffic,
+            max_sizes=getattr(self.device, "max_capture_sizes", None),
+        )
+
+    def _piece_inputs(self, call: Call, size: int | None) -> list[torch.Tensor]:
+        assert self.traced is not None
+        inputs = []
+        for slot in self.traced.inputs:
+            if slot[0] == "fixed":
+                inputs.append(slot[1])
+                continue
+            name = slot[1]
+            if name in call.static:
+                inputs.append(call.static[name])
+            elif size is None:
+                inputs.append(call.batched[name])
+            else:
+                inputs.append(self.inputs.buffers[name].narrow(self.config.batch_dim(name), 0, size))
+        return inputs
+
+    def _run_uncaptured(self, call: Call) -> Any:
+        """The compiled pieces at the call's own size, without graphs."""
+        assert self.traced is not None
+        module = self.traced.compiled.module
+        out = module(
+            *self._piece_inputs(call, None), host=self.inputs.padded_host_args(call.host, call.batch)
+        )
+        return self._assemble(out, call.batch, call.batch)
+
+    def _note_uncaptured(self, tokens: int) -> None:
+        self.stats.eager_calls += 1
+        self.stats.fallbacks["size_not_captured"] = self.stats.fallbacks.get("size_not_captured", 0) + 1
+        if "size_not_captured" not in self.accounts.warned:
+            self.accounts.warned.add("size_not_captured")
+            assert self.plan is not None
+            detail = (
+                f"{tokens} tokens is above the captured sizes ({size_ranges(self.plan.sizes) or 'none'}); such "
+                "calls run the compiled pieces without graphs"
+            )
+            logger.info("devgraph: %s", with_fix("size_not_captured", detail))
+
+    def _assemble(self, flat: Any, size: int, batch: int) -> Any:
+        assert self.traced is not None
+        traced = self.traced
+        outputs = list(flat) if isinstance(flat, (list, tuple)) else [flat]
+        if len(traced.outputs) == 1 and traced.outputs[0][0] == "out" and traced.spec.is_leaf():
+            t = outputs[traced.outputs[0][1]]  # one tensor: no tree to rebuild
+            if size != batch:
+                for d in traced.batch_dims[traced.outputs[0][1]]:
+                    t = t[:batch] if d == 0 else t.narrow(d, 0, batch)
+            return t.clone() if self.config.clone_outputs else t
+        leaves = []
+        for slot in traced.outputs:
+            if slot[0] == "const":
+                leaves.append(slot[1])
+                continue
+            index = slot[1]
+            t = outputs[index]
+            if size != batch:
+                for d in traced.batch_dims[index]:
+                    t = t.narrow(d, 0, batch)
+            leaves.append(t.clone() if self.config.clone_outputs else t)
+        return tree_unflatten(leaves, traced.spec)
+
+
+def _default_sizes(config: RunnerConfig) -> list[int]:
+    from devgraph.runner._buckets import normalise_batch_sizes
+
+    return normalise_batch_sizes(config.batch_sizes, config.max_batch_size)

@@ -1,0 +1,141 @@
+"""DEVGRAPH_COMPARE_EAGER: the adapters' sampled graphed-vs-eager check, and its hooks on their own."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import types
+
+import pytest
+import torch
+
+import devgraph
+from devgraph import DevgraphError
+from devgraph.debug import eager_check_from_env
+
+
+@pytest.mark.parametrize("value", ["", "0", "off"])
+def test_off_by_default(value):
+    assert eager_check_from_env("x", {}) is None
+    assert eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": value}) is None
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
+def test_bad_values_name_the_variable(value):
+    with pytest.raises(DevgraphError, match="DEVGRAPH_COMPARE_EAGER"):
+        eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": value})
+
+
+def test_every_nth_step_is_sampled():
+    check = eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": "3"})
+    assert [check.due() for _ in range(6)] == [False, False, True, False, False, True]
+
+
+def test_a_flipped_row_is_reported_with_its_margins(caplog):
+    check = eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": "1"})
+    graphed = torch.tensor([[3.0, 0.0], [1.0, 1.001]])
+    eager = torch.tensor([[3.0, 0.0], [1.001, 1.0]])
+    check.due()
+    with caplog.at_level("WARNING", logger="devgraph.debug"):
+        result = check.compare(graphed, lambda: eager)
+    assert result.rows == 2 and [row for row, _ in result.flips] == [1]
+    assert result.flips[0][1].near_tie is True
+    assert result.max_abs == pytest.approx(0.001, abs=1e-6)
+    assert "row 1" in caplog.text and "near-tie" in caplog.text
+    assert list(check.results) == [result]
+
+
+def test_identical_steps_report_no_flips():
+    check = eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": "1"})
+    out = torch.tensor([[1.0, 2.0]])
+    result = check.compare(out, lambda: out.clone())
+    assert result.flips == () and result.max_abs == 0
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_adapter_hook_is_off_unless_asked(engine, monkeypatch):
+    hook = importlib.import_module(f"devgraph.adapters.{engine}._compare_eager")
+    monkeypatch.delenv("DEVGRAPH_COMPARE_EAGER", raising=False)
+    assert hook.configure() is None and hook.CHECK is None
+
+
+class _Model(torch.nn.Module):
+    """A decode step standing in for vLLM's model (its output is the logits)."""
+
+    def forward(self, x, shift):
+        return x * 1.0 + shift
+
+    def compute_logits(self, hidden):
+        return hidden
+
+
+def test_vllm_hook_runs_the_runnable_eagerly_and_bisects_a_real_flip(monkeypatch):
+    hook = importlib.import_module("devgraph.adapters.vllm._compare_eager")
+    model = _Model()
+    calls = []
+    model.register_forward_pre_hook(lambda m, a: calls.append(a))
+    wrapper = types.SimpleNamespace(runnable=model, device=devgraph.device("cpu"))
+    x = torch.tensor([[0.0, 1.0], [2.0, 1.0]])
+    monkeypatch.setenv("DEVGRAPH_COMPARE_EAGER", "2")
+    try:
+        check = hook.configure()
+        replayed = torch.tensor([[0.0, 1.0], [0.9, 1.0]])  # row 1 flips its greedy token, far from a tie
+        hook.replayed(wrapper, replayed, (x, 0.0), {})
+        assert calls == []  # step 1 is not sampled
+        hook.replayed(wrapper, replayed, (x, 0.0), {})
+        (result,) = check.results
+        assert [row for row, _ in result.flips] == [1]
+        assert result.flips[0][1].near_tie is False
+        assert result.bisect is not None and result.bisect.ops_compared > 0  # the step was bisected
+        assert "devgraph bisect" in result.text()
+    finally:
+        monkeypatch.delenv("DEVGRAPH_COMPARE_EAGER")
+        hook.configure()
+
+
+def test_a_near_tie_flip_is_not_bisected():
+    check = eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": "1"})
+    bisected = []
+    result = check.compare(
+        torch.tensor([[1.0, 1.001]]), lambda: torch.tensor([[1.001, 1.0]]), bisect=lambda: bisected.append(1)
+    )
+    assert result.flips and result.bisect is None and bisected == []
+
+
+def test_a_failing_bisect_is_logged_not_raised(caplog):
+    check = eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": "1"})
+
+    def broken():
+        raise RuntimeError("no capture here")
+
+    with caplog.at_level("WARNING", logger="devgraph"):
+        result = check.compare(torch.tensor([[0.0, 5.0]]), lambda: torch.tensor([[5.0, 0.0]]), bisect=broken)
+    assert result.bisect is None and "no capture here" in caplog.text
+
+
+def test_sglang_hook_reruns_the_captured_forward_of_the_shape(monkeypatch):
+    hook = importlib.import_module("devgraph.adapters.sglang._compare_eager")
+
+    @dataclasses.dataclass
+    class Output:  # SGLang's LogitsProcessorOutput is a dataclass
+        next_token_logits: torch.Tensor
+
+    class Backend:
+        device = devgraph.device("cpu")
+
+    backend = Backend()
+    eager = Output(torch.tensor([[1.0, 0.0]]))
+    monkeypatch.setenv("DEVGRAPH_COMPARE_EAGER", "1")
+    try:
+        check = hook.configure()
+        hook.remember(backend, 4, lambda: eager)
+        hook.replayed(backend, 4, Output(torch.tensor([[0.0, 1.0]])))
+        hook.replayed(backend, 8, Output(torch.tensor([[0.0, 1.0]])))  # no forward kept: skipped
+        (result,) = check.results
+        assert result.flips and result.flips[0][1].graphed_token == 1
+        from devgraph.adapters.sglang import _stats
+
+        assert _stats.stats().eager_checks[-1] == {"step": 1, "max_abs": 1.0, "rows": 1, "flips": 1}
+    finally:
+        monkeypatch.delenv("DEVGRAPH_COMPARE_EAGER")
+        hook.configure()
