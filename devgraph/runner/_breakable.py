@@ -1,121 +1,146 @@
-"""BreakableGraphs: breakable mode's "which graphs" part, one ``BreakableGraph`` per capture size.
+"""``BreakableGraphs``: the runner part that captures the whole forward per bucket as breakable graphs.
 
-Where whole graphs hold one ``Graph`` per bucket and pieces hold a traced, split module's graphs,
-this part holds, per size, the segment graphs of one breakable capture of the model's own forward
-(``devgraph.graph.BreakableGraph``): attention (devgraph's attention ops, and any op marked with
-``devgraph.mark_break`` or listed in ``breaks=``) runs eagerly between segments with the call's
-real host values; nothing is traced or compiled, so a forward Dynamo cannot trace whole serves too,
-and a capture costs one forward per size.
+Like ``WholeGraphs`` (``_whole.py``), one capture of the model's own forward per batch-size bucket,
+the same static buffers, padding and slicing; unlike it, each capture is a ``BreakableGraph``
+(``devgraph.graph``): the forward is cut into segment graphs at break ops (devgraph's attention
+ops, ``devgraph.mark_break``'d ops, the ``breaks=`` option, plugins'), which run eagerly between
+the segments at every replay with the call's host arguments. Nothing is traced or compiled, so a
+size costs one forward to capture, and attention that reads per-call host lengths (prefill, mixed
+batches) is served where a full graph would freeze them (``mode='breakable'``). With
+``mode='full_and_breakable'`` uniform decode batches that fit a full-graph bucket go to the whole
+graphs (attention an updatable task), everything else here; both capture into the runner's one pool.
 
-Every size shares the pool and stream the runner hands in (largest first, so smaller sizes reuse
-its blocks); outputs are held weakly (the pool owns them) and overwritten by the next replay. Host
-arguments reach the breaks by op argument name (``{"seq_lens_host": [...]}``), as they reach a
-full graph's updatable tasks.
+An op that should have been a break and was not (a custom op reading per-call host lists) is
+refused at capture with a ``CaptureError`` naming it: replay equals eager, or capture refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable
 from typing import Any
 
+import attrs
+
 from devgraph._errors import DevgraphError
-from devgraph.graph._breakable import BreakableGraph
-from devgraph.graph._contract import Device, Graph, MemoryPool, Stream
-from devgraph.graph._weakref import weak_ref_tensors
+from devgraph.graph import BreakableGraph, Device, Graph, GraphSet, SharedPool
+from devgraph.runner._accounts import Accounts
+from devgraph.runner._calls import Call
+from devgraph.runner._capture_loop import CaptureLoop
+from devgraph.runner._config import RunnerConfig, RunnerStats
+from devgraph.runner._whole import WholeGraphs
 
-__all__ = ["BreakableGraphs"]
+__all__ = ["BreakableGraphs", "BreakableStats"]
 
 
-class BreakableGraphs:
-    """One breakable capture per size of a callable (see the module docstring).
+@attrs.define
+class BreakableStats(RunnerStats):
+    """Counters of a breakable runner (``graphed.stats``): ``RunnerStats`` and the segments'.
 
-    Args:
-        device: the device the segment graphs are captured on.
-        breaks: break ops besides the defaults (names ``"ns::op"`` or ops).
-        static_ops: custom ops whose host lists are the same on every call (see ``BreakableGraph``).
+    ``graphs``: segment graphs over every captured size; ``breaks``: break ops run eagerly per call;
+    ``full`` holds the whole graphs' own stats in ``full_and_breakable`` mode.
     """
 
-    def __init__(self, device: Device, breaks: Sequence[Any] = (), static_ops: Sequence[Any] = ()) -> None:
-        self.device = device
-        self.breaks = tuple(breaks)
-        self.static_ops = tuple(static_ops)
-        self._graphs: dict[int, BreakableGraph] = {}
-        self._outputs: dict[int, Any] = {}
+    graphs: int = 0
+    breaks: int = 0
+    full: RunnerStats | None = None
 
-    @property
-    def sizes(self) -> list[int]:
-        """The sizes captured so far, ascending."""
-        return sorted(self._graphs)
 
-    def __contains__(self, size: object) -> bool:
-        return size in self._graphs
+class BreakableGraphs(WholeGraphs):
+    """One breakable capture of the whole forward per batch-size bucket (see the module docstring).
 
-    def capture(
+    Args:
+        fn, device, config, shared, lock: as ``WholeGraphs``; ``config.breaks`` adds break ops to
+            the defaults, ``config.mode`` is ``"breakable"`` or ``"full_and_breakable"``.
+        full_stats: the whole graphs' counters in ``full_and_breakable`` mode (``stats.full``).
+    """
+
+    kind = "breakable"
+
+    def __init__(
         self,
-        size: int,
-        run: Callable[[], Any],
-        pool: MemoryPool,
-        stream: Stream,
-        host_args: Mapping[str, Any] | None = None,
-    ) -> Any:
-        """Capture ``run()`` (the model called on the static buffers of ``size``) as segment graphs.
+        fn: Callable[..., Any],
+        device: Device,
+        config: RunnerConfig,
+        shared: SharedPool,
+        lock: threading.RLock,
+        full_stats: RunnerStats | None = None,
+    ) -> None:
+        super().__init__(fn, device, config, shared, lock)
+        breaks = config.breaks
+        self.stats: BreakableStats = BreakableStats(full=full_stats)
+        self.accounts = Accounts(config, self.stats, lock, "from a breakable graph")
+        self.capture_loop = CaptureLoop(
+            self.inputs,
+            device,
+            config,
+            self.stats,
+            self.accounts,
+            shared=shared,
+            size_noun="batch sizes",
+            size_options="batch_sizes/max_batch_size",
+        )
+        self.graphs = GraphSet(device, shared, make=lambda: BreakableGraph(device, breaks))
 
-        ``host_args``: the capture's per-call host values by argument name (their very objects are
-        refused as inputs of captured ops). Returns the outputs (weak: the pool owns them).
-
-        Raises:
-            DevgraphError: ``size`` is captured already (``reset()`` first).
-            CaptureError: what ``BreakableGraph.capture`` refuses.
-        """
-        if size in self._graphs:
-            raise DevgraphError(f"size {size} is captured already; reset() first")
-        graph = BreakableGraph(self.device, self.breaks, static_ops=self.static_ops)
-        with graph.capture(
-            stream=stream, pool=pool, auto_update_ops=self.device.updatable_ops, host_args=host_args
-        ):
-            out = run()
-        self._graphs[size], self._outputs[size] = graph, weak_ref_tensors(out)
-        return self._outputs[size]
-
-    def replay(self, size: int, host_args: Mapping[str, Any] | None = None) -> Any:
-        """Replay the segments of ``size`` with the breaks run eagerly in between; its outputs."""
-        graph = self._graphs.get(size)
-        if graph is None:
-            raise DevgraphError(f"no breakable graph for size {size}; captured: {self.sizes}")
-        graph.replay(host_args)
-        return self._outputs[size]
-
-    def outputs(self, size: int) -> Any:
-        """The outputs of ``size`` (overwritten by each replay of that size)."""
-        return self._outputs[size]
-
-    def graph(self, size: int) -> BreakableGraph:
-        """The breakable graph of ``size``."""
-        if size not in self._graphs:
-            raise DevgraphError(f"no breakable graph for size {size}; captured: {self.sizes}")
-        return self._graphs[size]
+    def breakable_graph(self, batch_size: int) -> BreakableGraph:
+        """The breakable graph (segments and breaks) of bucket ``batch_size``."""
+        graph = self.graph(batch_size)
+        assert isinstance(graph, BreakableGraph)
+        return graph
 
     def segment_graphs(self) -> list[Graph]:
-        """Every segment graph of every size."""
-        return [g for size in self.sizes for g in self._graphs[size].graphs]
+        """Every segment graph of every captured size, largest size first."""
+        return [g for size in sorted(self.graphs, reverse=True) for g in self.breakable_graph(size).graphs]
 
-    @property
-    def graph_count(self) -> int:
-        """Segment graphs over every size."""
-        return sum(len(g.graphs) for g in self._graphs.values())
+    def drop(self) -> None:
+        super().drop()
+        self.stats.graphs = self.stats.breaks = 0
 
-    @property
-    def break_count(self) -> int:
-        """Breaks per call (of the largest size; every size has the same)."""
-        return len(self._graphs[max(self._graphs)].captured_breaks) if self._graphs else 0
+    def capture(self, example: Call) -> None:
+        """Capture every bucket from ``example`` as breakable graphs (inside ``all_or_nothing``)."""
+        inputs = self.inputs
+        inputs.alloc(example, self.sizes[-1])
 
-    def takes(self, name: str) -> bool:
-        """Whether some break of the captured sizes takes host argument ``name``."""
-        return any(name in b.host_args for g in self._graphs.values() for b in g.captured_breaks)
+        def prepare(size: int) -> tuple[Callable[[], Any], Callable[[], None]]:
+            host = {name: [self.config.pad_value(name)] * size for name in example.host}
+            values: dict[str, Any] = dict(inputs.narrowed(size))
+            values.update(example.static)
+            values.update(example.consts)
+            values.update(host)
+            args, kwargs = example.bind(inputs.signature, values)
 
-    def reset(self) -> None:
-        """Drop every size's graphs."""
-        for graph in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
-        self._outputs.clear()
+            def warm_up() -> Any:
+                return self.fn(*args, **kwargs)
+
+            def capture() -> None:
+                self.graphs.capture(size, lambda graph: self.fn(*args, **kwargs))
+                self._check_host_args(self.graphs.graph(size))  # stored first: a failure's rollback resets it
+
+            return warm_up, capture
+
+        self.capture_loop.run(
+            self.sizes,
+            prepare,
+            remedy="or capture fewer sizes (batch_sizes=[...] / a smaller max_batch_size)",
+            summary=f"captured {len(self.sizes)} breakable graphs (batch sizes {{sizes}})",
+            tail="",
+            desc=f"devgraph breakable capture ({self.device})",
+            example=example,
+        )
+        self._out_dims = self._decide_out_dims(inputs.padding_verdict)
+        inputs.remember(example)
+        self.stats.graphs = sum(len(self.breakable_graph(s).graphs) for s in self.graphs)
+        self.stats.breaks = len(self.breakable_graph(max(self.graphs)).captured_breaks)
+
+    def _check_host_args(self, graph: Graph) -> None:
+        assert isinstance(graph, BreakableGraph)
+        taken = {n for b in graph.captured_breaks for n in b.host_args}
+        taken.update(n for g in graph.graphs for t in g.tasks if t.is_auto for n in t.argument_names)
+        for call_name, op_name in self.config.host_args:
+            if op_name not in taken:
+                ops = sorted({b.op for b in graph.captured_breaks}) or ["none"]
+                raise DevgraphError(
+                    f"host_args names {call_name!r} -> op argument {op_name!r}, but no break of the "
+                    f"breakable graph takes {op_name!r} (breaks captured: {ops}). Mark the op that reads "
+                    f"it as a break (breaks=['ns::op']) or pass host_args={{'{call_name}': '<op argument>'}}."
+                )

@@ -19,12 +19,6 @@ from devgraph.testing.models import DecoderConfig, KVBlockManager, make_decoder
 
 SIZES = [1, 2, 4, 8]
 
-try:  # TEMPORARY until the mode is wired into the one runner (removed with the wiring commit)
-    from devgraph.runner import RunnerConfig
-
-    RunnerConfig(mode="breakable")
-except DevgraphError:
-    pytest.skip("mode='breakable' is not wired into the runner yet", allow_module_level=True)
 
 
 def _config(dev, **kw) -> DecoderConfig:
