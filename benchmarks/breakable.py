@@ -73,7 +73,8 @@ def build(args: argparse.Namespace, dev: devgraph.Device, config: DecoderConfig)
     blocks = KVBlockManager(config, device=torch_device)
     ids = list(range(max(args.sizes)))
     example = blocks.decode_batch(ids, [i % 50 + 1 for i in ids])
-    step = blocks.decode_batch(ids[:3], [7, 8, 9])
+    rows = min(3, len(ids))  # a padded batch where the sizes allow one
+    step = blocks.decode_batch(ids[:rows], [7, 8, 9][:rows])
     results: dict[str, Any] = {}
     for mode in MODES:
         model = make_decoder(config, device=torch_device)
