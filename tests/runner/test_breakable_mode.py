@@ -20,7 +20,6 @@ from devgraph.testing.models import DecoderConfig, KVBlockManager, make_decoder
 SIZES = [1, 2, 4, 8]
 
 
-
 def _config(dev, **kw) -> DecoderConfig:
     return DecoderConfig(dtype=torch.bfloat16 if dev.name == "npu" else torch.float32, **kw)
 
@@ -193,7 +192,9 @@ class _HostListModel(nn.Module):
 
 def test_an_unmarked_host_list_op_is_refused_and_a_marked_one_is_served(any_device):
     model = _HostListModel()
-    refused = devgraph.wrap(model, device=any_device, mode="breakable", batch_sizes=[2, 4], host_args=["factors"])
+    refused = devgraph.wrap(
+        model, device=any_device, mode="breakable", batch_sizes=[2, 4], host_args=["factors"]
+    )
     with torch.no_grad(), pytest.raises(CaptureError, match="mark it as a break") as err:
         refused(torch.randn(3, 4), [1, 2, 3])
     assert err.value.op == "devgraph_testing::scale_rows" and "test_breakable_mode.py" in err.value.source
