@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -80,7 +80,8 @@ class BreakableGraphs(WholeGraphs):
             size_noun="batch sizes",
             size_options="batch_sizes/max_batch_size",
         )
-        self.graphs = GraphSet(device, shared, make=lambda: BreakableGraph(device, breaks))
+        # A BreakableGraph captures, replays and resets like a Graph: the set holds one per bucket.
+        self.graphs = GraphSet(device, shared, make=lambda: cast(Graph, BreakableGraph(device, breaks)))
 
     def breakable_graph(self, batch_size: int) -> BreakableGraph:
         """The breakable graph (segments and breaks) of bucket ``batch_size``."""
