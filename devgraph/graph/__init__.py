@@ -25,6 +25,7 @@ from __future__ import annotations
 from devgraph.graph._breakable import BreakableGraph, CapturedBreak
 from devgraph.graph._breaks import (
     ATTENTION_OPS,
+    add_break_source,
     break_names,
     break_ops,
     mark_break,
@@ -63,6 +64,7 @@ __all__ = [
     "SharedPool",
     "Stream",
     "TaskGroup",
+    "add_break_source",
     "apply_host_args",
     "break_names",
     "break_ops",

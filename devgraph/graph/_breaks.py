@@ -13,7 +13,7 @@ Importing this module imports no torch.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from devgraph._errors import DevgraphError
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ATTENTION_OPS",
+    "add_break_source",
     "break_names",
     "break_ops",
     "call_name",
@@ -103,20 +104,20 @@ def marked_breaks() -> tuple[str, ...]:
         return tuple(_marked)
 
 
+#: Where contributed break ops come from: ``devgraph._plugins`` adds the plugin hook
+#: ``devgraph_register_break_ops`` when it is imported (the graph layer does not import the plugin
+#: machinery, which names the contract's types).
+_sources: list[Callable[[Device | None], Iterable[Any]]] = []
+
+
+def add_break_source(source: Callable[[Device | None], Iterable[Any]]) -> None:
+    """Let ``source(device)`` contribute break ops (names or ops) to every ``break_ops(device)``."""
+    if source not in _sources:
+        _sources.append(source)
+
+
 def _contributed(device: Device | None) -> list[str]:
-    from devgraph._plugins import call_each_hookimpl, plugin_manager
-
-    found: list[str] = []
-
-    def register(*ops: Any) -> None:
-        found.extend(_name_of(op) for op in ops)
-
-    call_each_hookimpl(
-        plugin_manager().hook.devgraph_register_break_ops,
-        "registering break ops",
-        lambda origin: {"register": register, "device": device},
-    )
-    return found
+    return [_name_of(op) for source in list(_sources) for op in source(device)]
 
 
 def break_ops(device: Device | None = None, extra: Iterable[Any] = ()) -> tuple[str, ...]:
