@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import DEFAULT_OUT, logger, pyplot, report_header, write_json
+from _common import DEFAULT_OUT, PartialReport, logger, pyplot, report_header
 
 import devgraph
 from devgraph.testing.models import DecoderConfig, KVBlockManager, make_decoder
@@ -235,10 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     config = model_config(args, dev)
     report = report_header(dev, "breakable")
     report.update(sizes=args.sizes, layers=args.layers, hidden=args.hidden)
-    report["build"] = build(args, dev, config)
-    report["host_time"] = host_time(args, dev, config)
     name = f"breakable_{dev.name}{'_quick' if args.quick else ''}"
-    path = write_json(report, args.out / f"{name}.json")
+    partial = PartialReport(args.out / f"{name}.json")  # each part on disk as soon as it is measured
+    report["build"] = build(args, dev, config)
+    partial.row_done(report)
+    report["host_time"] = host_time(args, dev, config)
+    path = partial.finish(report)
     plot(report, args.out / f"{name}.png")
     print(f"wrote {path}")
     return 0
