@@ -25,6 +25,7 @@ from devgraph._hookspecs import hookimpl
 from devgraph._plugins import BackendInfo, BackendSpec, Probe, device, list_backends
 from devgraph._wrap import wrap
 from devgraph.graph import (
+    BreakableGraph,
     Device,
     Event,
     Graph,
@@ -32,6 +33,8 @@ from devgraph.graph import (
     MemoryStats,
     Stream,
     TaskGroup,
+    mark_break,
+    unmark_break,
     weak_ref_tensor,
     weak_ref_tensors,
 )
@@ -74,6 +77,7 @@ __all__ = [
     "BisectReport",
     "BackendSpec",
     "BackendUnavailable",
+    "BreakableGraph",
     "CaptureError",
     "Device",
     "DevgraphError",
@@ -94,6 +98,8 @@ __all__ = [
     "device",
     "hookimpl",
     "list_backends",
+    "mark_break",
+    "unmark_break",
     "weak_ref_tensor",
     "weak_ref_tensors",
     "wrap",

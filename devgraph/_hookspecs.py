@@ -44,3 +44,12 @@ def devgraph_register_compilers(register: Callable[..., None], device: Device) -
     is then captured through ``Graph.call_opaque``). ``eager`` and ``inductor`` are devgraph's own;
     a backend adds the compilers of its device (the NPU backend: ``torchair``).
     """
+
+
+@hookspec
+def devgraph_register_break_ops(register: Callable[..., None], device: Device | None) -> None:
+    """Contribute break ops for ``device`` (None: any device): ``register("namespace::op", ...)``.
+
+    A breakable capture on ``device`` runs every call of these ops eagerly between its segment
+    graphs (``devgraph.graph.BreakableGraph``), e.g. collectives this backend cannot capture.
+    """

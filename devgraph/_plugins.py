@@ -20,6 +20,7 @@ import pluggy
 
 from devgraph import _hookspecs
 from devgraph._errors import BackendUnavailable, DevgraphError, PluginLoadError
+from devgraph.graph import add_break_source
 
 if TYPE_CHECKING:
     from devgraph.graph import Device
@@ -310,3 +311,17 @@ def _reset_for_tests() -> None:
         _registry.pm = None
         _registry.specs = {}
         _registry.devices = {}
+
+
+def contributed_break_ops(device: Device | None) -> list[Any]:
+    """The break ops plugins contribute for ``device`` through ``devgraph_register_break_ops``."""
+    found: list[Any] = []
+    call_each_hookimpl(
+        plugin_manager().hook.devgraph_register_break_ops,
+        "registering break ops",
+        lambda origin: {"register": lambda *ops: found.extend(ops), "device": device},
+    )
+    return found
+
+
+add_break_source(contributed_break_ops)  # breakable captures ask the plugins through the graph layer

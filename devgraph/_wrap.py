@@ -72,6 +72,15 @@ def wrap(
     compile_names = compile_option_names()
     compile_options = {k: merged.pop(k) for k in list(merged) if k in compile_names}
     config = make_config(RunnerConfig, merged, extra_valid=compile_names, arguments=_argument_names(model))
+    if config.mode in ("breakable", "full_and_breakable"):
+        is_decode = compile_options.pop("is_decode", None)
+        if compile_options:
+            raise DevgraphError(
+                f"option(s) {sorted(compile_options)} apply to mode='piecewise' or mode='full_and_piecewise' "
+                f"only: mode={config.mode!r} traces and compiles nothing (breaks=[...] names the ops it "
+                "runs eagerly)"
+            )
+        return GraphedModule(model, GraphRunner(model, dev, config, is_decode=is_decode))
     if config.mode != "full":
         return GraphedModule(model, piecewise_runner(model, dev, config, **compile_options))
     if compile_options:

@@ -26,6 +26,7 @@ RUNS = {
     "paged_attention": (["--device", "cpu", "--iters", "2"], "paged_attention_cpu.json"),
     "host_overhead": (["--device", "cpu", "--quick"], "host_overhead_quick.json"),
     "npu_update_order": (["--layers", "2", "--iters", "3"], "npu_update_order.json"),  # the simulator
+    "breakable": (["--device", "cpu", "--quick"], "breakable_cpu_quick.json"),
 }
 
 

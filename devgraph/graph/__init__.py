@@ -10,6 +10,8 @@
 * ``_weakref``: weak references to graph outputs.
 * ``_graph_set``: ``GraphSet``, graphs by key in one shared pool (``SharedPool``), outputs held weakly:
   the core of every holder of graphs (the runner's parts, the pieces, the engine adapters).
+* ``_breaks``, ``_breakable``, ``_break_calls``, ``_segment_check``: break ops and ``BreakableGraph``
+  (one capture cut into segment graphs at break ops, which replay eagerly in between).
 
 Importing this package imports no torch. Its face (``__all__``) is what other packages and third-party
 backends use: the contract, the graph set, task groups and host-argument application, and the refusal
@@ -20,6 +22,16 @@ user-facing names.
 
 from __future__ import annotations
 
+from devgraph.graph._breakable import BreakableGraph, CapturedBreak
+from devgraph.graph._breaks import (
+    ATTENTION_OPS,
+    add_break_source,
+    break_names,
+    break_ops,
+    mark_break,
+    marked_breaks,
+    unmark_break,
+)
 from devgraph.graph._capture import FUNCTION_SYNCS, SHAPE_REMEDY, raise_refusal
 from devgraph.graph._collectives import is_collective, refuse_collective
 from devgraph.graph._contract import (
@@ -38,6 +50,9 @@ from devgraph.graph._tasks import TaskGroup, apply_host_args, holds_tensor
 from devgraph.graph._weakref import weak_ref_tensor, weak_ref_tensors
 
 __all__ = [
+    "ATTENTION_OPS",
+    "BreakableGraph",
+    "CapturedBreak",
     "FUNCTION_SYNCS",
     "SHAPE_REMEDY",
     "Device",
@@ -49,15 +64,21 @@ __all__ = [
     "SharedPool",
     "Stream",
     "TaskGroup",
+    "add_break_source",
     "apply_host_args",
+    "break_names",
+    "break_ops",
     "current_graph",
     "has_python_kernel",
     "holds_tensor",
     "is_collective",
     "lookup_op",
+    "mark_break",
+    "marked_breaks",
     "probe_captures",
     "raise_refusal",
     "refuse_collective",
+    "unmark_break",
     "weak_ref_tensor",
     "weak_ref_tensors",
 ]

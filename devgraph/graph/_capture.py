@@ -10,6 +10,7 @@ remedy.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
@@ -25,7 +26,21 @@ if TYPE_CHECKING:  # torch is imported when first needed
     import torch
     from torch._ops import OpOverload
 
-__all__ = ["GuardedGraph", "capturing", "dispatch_refusal", "raise_refusal", "refuse_autocast_cache"]
+__all__ = [
+    "GuardedGraph",
+    "capturing",
+    "dispatch_refusal",
+    "op_check",
+    "raise_refusal",
+    "refuse_autocast_cache",
+]
+
+#: A check every op a capture's dispatch mode sees passes first, top-level calls and what Python-bodied
+#: custom ops launch alike (a breakable capture sets one for its segments; see ``_breakable``). It
+#: raises ``CaptureError`` to refuse an op.
+op_check: contextvars.ContextVar[Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None] = (
+    contextvars.ContextVar("devgraph_op_check", default=None)
+)
 
 
 class CaptureDevice(Protocol):
@@ -292,6 +307,9 @@ def _modes() -> tuple[type, type]:
             kwargs = kwargs or {}
             if isinstance(func, torch._ops.HigherOrderOperator):
                 return self._higher_order(func, args, kwargs)
+            check = op_check.get()
+            if check is not None:
+                check(func, args, kwargs)
             name = func._schema.name
             if is_collective(name):
                 refuse_collective(func, args, kwargs, self.device_type, user_source_line)

@@ -83,6 +83,8 @@ class GraphSet(Generic[K]):
             None: a ``SharedPool`` of this set's own on the device's capture stream.
         weaken: how a capture's output is held (default: every tensor a weak reference,
             ``weak_ref_tensors``); pass one for outputs that are not plain containers of tensors.
+        make: how a graph is made (default ``device.graph()``); breakable mode makes
+            ``BreakableGraph``s, which capture, replay and reset like a ``Graph``.
     """
 
     def __init__(
@@ -91,8 +93,10 @@ class GraphSet(Generic[K]):
         shared: SharedPool | None = None,
         *,
         weaken: Callable[[Any], Any] = weak_ref_tensors,
+        make: Callable[[], Graph] | None = None,
     ) -> None:
         self.device = device
+        self._make = make or device.graph
         self.shared = shared if shared is not None else SharedPool(device)
         self._weaken = weaken
         self._graphs: dict[K, Graph] = {}
@@ -120,7 +124,7 @@ class GraphSet(Generic[K]):
         """
         if key in self._graphs:
             raise DevgraphError(f"a graph for {key!r} is captured already; discard it or reset() first")
-        graph = self.device.graph()
+        graph = self._make()
         with graph.capture(
             stream=stream or self.shared.stream,
             pool=self.shared.pool,

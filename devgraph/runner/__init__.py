@@ -1,11 +1,14 @@
 """The graph runner: one call path (``GraphRunner``) whose "which graphs" is a part.
 
-``WholeGraphs`` (one graph per batch-size bucket) and ``Pieces`` (a model cut at its splitting ops,
-each piece captured per token-count size; it uses ``devgraph.compile``, which sits below) are the
-parts; ``full_and_piecewise`` routes between the two. ``GraphedModule`` is what ``devgraph.wrap``
+``WholeGraphs`` (one graph per batch-size bucket), ``Pieces`` (a model cut at its splitting ops,
+each piece captured per token-count size; it uses ``devgraph.compile``, which sits below) and
+``BreakableGraphs`` (one breakable capture per bucket: segment graphs, break ops run eagerly in
+between) are the parts; ``full_and_piecewise`` and ``full_and_breakable`` route decode batches to
+whole graphs. ``GraphedModule`` is what ``devgraph.wrap``
 returns: a model whose calls a runner serves.
 """
 
+from devgraph.runner._breakable import BreakableGraphs, BreakableStats
 from devgraph.runner._buckets import choose_bucket, default_batch_sizes, normalise_batch_sizes
 from devgraph.runner._calls import Call, Unsupported, signature_of
 from devgraph.runner._config import RunnerConfig, RunnerStats, make_config, positive_ints
@@ -15,6 +18,8 @@ from devgraph.runner._runner import GraphRunner, Part, piecewise_runner
 from devgraph.runner._whole import WholeGraphs
 
 __all__ = [
+    "BreakableGraphs",
+    "BreakableStats",
     "Call",
     "GraphRunner",
     "GraphedModule",

@@ -76,6 +76,17 @@ def _optional_positive(instance: object, attribute: attrs.Attribute[Any], value:
         positive_int(attribute.name, value)
 
 
+#: The runner's modes: whole graphs, pieces (devgraph.compile), breakable graphs (devgraph.graph), and
+#: the two routers that send uniform decode batches to whole graphs.
+MODES = ("full", "piecewise", "full_and_piecewise", "breakable", "full_and_breakable")
+
+
+def _break_names(value: Any) -> tuple[str, ...]:
+    from devgraph.graph import break_names
+
+    return break_names(value)
+
+
 def _debug_default() -> bool:
     return os.environ.get("DEVGRAPH_DEBUG", "").strip() not in ("", "0", "false", "no")
 
@@ -97,7 +108,10 @@ class RunnerConfig:
         debug: verify at replay that inputs and parameters live at their capture addresses (and,
             in piecewise mode, every piece's inputs, not only those that may move).
         warmup_iters: eager runs before each capture.
-        mode: "full", "piecewise" or "full_and_piecewise" (see devgraph.compile).
+        mode: "full", "piecewise" or "full_and_piecewise" (see devgraph.compile), "breakable" or
+            "full_and_breakable" (see devgraph.graph.BreakableGraph).
+        breaks: ops run eagerly between the segment graphs of breakable modes, besides devgraph's
+            attention ops and ``devgraph.mark_break``'d ones (``"namespace::op"`` names, checked).
         process_group: the ``torch.distributed`` group whose ranks must capture and replay the same
             sizes (graphs with collectives inside); ``"auto"`` (default): the default group when
             torch.distributed is initialised with more than one rank; None: no rank checks (pass it
@@ -135,11 +149,15 @@ class RunnerConfig:
         default=None, eq=False
     )
     check_padding: bool = True
+    breaks: tuple[str, ...] = attrs.field(default=(), converter=_break_names)
 
     def __attrs_post_init__(self) -> None:
-        if self.mode not in ("full", "piecewise", "full_and_piecewise"):
+        if self.mode not in MODES:
+            raise DevgraphError(f"mode must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}")
+        if self.breaks and "breakable" not in self.mode:
             raise DevgraphError(
-                f"mode must be 'full', 'piecewise' or 'full_and_piecewise', got {self.mode!r}"
+                f"breaks={list(self.breaks)} applies to mode='breakable' or 'full_and_breakable' only; "
+                "add mode=... or drop it (piecewise mode cuts at splitting_ops=[...])"
             )
         if self.check_ranks not in ("capture", "every_call"):
             raise DevgraphError(f"check_ranks must be 'capture' or 'every_call', got {self.check_ranks!r}")

@@ -49,6 +49,7 @@ from devgraph._errors import DevgraphError
 from devgraph.compile import CompileConfig
 from devgraph.graph import Device, Graph, SharedPool
 from devgraph.runner._accounts import Accounts
+from devgraph.runner._breakable import BreakableGraphs
 from devgraph.runner._buckets import choose_bucket
 from devgraph.runner._calls import Call, Unsupported
 from devgraph.runner._capture_loop import CaptureLoop
@@ -125,6 +126,7 @@ class GraphRunner:
         compile_config: CompileConfig | None = None,
         *,
         caller_serialises: bool = False,
+        is_decode: Callable[..., bool] | None = None,
     ) -> None:
         config = config or RunnerConfig()
         mode = compile_config.mode if compile_config is not None else config.mode
@@ -138,10 +140,14 @@ class GraphRunner:
         shared = SharedPool(device, stream=device.stream())
         self.full: WholeGraphs | None = None
         self.pieces: Pieces | None = None
+        self.breakable: BreakableGraphs | None = None
         self.is_decode: Callable[..., bool] | None = None
         if mode == "full":
             self.full = WholeGraphs(fn, device, config, shared, self._lock)
             self.part: Part = self.full
+            return
+        if mode in ("breakable", "full_and_breakable"):
+            self._breakable_parts(fn, device, config, shared, is_decode)
             return
         compile_config = compile_config or CompileConfig(mode=mode)
         if mode == "full_and_piecewise":
@@ -164,6 +170,33 @@ class GraphRunner:
             full_stats=self.full.stats if self.full else None,
         )
         self.part = self.pieces
+
+    def _breakable_parts(
+        self,
+        fn: Callable[..., Any],
+        device: Device,
+        config: RunnerConfig,
+        shared: SharedPool,
+        is_decode: Callable[..., bool] | None,
+    ) -> None:
+        """``breakable``: breakable graphs serve every call; ``full_and_breakable``: whole graphs
+        serve uniform decode batches (``is_decode``), breakable graphs the rest."""
+        if config.mode == "full_and_breakable":
+            self.is_decode = is_decode or getattr(fn, "devgraph_is_decode", None)
+            if self.is_decode is None:
+                raise DevgraphError(
+                    "mode='full_and_breakable' needs to tell uniform decode batches (whole graphs) from "
+                    "prefill and mixed batches (breakable graphs): pass is_decode=fn, called with the call's "
+                    "arguments by name and returning True for a decode batch (or give the model a "
+                    "devgraph_is_decode method)"
+                )
+            self.full = WholeGraphs(
+                fn, device, attrs.evolve(config, mode="full", breaks=()), shared, self._lock
+            )
+        self.breakable = BreakableGraphs(
+            fn, device, config, shared, self._lock, full_stats=self.full.stats if self.full else None
+        )
+        self.part = self.breakable
 
     # -- what the primary part holds -------------------------------------------------------------
 
@@ -199,6 +232,11 @@ class GraphRunner:
         Raises:
             DevgraphError: no such graph, or this runner captures pieces only (``mode='piecewise'``).
         """
+        if self.breakable is not None and self.full is None:
+            raise DevgraphError(
+                "this runner captures breakable graphs, not whole graphs; the segments of a size are "
+                "runner.breakable.breakable_graph(size).graphs"
+            )
         if self.full is None:
             raise DevgraphError(
                 "this runner captures pieces, not whole graphs; the pieces' graphs are "

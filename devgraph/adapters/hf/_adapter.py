@@ -10,7 +10,8 @@ runs ``model.generate`` itself — transformers' loop, logits processors, stoppi
   first ``n`` rows (``SharedStaticCache``);
 * every decode forward (one token per row) is served by a ``GraphRunner`` replaying the step
   captured for the batch's bucket (``DecodeRoute``/``DecodeStep``). The prefill runs eagerly (or,
-  with ``mode="piecewise"``/``"full_and_piecewise"``, from pieces split at attention).
+  with ``mode="piecewise"``/``"full_and_piecewise"``, from pieces split at attention; with
+  ``mode="breakable"``/``"full_and_breakable"``, from breakable graphs cut at attention).
 
 How the decode forward reaches devgraph: transformers' ``_sample`` loop calls
 ``model.get_compiled_call(generation_config.compile_config)`` for every step after the prefill when
@@ -81,8 +82,9 @@ RUNNER_OPTIONS = ("strict", "debug", "warmup_iters", "process_group", "check_ran
 #: mask code hides what a sliding or chunked layer must not see).
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
-#: Modes: ``full`` prefills eagerly; the piecewise ones prefill from pieces. Decode is always full graphs.
-_MODES = ("full", "piecewise", "full_and_piecewise")
+#: Modes: ``full`` prefills eagerly; the piecewise ones prefill from pieces, the breakable ones from
+#: breakable graphs (cut at attention, no trace). Decode is always full graphs.
+_MODES = ("full", "piecewise", "full_and_piecewise", "breakable", "full_and_breakable")
 
 #: CompileConfig fields for the piecewise prefill (``is_decode`` is the adapter's own business).
 _COMPILE_OPTIONS = (
@@ -143,7 +145,7 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
     if mode not in _MODES:
         raise DevgraphError(f"mode must be one of {list(_MODES)} for a Hugging Face model, got {mode!r}")
     compile_options = {k: options.pop(k) for k in list(options) if k in _COMPILE_OPTIONS}
-    if compile_options and mode == "full":
+    if compile_options and mode not in ("piecewise", "full_and_piecewise"):
         raise DevgraphError(
             f"option(s) {sorted(compile_options)} apply to the piecewise prefill: add mode='piecewise' or drop them"
         )
@@ -165,7 +167,9 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
         **{k: v for k, v in options.items() if k in RUNNER_OPTIONS},
     )
     prefill = None
-    if mode != "full":
+    if mode in ("breakable", "full_and_breakable"):
+        prefill = _breakable_prefill_factory(dev, hf, runner_config)
+    elif mode != "full":
         prefill = _prefill_factory(dev, hf, runner_config, compile_options)
     return GraphedCausalLM(model, dev, hf, runner_config, prefill)
 
@@ -197,6 +201,20 @@ def _prefill_factory(dev: Device, hf: HFOptions, runner_config: RunnerConfig, op
         return piecewise_runner(row, dev, config, **named)
 
     return build
+
+
+def _breakable_prefill_factory(dev: Device, hf: HFOptions, runner_config: RunnerConfig) -> Any:
+    """A function building the prefill's breakable ``GraphRunner`` for a ``PrefillRow``: one breakable
+    capture per prompt-length size, attention (``F.scaled_dot_product_attention``) run eagerly between
+    the segments; nothing traced, so no routing rewrite is needed for mixture-of-experts models."""
+    config = attrs.evolve(
+        runner_config,
+        mode="breakable",
+        breaks=("aten::scaled_dot_product_attention",),
+        batch_sizes=_prefill_sizes(hf.max_cache_len),
+        max_batch_size=None,
+    )
+    return lambda row: GraphRunner(row, dev, config)
 
 
 def _prefill_sizes(max_cache_len: int) -> tuple[int, ...]:
@@ -275,7 +293,8 @@ class GraphedCausalLM(GraphedModule):
 
     @property
     def prefill_stats(self) -> Any:
-        """The piecewise prefill's counters (``PiecewiseStats``), or None in ``mode="full"``."""
+        """The prefill's counters (``PiecewiseStats``; ``BreakableStats`` in the breakable modes), or
+        None in ``mode="full"``."""
         return None if self.prefill is None else self.prefill.runner.stats
 
     @property
