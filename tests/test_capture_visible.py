@@ -10,7 +10,7 @@ import torch
 
 import devgraph
 from devgraph import _console
-from devgraph.runner._util import progress
+from devgraph.runner._progress import progress
 
 
 @pytest.fixture

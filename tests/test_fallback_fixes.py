@@ -16,7 +16,7 @@ from devgraph import DevgraphError
 from devgraph._fallback_fixes import FIXES, with_fix
 from devgraph.runner import RunnerConfig
 from devgraph.runner._config import RunnerStats
-from devgraph.runner._shared import Accounts
+from devgraph.runner._accounts import Accounts
 
 
 def _reasons() -> list[str]:
