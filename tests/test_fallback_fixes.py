@@ -15,8 +15,8 @@ from test_docs import fallback_reasons
 from devgraph import DevgraphError
 from devgraph._fallback_fixes import FIXES, with_fix
 from devgraph.runner import RunnerConfig
-from devgraph.runner._config import RunnerStats
 from devgraph.runner._accounts import Accounts
+from devgraph.runner._config import RunnerStats
 
 
 def _reasons() -> list[str]:
