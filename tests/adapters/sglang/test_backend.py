@@ -83,6 +83,12 @@ class StubRunner:
         return lens
 
 
+def _pool(backend: DevgraphGraphBackend):
+    """The one pool every graph of ``backend`` was captured into."""
+    (pool,) = {id(g.pool()): g.pool() for g in backend.graphs.values()}.values()
+    return pool
+
+
 def _capture(runner: StubRunner) -> DevgraphGraphBackend:
     backend = DevgraphGraphBackend(runner)
     with backend.capture_session(stream=None):
@@ -212,15 +218,16 @@ def test_counters_record_replays_padding_and_task_updates():
 def test_backends_of_one_device_share_one_pool_while_graphs_live():
     first = _capture(StubRunner(HostLens()))
     second = _capture(StubRunner(HostLens()))
-    assert second._pool is first._pool
+    assert _pool(second) is _pool(first)
 
 
 def test_cleanup_drops_graphs_and_a_new_capture_gets_a_fresh_pool():
     gc.collect()  # backends of earlier tests must not hold the shared pool
     runner = StubRunner(HostLens())
     backend = _capture(runner)
-    pool = backend._pool
+    pool = _pool(backend)
     backend.cleanup()
     assert not backend.holds_graphs() and not backend.can_run(None, ShapeKey(4))
+    assert pool.retired  # every graph in it was reset: never captured into again
     again = _capture(runner)
-    assert again._pool is not pool
+    assert _pool(again) is not pool
