@@ -108,27 +108,36 @@ class EagerCheck:
         run_eager: Callable[[], Any],
         logits_of: Callable[[Any], Any] | None = None,
         bisect: Callable[[], Any] | None = None,
+        real_rows: int | None = None,
     ) -> StepComparison:
         """Run the step eagerly (``run_eager``) and compare it with the replayed output ``graphed``.
 
         ``logits_of(output)`` gives the step's ``[rows, vocab]`` logits (None: the output has none);
         without it, an output that is a 2-D floating tensor is taken as the logits. ``bisect()``
         bisects the step (``devgraph.bisect`` on it): run when a row's flip is not a near-tie.
+        ``real_rows``: the step's real rows (tokens) when it was padded to a captured size; padding rows
+        hold whatever the kernels left there (an engine's eager attention may not write them), so only
+        the first ``real_rows`` rows of each output are compared.
         """
         import torch
 
         from devgraph.debug._compare import diff_tensors
 
-        graphed_leaves = [t.detach().clone() for t in _tensor_leaves(graphed)]
+        def cut(t: Any) -> Any:
+            if real_rows is None or not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] < real_rows:
+                return t
+            return t[:real_rows]
+
+        graphed_leaves = [cut(t.detach().clone()) for t in _tensor_leaves(graphed)]
         with torch.no_grad():
             eager = run_eager()
-        eager_leaves = _tensor_leaves(eager)
+        eager_leaves = [cut(t) for t in _tensor_leaves(eager)]
         max_abs = 0.0
         for a, b in zip(graphed_leaves, eager_leaves):
             d = diff_tensors(a, b)
             if d.comparable:
                 max_abs = max(max_abs, d.max_abs)
-        g_logits, e_logits = self._logits(graphed, logits_of), self._logits(eager, logits_of)
+        g_logits, e_logits = cut(self._logits(graphed, logits_of)), cut(self._logits(eager, logits_of))
         flips: list[tuple[int, TokenComparison]] = []
         rows = 0
         if g_logits is not None and e_logits is not None and g_logits.shape == e_logits.shape:

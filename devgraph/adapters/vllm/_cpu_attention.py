@@ -310,10 +310,17 @@ class DevgraphCpuAttentionImpl(CPUAttentionBackendImpl):
 
 
 def _in_full_graph() -> bool:
-    """True while vLLM runs a FULL graph step (capture or replay): the step devgraph's task serves."""
+    """True while a FULL graph step is being captured: the step devgraph's task serves.
+
+    A replay never runs this forward (the task is re-issued with the step's lengths); an eager run of
+    the same step (``DEVGRAPH_COMPARE_EAGER``'s comparison, vLLM's warm-ups) takes vLLM's own path."""
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
+    from devgraph.graph import current_graph
+
     return (
-        is_forward_context_available() and get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
+        current_graph() is not None
+        and is_forward_context_available()
+        and get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
     )

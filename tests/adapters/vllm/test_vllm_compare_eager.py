@@ -1,7 +1,8 @@
-"""DEVGRAPH_COMPARE_EAGER on vLLM's own engine: sampled FULL replays also run eagerly and are compared.
+"""DEVGRAPH_COMPARE_EAGER on vLLM's own engine.
 
-On the CPU reference a replay equals eager, so every sampled step must report no output difference
-and no flipped token, with the logits found through the model's ``compute_logits`` (rows > 0).
+On vLLM's CPU platform devgraph's FULL decode graphs run vLLM's own attention kernel as a task, and an
+eager re-run inside the step does not reproduce it: the check refuses to compare those steps, once,
+with a warning naming what to do instead (rather than report differences that are not there).
 """
 
 from __future__ import annotations
@@ -27,15 +28,14 @@ DRIVER = textwrap.dedent(
 )
 
 
-def test_sampled_full_replays_are_compared_with_eager(tiny_model, tmp_path):
+def test_full_cpu_steps_are_not_compared_and_the_warning_says_what_to_do(tiny_model, tmp_path):
     out, checks = tmp_path / "run.json", tmp_path / "checks.json"
     code = DRIVER.format(here=str(HERE), model=str(tiny_model), out=str(out), checks=str(checks))
     proc = run_python(["-c", code], engine_env(True, DEVGRAPH_COMPARE_EAGER="2"))
     assert proc.returncode == 0, proc.stderr[-6000:]
     record = json.loads(checks.read_text())
-    assert record["replays"] > 2
-    assert len(record["results"]) == record["replays"] // 2  # every 2nd replay, and only those
-    for result in record["results"]:
-        assert result["rows"] > 0  # the model's logits were found (compute_logits)
-        assert result["max_abs"] == 0 and result["flips"] == 0
+    assert record["replays"] > 2  # sampled steps were due...
+    assert record["results"] == []  # ...and none was compared
+    assert proc.stderr.count("does not compare FULL decode graphs on vLLM's CPU platform") == 1
+    assert "compare_tokens" in proc.stderr and "cudagraph_mode=PIECEWISE" in proc.stderr
     assert json.loads(out.read_text())["stats"].get("replay.FULL", 0) > 0

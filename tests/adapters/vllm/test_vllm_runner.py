@@ -54,7 +54,7 @@ class _GpuLikeRunner:
     def profile_cudagraph_memory(self) -> int:
         # What vLLM's does, as far as devgraph's wrappers see it: a capture phase through the wrapper.
         step(self.model, self._model, self.vllm_config, CAPTURED, capture=True)
-        self.profiled = [(e.graph, e.graph.pool()) for e in self.model.entries.values()]
+        self.profiled = [(g, g.pool()) for _, g in self.model.graphs.items()]
         return 0
 
     def _model_forward(self, **kwargs):
@@ -124,8 +124,8 @@ def test_profiling_graphs_go_to_a_profiling_pool_and_do_not_survive_into_serving
     assert runner.model.entries == {} and runner.model.graph_pool is serving_pool
     # The real capture phase captures again (a stale profiling graph would have been replayed).
     step(runner.model, model, config, CAPTURED, capture=True)
-    (entry,) = runner.model.entries.values()
-    assert entry.graph is not profiled_graph and entry.graph.pool() is serving_pool
+    (graph,) = [g for _, g in runner.model.graphs.items()]
+    assert graph is not profiled_graph and graph.pool() is serving_pool
 
 
 def test_clear_all_graphs_then_recapture_replays_correctly(cpu):
@@ -194,8 +194,8 @@ def test_full_capture_sees_into_a_python_bodied_attention_op(cpu):
     config = _full_config()
     wrapper = DevgraphGraphWrapper(opaque, config, runtime_mode=CUDAGraphMode.FULL)
     step(wrapper, model, config, CAPTURED, capture=True)
-    (entry,) = wrapper.entries.values()
-    assert entry.graph.tasks, "the attention inside the op was captured without a task"
+    (graph,) = [g for _, g in wrapper.graphs.items()]
+    assert graph.tasks, "the attention inside the op was captured without a task"
     model.acc.zero_()
     step(wrapper, model, config, LATER)
     torch.testing.assert_close(model.acc, model.expected(LATER))
