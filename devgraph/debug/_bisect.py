@@ -185,7 +185,8 @@ def bisect(
             runner replays it, and compared with eager on the call, and with eager on the same padded
             inputs when the bucket pads the call); any callable (captured for the purpose); or a
             ``devgraph.Graph`` followed by its capture function (``bisect(graph, step, *args)``).
-        args, kwargs: the call (the target's own arguments).
+        args: the call's positional arguments (the target's own).
+        kwargs: the call's keyword arguments (the target's own).
         bisect_options: a ``BisectOptions`` (device, capture arguments, tolerances).
     Returns:
         A ``BisectReport``: ``report.first`` is the first differing op (its aten name, ``file:line``,

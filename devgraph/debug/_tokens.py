@@ -98,9 +98,11 @@ def compare_tokens(
     """Compare two runs' tokens; at the first difference, report both runs' top-1 vs top-2 margins.
 
     Args:
-        graphed / eager: each run's token ids (ints, or a 1-D tensor).
-        graphed_logits / eager_logits: optional, each run's logits per position (``[positions,
-            vocab]``, or a list of ``[vocab]`` rows): position ``i`` is what chose token ``i``.
+        graphed: the graphed run's token ids (ints, or a 1-D tensor).
+        eager: the eager run's token ids, alike.
+        graphed_logits: optional, the graphed run's logits per position (``[positions, vocab]``, or a
+            list of ``[vocab]`` rows): position ``i`` is what chose token ``i``.
+        eager_logits: optional, the eager run's logits, alike.
         threshold: margins (nats) below which a flip is a near-tie (default 0.05).
     Raises:
         DevgraphError: tokens that are not ids, or a negative threshold.

@@ -380,7 +380,10 @@ class BreakableGraph:
         """Record the block as segment graphs cut at break ops (which run eagerly, here and at replay).
 
         Args:
-            stream, pool, auto_update_ops, capture_error_mode: as ``Graph.capture``, for every segment.
+            stream: as ``Graph.capture``, for every segment.
+            pool: as ``Graph.capture``, shared by every segment.
+            auto_update_ops: as ``Graph.capture``, for every segment.
+            capture_error_mode: as ``Graph.capture``, for every segment.
             host_args: the call's per-call host values by name (``{"seq_lens_host": lens}``): an op
                 inside a segment given one of these very objects is refused (it would be frozen).
         Raises:

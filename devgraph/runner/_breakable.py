@@ -50,8 +50,12 @@ class BreakableGraphs(WholeGraphs):
     """One breakable capture of the whole forward per batch-size bucket (see the module docstring).
 
     Args:
-        fn, device, config, shared, lock: as ``WholeGraphs``; ``config.breaks`` adds break ops to
-            the defaults, ``config.mode`` is ``"breakable"`` or ``"full_and_breakable"``.
+        fn: the model, as ``WholeGraphs``.
+        device: the device to capture on.
+        config: as ``WholeGraphs``; ``config.breaks`` adds break ops to the defaults, ``config.mode`` is
+            ``"breakable"`` or ``"full_and_breakable"``.
+        shared: the pool and side stream to capture into.
+        lock: the runner's lock.
         full_stats: the whole graphs' counters in ``full_and_breakable`` mode (``stats.full``).
     """
 
