@@ -47,13 +47,12 @@ def replayed(wrapper: Any, output: Any, args: tuple[Any, ...], kwargs: dict[str,
 
 def _real_rows() -> int | None:
     """The step's real tokens (a FULL step is padded to a captured size): from the attention metadata."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
+    context = _forward_context()
+    if context is None:
+        return None
     from devgraph.adapters.vllm._host_args import metadata_objects
 
-    if not is_forward_context_available():
-        return None
-    for m in metadata_objects(getattr(get_forward_context(), "attn_metadata", None)):
+    for m in metadata_objects(getattr(context, "attn_metadata", None)):
         n = getattr(m, "num_actual_tokens", None)
         if isinstance(n, int):
             return n
@@ -69,16 +68,24 @@ _REFUSED: list[bool] = []
 def _runs_vllm_cpu_attention() -> bool:
     """Whether this step's attention is vLLM's own CPU kernel run as a devgraph task (the CPU platform's
     FULL decode graphs, ``_cpu_attention``)."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
+    context = _forward_context()
+    if context is None:
+        return False
     from devgraph.adapters.vllm._host_args import metadata_objects
 
-    if not is_forward_context_available():
-        return False
     return any(
         type(m).__name__ == "DevgraphCpuAttentionMetadata"
-        for m in metadata_objects(getattr(get_forward_context(), "attn_metadata", None))
+        for m in metadata_objects(getattr(context, "attn_metadata", None))
     )
+
+
+def _forward_context() -> Any:
+    """vLLM's forward context of the step (None outside a step, or where vLLM is absent: a unit test)."""
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+    except ImportError:
+        return None
+    return get_forward_context() if is_forward_context_available() else None
 
 
 def _refuse_once() -> None:
