@@ -24,9 +24,7 @@ import attrs
 
 from devgraph._errors import DevgraphError
 from devgraph.graph import BreakableGraph, Device, Graph, GraphSet, SharedPool
-from devgraph.runner._accounts import Accounts
 from devgraph.runner._calls import Call
-from devgraph.runner._capture_loop import CaptureLoop
 from devgraph.runner._config import RunnerConfig, RunnerStats
 from devgraph.runner._whole import WholeGraphs
 
@@ -60,6 +58,10 @@ class BreakableGraphs(WholeGraphs):
     """
 
     kind = "breakable"
+    graph_noun = "breakable graphs"
+    desc_word = "breakable capture"
+    serve_what = "from a breakable graph"
+    remedy = "or capture fewer sizes (batch_sizes=[...] / a smaller max_batch_size)"
 
     def __init__(
         self,
@@ -70,20 +72,9 @@ class BreakableGraphs(WholeGraphs):
         lock: threading.RLock,
         full_stats: RunnerStats | None = None,
     ) -> None:
-        super().__init__(fn, device, config, shared, lock)
+        super().__init__(fn, device, config, shared, lock, BreakableStats(full=full_stats))
+        self.stats: BreakableStats
         breaks = config.breaks
-        self.stats: BreakableStats = BreakableStats(full=full_stats)
-        self.accounts = Accounts(config, self.stats, lock, "from a breakable graph")
-        self.capture_loop = CaptureLoop(
-            self.inputs,
-            device,
-            config,
-            self.stats,
-            self.accounts,
-            shared=shared,
-            size_noun="batch sizes",
-            size_options="batch_sizes/max_batch_size",
-        )
         # A BreakableGraph captures, replays and resets like a Graph: the set holds one per bucket.
         self.graphs = GraphSet(device, shared, make=lambda: cast(Graph, BreakableGraph(device, breaks)))
 
@@ -103,37 +94,7 @@ class BreakableGraphs(WholeGraphs):
 
     def capture(self, example: Call) -> None:
         """Capture every bucket from ``example`` as breakable graphs (inside ``all_or_nothing``)."""
-        inputs = self.inputs
-        inputs.alloc(example, self.sizes[-1])
-
-        def prepare(size: int) -> tuple[Callable[[], Any], Callable[[], None]]:
-            host = {name: [self.config.pad_value(name)] * size for name in example.host}
-            values: dict[str, Any] = dict(inputs.narrowed(size))
-            values.update(example.static)
-            values.update(example.consts)
-            values.update(host)
-            args, kwargs = example.bind(inputs.signature, values)
-
-            def warm_up() -> Any:
-                return self.fn(*args, **kwargs)
-
-            def capture() -> None:
-                self.graphs.capture(size, lambda graph: self.fn(*args, **kwargs))
-                self._check_host_args(self.graphs.graph(size))  # stored first: a failure's rollback resets it
-
-            return warm_up, capture
-
-        self.capture_loop.run(
-            self.sizes,
-            prepare,
-            remedy="or capture fewer sizes (batch_sizes=[...] / a smaller max_batch_size)",
-            summary=f"captured {len(self.sizes)} breakable graphs (batch sizes {{sizes}})",
-            tail="",
-            desc=f"devgraph breakable capture ({self.device})",
-            example=example,
-        )
-        self._out_dims = self._decide_out_dims(inputs.padding_verdict)
-        inputs.remember(example)
+        super().capture(example)
         self.stats.graphs = sum(len(self.breakable_graph(s).graphs) for s in self.graphs)
         self.stats.breaks = len(self.breakable_graph(max(self.graphs)).captured_breaks)
 

@@ -42,6 +42,14 @@ class WholeGraphs:
     kind = "full"
     match_word = "captured"
     size_word = "batch sizes"
+    #: What a capture is called in the summary line, the progress bar and the accounts.
+    graph_noun = "graphs"
+    desc_word = "capture"
+    serve_what = "from a graph"
+    remedy = (
+        "or capture fewer sizes (batch_sizes=[...] / a smaller max_batch_size), "
+        "or run the offending op eagerly (mode='piecewise')"
+    )
 
     def __init__(
         self,
@@ -50,13 +58,14 @@ class WholeGraphs:
         config: RunnerConfig,
         shared: SharedPool,
         lock: threading.RLock,
+        stats: RunnerStats | None = None,
     ) -> None:
         self.fn = fn
         self.device = device
         self.config = config
         self.sizes = normalise_batch_sizes(config.batch_sizes, config.max_batch_size)
         self.buckets = self.sizes  # the sizes a call is bucketed into
-        self.stats = RunnerStats()
+        self.stats = stats if stats is not None else RunnerStats()
         self.inputs, self.accounts, self.capture_loop = part_core(
             fn,
             device,
@@ -64,7 +73,7 @@ class WholeGraphs:
             self.stats,
             lock,
             shared,
-            serve_what="from a graph",
+            serve_what=self.serve_what,
             size_noun="batch sizes",
             size_options="batch_sizes/max_batch_size",
         )
@@ -145,10 +154,9 @@ class WholeGraphs:
         self.capture_loop.run(
             self.sizes,
             prepare,
-            remedy="or capture fewer sizes (batch_sizes=[...] / a smaller max_batch_size), "
-            "or run the offending op eagerly (mode='piecewise')",
-            summary=f"captured {len(self.sizes)} graphs (batch sizes {{sizes}})",
-            desc=f"devgraph capture ({self.device})",
+            remedy=self.remedy,
+            summary=f"captured {len(self.sizes)} {self.graph_noun} (batch sizes {{sizes}})",
+            desc=f"devgraph {self.desc_word} ({self.device})",
             example=example,
         )
         self._out_dims = self._decide_out_dims(inputs.padding_verdict)
