@@ -19,6 +19,7 @@ Methods (columns):
 | ``devgraph`` | the devgraph wrapper's call: input copies into its buffers, bucket choice, replay |
 | ``devgraph_replay`` | ``runner.graph(bucket).replay()`` alone (no input copies: devgraph's floor) |
 | ``cuda_graph`` | ``graph.replay()`` of a ``torch.cuda.graph`` capture of the same step on static inputs |
+| ``cuda_graph_copies`` | the same hand-written graph on buffers of its own, the step's inputs copied in before each replay (as an engine does; the fair baseline of a devgraph call) |
 | ``torch_compile`` | ``torch.compile(step, mode="reduce-overhead")`` (CUDA graph trees), after compiling |
 
 Each sample is one call between two timing events of the device (CUDA events on ``cuda``: start,
@@ -26,7 +27,8 @@ call, end, wait for end); tables report the median of ``--iters`` samples after 
 calls. Before every call, and
 outside the timed window, the static cache's write position is put back to ``--context`` (the HF
 step advances it on the device), so every method times the same step on the same cache state.
-Every method's output is compared with eager's.
+Every method's output is compared with eager's first call, within a tolerance widened to twice
+eager's own run-to-run difference (bf16 kernels at some batch sizes do not repeat to the bit).
 
 devgraph's buckets are the defaults for ``max_batch_size = max(--batches)``; the script records their
 capture seconds and the graph-pool bytes of all buckets against a runner that captured only the
@@ -77,12 +79,13 @@ from _decode_workloads import BUILDERS, Skip, Workload, attempt, pool_segment_by
 import devgraph
 from devgraph.runner import choose_bucket, default_batch_sizes
 
-METHODS = ("eager", "devgraph", "devgraph_replay", "cuda_graph", "torch_compile")
+METHODS = ("eager", "devgraph", "devgraph_replay", "cuda_graph", "cuda_graph_copies", "torch_compile")
 LABELS = {
     "eager": "eager",
     "devgraph": "devgraph (call)",
     "devgraph_replay": "devgraph (replay only)",
     "cuda_graph": "hand-written CUDA graph",
+    "cuda_graph_copies": "hand-written CUDA graph + input copies",
     "torch_compile": 'torch.compile("reduce-overhead")',
 }
 #: Largest |output - eager| accepted, relative to max(1, |eager|.max()): graph replays run eager's
@@ -92,6 +95,7 @@ TOLERANCE = {
     "devgraph": 1e-2,
     "devgraph_replay": 1e-2,
     "cuda_graph": 1e-2,
+    "cuda_graph_copies": 1e-2,
     "torch_compile": 5e-2,
 }
 TARGETS = {"within_cuda_graph": 1.05, "speedup_at_batch1": 2.0, "pool_ratio": 1.25}
@@ -111,10 +115,13 @@ def time_method(
     ref: torch.Tensor,
     tolerance: float,
     output: torch.Tensor | None = None,
+    noise: float = 0.0,
 ) -> tuple[dict[str, Any], Any]:
     """Latency samples of ``call`` (``prepare`` runs before each, outside the events) and its error.
 
     ``output``: where the result lands when ``call`` returns nothing (a bare graph replay).
+    ``noise``: how far eager's own last call lands from its first (bf16 kernels need not repeat to
+    the bit); an output within twice that of eager's first matches, whatever ``tolerance`` says.
     """
     samples = time_calls(dev, call, args.iters, args.warmup, prepare)
     row: dict[str, Any] = summarise(samples)
@@ -124,7 +131,7 @@ def time_method(
     got = output if output is not None else out
     err = float((got.float() - ref).abs().max())
     row["max_abs_err"] = err
-    row["matches_eager"] = err <= tolerance * max(1.0, float(ref.abs().max()))
+    row["matches_eager"] = err <= max(tolerance * max(1.0, float(ref.abs().max())), 2 * noise)
     return row, out
 
 
@@ -132,15 +139,43 @@ def time_method(
 
 
 def cuda_graph_method(
-    dev: devgraph.Device, wl: Workload, b: int, args: argparse.Namespace, ref: torch.Tensor
+    dev: devgraph.Device, wl: Workload, b: int, args: argparse.Namespace, ref: torch.Tensor, noise: float
 ) -> dict[str, Any]:
     """Capture the step by hand with ``torch.cuda.graph`` on static inputs; time ``replay()``."""
     prepare = functools.partial(wl.prepare, b)
     graph, out, capture_s = cuda_graph_capture(functools.partial(wl.step, **wl.inputs[b]), before=prepare)
     try:
-        row, _ = time_method(dev, graph.replay, prepare, args, ref, TOLERANCE["cuda_graph"], output=out)
+        row, _ = time_method(
+            dev, graph.replay, prepare, args, ref, TOLERANCE["cuda_graph"], output=out, noise=noise
+        )
         row["capture_s"] = capture_s
         row["segment_pool_bytes"] = pool_segment_bytes(dev, {tuple(graph.pool())})
+    finally:
+        del out
+        graph.reset()
+    return row
+
+
+def cuda_graph_copies_method(
+    dev: devgraph.Device, wl: Workload, b: int, args: argparse.Namespace, ref: torch.Tensor, noise: float
+) -> dict[str, Any]:
+    """The hand-written graph as an engine runs it: captured on buffers of its own, the step's input
+    tensors copied into them before each ``replay()`` (what devgraph's call does for you)."""
+    prepare = functools.partial(wl.prepare, b)
+    kwargs = wl.inputs[b]
+    static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    pairs = [(static[k], v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    graph, out, capture_s = cuda_graph_capture(functools.partial(wl.step, **static), before=prepare)
+
+    def step() -> None:
+        for buffer, value in pairs:
+            buffer.copy_(value)
+        graph.replay()
+
+    try:
+        row, _ = time_method(dev, step, prepare, args, ref, TOLERANCE["cuda_graph"], output=out, noise=noise)
+        row["capture_s"] = capture_s
+        row["copies"] = len(pairs)
     finally:
         del out
         graph.reset()
@@ -235,7 +270,7 @@ def compile_methods(
 
 
 def devgraph_methods(
-    dev: devgraph.Device, wl: Workload, b: int, args: argparse.Namespace, ref: torch.Tensor
+    dev: devgraph.Device, wl: Workload, b: int, args: argparse.Namespace, ref: torch.Tensor, noise: float
 ) -> dict[str, Any]:
     """The devgraph call at batch ``b``, then the bare replay of its bucket's graph."""
     if wl.runner is None:
@@ -245,7 +280,9 @@ def devgraph_methods(
     prepare = functools.partial(wl.prepare, b)
     call, err = attempt(
         f"devgraph {wl.name} batch {b}",
-        lambda: time_method(dev, lambda: wl.devgraph_call(b), prepare, args, ref, TOLERANCE["devgraph"]),
+        lambda: time_method(
+            dev, lambda: wl.devgraph_call(b), prepare, args, ref, TOLERANCE["devgraph"], noise=noise
+        ),
     )
     if call is None:
         return {"devgraph": {"error": err}, "devgraph_replay": {"skipped": "the devgraph call failed"}}
@@ -264,6 +301,7 @@ def devgraph_methods(
             ref,
             TOLERANCE["devgraph_replay"],
             output=output,  # the call's output view: a replay overwrites it
+            noise=noise,
         )[0],
     )
     return {"devgraph": row, "devgraph_replay": replay or {"error": err}}
@@ -279,14 +317,23 @@ def batch_methods(
     ref = wl.step(**kwargs).float().clone()
     row: dict[str, Any] = {}
     row["eager"], _ = time_method(dev, lambda: wl.step(**kwargs), prepare, args, ref, TOLERANCE["eager"])
-    row.update(devgraph_methods(dev, wl, b, args, ref))
+    noise = row["eager"]["max_abs_err"]  # eager's last call vs its first: the step's own run-to-run noise
+    row["eager"]["run_to_run_abs_err"] = noise
+    row["eager"]["matches_eager"] = True  # eager is the reference; its noise widens the others' tolerance
+    row.update(devgraph_methods(dev, wl, b, args, ref, noise))
     if dev.name == "cuda":
-        hand, err = attempt(
-            f"hand-written CUDA graph {wl.name} batch {b}", lambda: cuda_graph_method(dev, wl, b, args, ref)
-        )
-        row["cuda_graph"] = hand or {"error": err}
+        for method, measure in (
+            ("cuda_graph", cuda_graph_method),
+            ("cuda_graph_copies", cuda_graph_copies_method),
+        ):
+            hand, err = attempt(
+                f"hand-written CUDA graph ({method}) {wl.name} batch {b}",
+                lambda measure=measure: measure(dev, wl, b, args, ref, noise),
+            )
+            row[method] = hand or {"error": err}
     else:
-        row["cuda_graph"] = {"skipped": f"torch.cuda.CUDAGraph needs CUDA; device is {dev.name}"}
+        skipped = {"skipped": f"torch.cuda.CUDAGraph needs CUDA; device is {dev.name}"}
+        row["cuda_graph"], row["cuda_graph_copies"] = skipped, dict(skipped)
     return row, ref
 
 
@@ -332,6 +379,7 @@ def ratios(row: dict[str, Any]) -> dict[str, float | None]:
     return {
         "devgraph_vs_cuda_graph": div(median("devgraph"), median("cuda_graph")),
         "devgraph_replay_vs_cuda_graph": div(median("devgraph_replay"), median("cuda_graph")),
+        "devgraph_vs_cuda_graph_copies": div(median("devgraph"), median("cuda_graph_copies")),
         "eager_vs_devgraph": div(median("eager"), median("devgraph")),
         "eager_vs_cuda_graph": div(median("eager"), median("cuda_graph")),
         "torch_compile_vs_devgraph": div(median("torch_compile"), median("devgraph")),
@@ -346,6 +394,8 @@ def evaluate_targets(name: str, result: dict[str, Any], applicable: str | None) 
     batches = result.get("batches", {})
     within = {b: r["ratios"]["devgraph_vs_cuda_graph"] for b, r in batches.items()}
     within = {b: v for b, v in within.items() if v is not None}
+    fair = {b: r["ratios"].get("devgraph_vs_cuda_graph_copies") for b, r in batches.items()}
+    fair = {b: v for b, v in fair.items() if v is not None}
     dg = result.get("devgraph", {})
     pool_key = "segment_pool_bytes" if dg.get("ratio_segment_pool_bytes") is not None else "stats_pool_bytes"
     specs = [
@@ -356,6 +406,14 @@ def evaluate_targets(name: str, result: dict[str, Any], applicable: str | None) 
             "<=",
             TARGETS["within_cuda_graph"],
             {"per_batch": within},
+        ),
+        (
+            "devgraph_within_5pct_of_cuda_graph_with_copies",
+            "devgraph call median / hand-written CUDA graph with its input copies median, worst batch",
+            max(fair.values()) if fair else None,
+            "<=",
+            TARGETS["within_cuda_graph"],
+            {"per_batch": fair},
         ),
         (
             "speedup_vs_eager_at_batch1",
@@ -384,8 +442,8 @@ def evaluate_targets(name: str, result: dict[str, Any], applicable: str | None) 
             entry.update(passed=None, reason="not measured (see the model's skipped/error entries)")
         else:
             entry["passed"] = value <= threshold if op == "<=" else value >= threshold
-            if target == "devgraph_within_5pct_of_cuda_graph":
-                entry["per_batch_passed"] = {b: v <= threshold for b, v in within.items()}
+            if target.startswith("devgraph_within_5pct"):
+                entry["per_batch_passed"] = {b: v <= threshold for b, v in extra["per_batch"].items()}
         out.append(entry)
     return out
 
@@ -402,7 +460,7 @@ def render(report: dict[str, Any]) -> str:
         f"bf16, context {cfg['context']} tokens, median of {cfg['iters']} calls (ms)"
         + (" [--quick: tiny models]" if cfg["quick"] else ""),
         f"{'model':<7}{'batch':>6}{'eager':>10}{'devgraph':>10}{'dg replay':>11}{'cuda graph':>12}"
-        f"{'compile':>10}{'dg/graph':>10}{'eager/dg':>10}",
+        f"{'graph+cp':>10}{'compile':>10}{'dg/graph':>10}{'dg/g+cp':>9}{'eager/dg':>10}",
     ]
 
     def cell(row: dict[str, Any], method: str, width: int) -> str:
@@ -425,8 +483,9 @@ def render(report: dict[str, Any]) -> str:
             lines.append(
                 f"{name:<7}{b:>6}{cell(row, 'eager', 10)}{cell(row, 'devgraph', 10)}"
                 f"{cell(row, 'devgraph_replay', 11)}{cell(row, 'cuda_graph', 12)}"
+                f"{cell(row, 'cuda_graph_copies', 10)}"
                 f"{cell(row, 'torch_compile', 10)}{ratio(r['devgraph_vs_cuda_graph'], 10)}"
-                f"{ratio(r['eager_vs_devgraph'], 10)}"
+                f"{ratio(r.get('devgraph_vs_cuda_graph_copies'), 9)}{ratio(r['eager_vs_devgraph'], 10)}"
             )
             for method in METHODS:
                 why = row.get(method, {}).get("skipped") or row.get(method, {}).get("error")

@@ -29,7 +29,7 @@ from devgraph._errors import CaptureError, DevgraphError
 from devgraph._plugins import device as _device
 from devgraph.compile._compilers import CompiledPiece, compile_piece
 from devgraph.compile._config import CompileConfig
-from devgraph.compile._guards import check_token_guards, symbolic_sizes
+from devgraph.compile._guards import TraceBound, check_token_guards, symbolic_sizes
 from devgraph.compile._pieces import PiecewiseModule
 from devgraph.compile._split import SplitGraph, split_graph
 from devgraph.compile._splitting_ops import (
@@ -344,6 +344,7 @@ class Traced:
             ``("const", value)``.
         spec: the pytree spec of the model's output.
         batch_dims: per module output, the dims that are the traced (token) dimension.
+        bound: the largest token count the trace holds for (a guard fails above it), or None.
     """
 
     compiled: CompiledGraph
@@ -351,6 +352,7 @@ class Traced:
     outputs: tuple[OutputSlot, ...]
     spec: TreeSpec
     batch_dims: tuple[tuple[int, ...], ...]
+    bound: TraceBound | None = None
 
 
 def _fresh_function(call: Callable[..., Any]) -> Callable[..., Any]:
@@ -381,7 +383,8 @@ def trace_call(
     ``dynamic`` maps argument names to their token dimension. ``host`` (op argument -> list) is
     what the host arguments are when Dynamo runs the result once. ``run_sizes`` are the token counts
     the result runs at, besides every count above the largest (None: every count); a forward that
-    branches on the token count differently at one of them is refused (``check_token_guards``).
+    branches on the token count differently at one of them is refused, and one whose branch turns
+    only above the largest is bounded (``Traced.bound``; ``check_token_guards``).
     """
     names = list(tensors)
     with torch.no_grad():
@@ -442,7 +445,7 @@ def trace_call(
         token_dim: object = fake.shape[dynamic[n]] if n in dynamic else None  # a SymInt if dynamic
         if isinstance(token_dim, torch.SymInt):
             symbols.add(token_dim.node.expr)
-    _check_guards(result, symbols, run_sizes)
+    bound = _check_guards(result, symbols, run_sizes)
     batch_dims = tuple(
         tuple(
             d
@@ -452,16 +455,20 @@ def trace_call(
         for f in result.fake_outputs
     )
     _check_output_shapes(result.fake_outputs, symbols)
-    return Traced(result, tuple(inputs), tuple(outputs), spec, batch_dims)
+    return Traced(result, tuple(inputs), tuple(outputs), spec, batch_dims, bound)
 
 
-def _check_guards(result: CompiledGraph, symbols: set[Any], run_sizes: Sequence[int] | None) -> None:
-    """Refuse a trace that holds for some of the token counts it runs at only (``check_token_guards``)."""
+def _check_guards(
+    result: CompiledGraph, symbols: set[Any], run_sizes: Sequence[int] | None
+) -> TraceBound | None:
+    """Refuse a trace that fails at a captured token count; bound one that fails only above the
+    largest (``check_token_guards``)."""
     # A fake tensor's sizes are SymInts where symbolic (torch types them int).
     sizes: Iterator[object] = (s for f in result.fake_inputs for s in f.shape)
     sym = next((s for s in sizes if isinstance(s, torch.SymInt)), None)
-    if sym is not None:
-        check_token_guards(sym.node.shape_env, symbols, run_sizes)
+    if sym is None:
+        return None
+    return check_token_guards(sym.node.shape_env, symbols, run_sizes)
 
 
 def _check_output_shapes(fakes: Sequence[Any], symbols: set[Any]) -> None:

@@ -33,6 +33,7 @@ from devgraph.compile import (
     CompileConfig,
     DevgraphCompiler,
     PiecewiseModule,
+    TraceBound,
     Traced,
     plan_capture_sizes,
     trace_call,
@@ -126,6 +127,7 @@ class Pieces:
         #: The sizes a call is bucketed into: the captured ones (none before capture).
         self.buckets: list[int] = []
         self.traced: Traced | None = None
+        self.bound: TraceBound | None = None  # set by the trace: larger calls run eagerly
         self._replay_inputs: dict[int, list[torch.Tensor]] = {}
 
     @property
@@ -182,6 +184,7 @@ class Pieces:
         if self.traced is not None:
             self.traced.compiled.module.reset()
         self.traced = None
+        self.bound = None
         self.plan = None
         self.buckets = []
         self._replay_inputs.clear()
@@ -216,6 +219,7 @@ class Pieces:
         )
         start = time.perf_counter()
         self.traced = traced = trace_call(invoke, tensors, dynamic, compiler, host, self._run_sizes())
+        self.bound = traced.bound
         self.stats.compile_seconds = time.perf_counter() - start
         module = traced.compiled.module
         self.stats.pieces = module.captured_pieces
