@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from devgraph._errors import DevgraphError
 from devgraph.debug._probe import OpProbe, OpRecord, module_names
-from devgraph.graph import Device, probe_captures
+from devgraph.graph import BreakableGraph, Device, probe_captures
 
 __all__ = ["Call", "Plan", "callable_plan", "probed", "served_plan"]
 
@@ -176,10 +176,10 @@ def served_plan(graphed: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     served once first: a call the runner serves eagerly is refused, and its output is what the
     report's ``reproduces`` compares with.
     """
-    from devgraph.runner import Pieces, WholeGraphs
+    from devgraph.runner import BreakableGraphs, Pieces, WholeGraphs
 
     runner = graphed.runner
-    parts = [p for p in (runner.full, runner.pieces) if p is not None]
+    parts = [p for p in (runner.full, runner.pieces, runner.breakable) if p is not None]
     before = [p.stats.replays for p in parts]
     fallbacks = dict(runner.stats.fallbacks)
     with torch.no_grad():
@@ -194,7 +194,10 @@ def served_plan(graphed: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         )
     # The part whose replays moved served it (full_and_piecewise: the full graphs of a decode batch).
     part = next(p for p, b, a in zip(parts, before, after) if a != b)
-    if isinstance(part, WholeGraphs):
+    if isinstance(part, BreakableGraphs):  # a WholeGraphs whose graphs are breakable
+        breaks = part.config.breaks
+        plan = _full_plan(part, args, kwargs, lambda: BreakableGraph(part.device, breaks), "breakable graph")
+    elif isinstance(part, WholeGraphs):
         plan = _full_plan(part, args, kwargs)
     elif isinstance(part, Pieces):
         plan = _piecewise_plan(part, args, kwargs)
@@ -204,11 +207,22 @@ def served_plan(graphed: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return plan
 
 
-def _full_plan(runner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+def _full_plan(
+    runner: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    make_graph: Callable[[], Any] | None = None,
+    noun: str = "graph",
+) -> Plan:
     """A ``WholeGraphs`` part's bucket: captured on its static buffers narrowed to the bucket, host lists
     at their pad values, the device's updatable ops as tasks; the call loaded (padding) and replayed
     with its padded host arguments. Reads ``sizes``, ``config``, ``inputs`` (read, bind, narrow, load,
-    padded_host_args)."""
+    padded_host_args).
+
+    ``make_graph``: what captures (default ``device.graph()``); a ``BreakableGraphs`` part's is a
+    ``BreakableGraph``, whose every segment capture is probed. Its breaks run eagerly on both sides
+    and are not compared (as a piecewise graph's splitting ops): what they change shows in the next
+    segment's ops."""
     from devgraph.runner import choose_bucket
 
     inputs, config, dev, fn = runner.inputs, runner.config, runner.device, runner.fn
@@ -231,7 +245,7 @@ def _full_plan(runner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pl
         host = {name: [config.pad_value(name)] * size for name in call.host}
         c_args, c_kwargs = bound(dict(inputs.narrowed(size)), host)
         with torch.no_grad():
-            graph = dev.graph()
+            graph = make_graph() if make_graph is not None else dev.graph()
             cleanup.append(graph.reset)
             with probed(modules) as records, graph.capture(auto_update_ops=dev.updatable_ops):
                 out = fn(*c_args, **c_kwargs)
@@ -247,7 +261,7 @@ def _full_plan(runner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pl
         p_args, p_kwargs = bound(tensors, host)
         return Call(fn, p_args, p_kwargs)
 
-    subject = f"{_describe(fn)} wrapped, the graph of bucket {size} serving a call of {call.batch} rows"
+    subject = f"{_describe(fn)} wrapped, the {noun} of bucket {size} serving a call of {call.batch} rows"
     return Plan(
         subject,
         dev,

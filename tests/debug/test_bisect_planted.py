@@ -226,3 +226,37 @@ def test_against_the_cpu_reference_runs_eager_on_a_cpu_copy(any_device):
 def test_an_unknown_reference_is_refused():
     with pytest.raises(devgraph.DevgraphError, match=r"'eager'.*'cpu'"):
         BisectOptions(reference="gpu")
+
+
+def test_breakable_segments_are_bisected(any_device):
+    dev = any_device
+    model = _seeded(BatchDependent()).to(dev.torch_device)
+    graphed = devgraph.wrap(model, device=dev, mode="breakable", batch_sizes=[8])
+    report = bisect(graphed, torch.randn(5, 32, device=dev.torch_device))
+    first = report.first
+    assert first is not None, report.text()
+    assert first.op == "bisect_plant::rowsum"
+    assert first.location.endswith(f":{_line(BatchDependent.forward, 'rowsum(h')}")
+    assert "breakable graph of bucket 8" in report.subject and report.reproduces
+
+
+def test_breakable_breaks_run_eagerly_and_are_listed_not_compared():
+    from devgraph.testing.models import KVBlockManager, make_decoder
+
+    model = make_decoder()
+    graphed = devgraph.wrap(model, device="cpu", mode="breakable", batch_sizes=[2])
+    kwargs = KVBlockManager(model.config).decode_batch([0, 1], [5, 7])
+    report = bisect(graphed, **kwargs)
+    assert report.identical, report.text()
+    assert "breakable" in report.subject
+    assert report.unmatched == ("eager: devgraph::paged_decode_attention",) * model.config.num_layers
+
+
+def test_breakable_padded_rows_are_named_at_the_kernel():
+    model = _seeded(PaddedRows())
+    graphed = devgraph.wrap(model, device="cpu", mode="breakable", batch_sizes=[4])
+    report = bisect(graphed, torch.randn(3, 16), torch.ones(3, dtype=torch.int64))
+    first = report.first
+    assert first is not None, report.text()
+    assert first.op == "bisect_plant::rows_kernel" and first.against == "the padded batch"
+    assert first.where[0] == 3
