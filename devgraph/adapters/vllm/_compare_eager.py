@@ -32,9 +32,6 @@ def replayed(wrapper: Any, output: Any, args: tuple[Any, ...], kwargs: dict[str,
     check = CHECK
     if check is None or not check.due():
         return
-    if _runs_vllm_cpu_attention():
-        _refuse_once()
-        return
     runnable = wrapper.runnable
     compute_logits = getattr(runnable, "compute_logits", None)
 
@@ -46,13 +43,21 @@ def replayed(wrapper: Any, output: Any, args: tuple[Any, ...], kwargs: dict[str,
 
 
 def _real_rows() -> int | None:
-    """The step's real tokens (a FULL step is padded to a captured size): from the attention metadata."""
+    """The step's real tokens: a FULL step is padded to a captured size, and its padding rows hold
+    whatever the kernels leave there (vLLM's eager attention does not write zero-length rows, so two
+    eager runs of one step differ there). ``num_actual_tokens`` counts the padding in a FULL step;
+    the last entry of ``query_start_loc`` does not (padding rows are empty queries)."""
     context = _forward_context()
     if context is None:
         return None
     from devgraph.adapters.vllm._host_args import metadata_objects
 
     for m in metadata_objects(getattr(context, "attn_metadata", None)):
+        starts = getattr(m, "query_start_loc_cpu", None)
+        if starts is None:
+            starts = getattr(m, "query_start_loc", None)  # a device tensor on CUDA: one read per checked step
+        if starts is not None and starts.numel() > 0:
+            return int(starts[-1])
         n = getattr(m, "num_actual_tokens", None)
         if isinstance(n, int):
             return n
@@ -62,23 +67,6 @@ def _real_rows() -> int | None:
 configure()
 
 
-_REFUSED: list[bool] = []
-
-
-def _runs_vllm_cpu_attention() -> bool:
-    """Whether this step's attention is vLLM's own CPU kernel run as a devgraph task (the CPU platform's
-    FULL decode graphs, ``_cpu_attention``)."""
-    context = _forward_context()
-    if context is None:
-        return False
-    from devgraph.adapters.vllm._host_args import metadata_objects
-
-    return any(
-        type(m).__name__ == "DevgraphCpuAttentionMetadata"
-        for m in metadata_objects(getattr(context, "attn_metadata", None))
-    )
-
-
 def _forward_context() -> Any:
     """vLLM's forward context of the step (None outside a step, or where vLLM is absent: a unit test)."""
     try:
@@ -86,21 +74,3 @@ def _forward_context() -> Any:
     except ImportError:
         return None
     return get_forward_context() if is_forward_context_available() else None
-
-
-def _refuse_once() -> None:
-    # An eager re-run of a FULL step inside that step does not reproduce it with vLLM's CPU attention
-    # (measured: differences of order 1 in the real rows while the served tokens and logprobs equal vLLM
-    # without devgraph), so a comparison would report a difference that is not there. Say so instead.
-    if _REFUSED:
-        return
-    _REFUSED.append(True)
-    import logging
-
-    logging.getLogger("devgraph.debug").warning(
-        "devgraph: DEVGRAPH_COMPARE_EAGER does not compare FULL decode graphs on vLLM's CPU platform: they "
-        "run vLLM's own attention kernel as a task, and an eager re-run inside the step does not reproduce "
-        "the step, so it would report differences that are not there. Compare whole runs instead "
-        "(devgraph.compare_tokens on the engine's outputs with and without DEVGRAPH_VLLM), or use "
-        "cudagraph_mode=PIECEWISE"
-    )
