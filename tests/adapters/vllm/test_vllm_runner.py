@@ -460,3 +460,46 @@ def test_alibi_runs_vllms_kernel_on_cpu_and_is_refused_at_the_config_check_on_np
         assert "compilation_config={'cudagraph_mode': 'PIECEWISE'}" in message
         config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
         _refuse_attention_limits(type(npu), config)  # the platform's own attention, in pieces
+
+
+def _collections() -> int:
+    import gc
+
+    return sum(s["collections"] for s in gc.get_stats())
+
+
+@pytest.mark.parametrize("app_froze", [False, True])
+def test_capture_freezes_gc_without_vllms_two_full_collections(app_froze, monkeypatch):
+    import gc
+
+    from vllm import envs
+
+    from devgraph.adapters.vllm._runner import DevgraphModelRunnerMixin
+
+    monkeypatch.setattr(envs, "VLLM_ENABLE_CUDAGRAPH_GC", False, raising=False)
+    if app_froze:
+        gc.freeze()  # as vLLM and SGLang do after start-up: stays frozen
+    try:
+        before = _collections()
+        with DevgraphModelRunnerMixin._freeze_gc():
+            assert not gc.isenabled()
+            assert gc.get_freeze_count() > 0
+            garbage = [[] for _ in range(5000)]
+            del garbage
+        assert _collections() == before  # vLLM's own context collects twice (0.4 s each in an engine)
+        assert gc.isenabled()
+        assert (gc.get_freeze_count() > 0) == app_froze
+    finally:
+        gc.unfreeze()
+
+
+def test_vllm_enable_cudagraph_gc_keeps_gc_on_during_capture(monkeypatch):
+    import gc
+
+    from vllm import envs
+
+    from devgraph.adapters.vllm._runner import DevgraphModelRunnerMixin
+
+    monkeypatch.setattr(envs, "VLLM_ENABLE_CUDAGRAPH_GC", True, raising=False)
+    with DevgraphModelRunnerMixin._freeze_gc():
+        assert gc.isenabled() and gc.get_freeze_count() == 0
