@@ -293,7 +293,7 @@ class Graph(abc.ABC):
             "_task_update_end",
             "_task_update_abort",
         ),
-        "update": ("_check_update_allowed", "_update_tasks", "_needs_reissue"),
+        "update": ("_check_update_allowed", "_update_tasks", "_needs_reissue", "_updatable_tensor_args"),
         "enable_debug_mode": ("_enable_debug_mode",),
         "debug_dump": ("_debug_dump",),
         "call_opaque": ("_call_opaque",),
@@ -604,6 +604,12 @@ class Graph(abc.ABC):
         runtime rewrites such calls (torch_npu's handlers swap ``.default`` for ``.out`` with
         pre-allocated outputs) returns the rewritten call. Default: the call as made."""
         return func, args, kwargs, None
+
+    def _updatable_tensor_args(self, func: Any) -> tuple[str, ...]:
+        """The tensor arguments of ``func`` (the call an auto task captured) that ``update`` may
+        replace all the same: its runtime re-issues them from host memory. Default: none (an update
+        gives only the op's non-tensor arguments; the graph reads tensors where they were)."""
+        return ()
 
     @abc.abstractmethod
     def _begin_capture(self, stream: Stream, pool: MemoryPool) -> None: ...

@@ -1,0 +1,126 @@
+"""devgraph.wrap at its inputs and outputs: every call equals eager, or devgraph refuses by name.
+
+Inputs the forward writes in place, static arguments matched by everything a kernel reads, float
+constants by their bits, grad mode, outputs under ``inference_mode`` and ``no_grad``, copies of a
+wrapper; and the weight watch and the debug checks that a broken version must fail (issue 32).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import devgraph
+from devgraph import DevgraphError
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def _x(n: int = 3, seed: int = 1, cols: int = 4) -> torch.Tensor:
+    return torch.randn(n, cols, generator=torch.Generator().manual_seed(seed))
+
+
+class Lin(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+# -- static arguments and constants: matched by what the kernels read -----------------------------
+
+
+class MatMul(torch.nn.Module):
+    def forward(self, x, w):
+        return x @ w
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        pytest.param(lambda w: w.t(), id="transposed"),
+        pytest.param(lambda w: w.as_strided((4, 4), (1, 4)), id="as_strided"),
+    ],
+)
+def test_a_static_argument_with_other_strides_is_not_the_captured_tensor(view):
+    w = torch.randn(4, 4)
+    graphed = devgraph.wrap(MatMul(), device="cpu", batch_sizes=[4], static_args=["w"])
+    graphed(_x(), w)
+    other = view(w)
+    assert other.data_ptr() == w.data_ptr() and other.shape == w.shape and other.dtype == w.dtype
+    with pytest.warns(UserWarning, match=r"static argument 'w' is not the captured tensor \(strides"):
+        out = graphed(_x(), other)
+    torch.testing.assert_close(out, _x() @ other)
+    assert graphed.stats.fallbacks == {"signature_mismatch": 1}
+    torch.testing.assert_close(graphed(_x(), w), _x() @ w)  # the captured one still replays
+    assert graphed.stats.replays == 2
+
+
+def test_a_static_argument_at_another_offset_of_the_same_storage_is_not_the_captured_tensor():
+    base = torch.randn(8, 4)
+    graphed = devgraph.wrap(MatMul(), device="cpu", batch_sizes=[4], static_args=["w"])
+    graphed(_x(), base[:4])
+    out = _quiet(graphed, _x(), base[4:])
+    torch.testing.assert_close(out, _x() @ base[4:])
+    assert graphed.stats.fallbacks == {"signature_mismatch": 1}
+
+
+def test_a_conjugated_static_argument_is_not_the_captured_tensor():
+    w = torch.randn(4, 4, dtype=torch.complex64)
+    x = torch.randn(3, 4, dtype=torch.complex64)
+    graphed = devgraph.wrap(MatMul(), device="cpu", batch_sizes=[4], static_args=["w"])
+    graphed(x, w)
+    out = _quiet(graphed, x, w.conj())  # same memory, shape, strides and dtype; the conjugate bit differs
+    torch.testing.assert_close(out, x @ w.conj())
+    assert graphed.stats.fallbacks == {"signature_mismatch": 1}
+
+
+class Scale(torch.nn.Module):
+    def forward(self, x, c):
+        return x * c
+
+
+@pytest.mark.parametrize(
+    ("captured", "called"),
+    [(0.0, -0.0), (-0.0, 0.0), (float("nan"), 1.0), (complex(1.0, 0.0), complex(1.0, -0.0))],
+    ids=["zero-then-negative-zero", "negative-zero-then-zero", "nan-then-one", "complex-signed-zero"],
+)
+def test_float_constants_are_keyed_by_their_bits(captured, called):
+    graphed = devgraph.wrap(Scale(), device="cpu", batch_sizes=[4])
+    x = _x().to(torch.complex64) if isinstance(captured, complex) else _x()
+    graphed(x, captured)
+    out = _quiet(graphed, x, called)
+    # x * -0.0 has the signs of -x: a graph captured with 0.0 would return +0.0 everywhere
+    assert torch.equal(torch.signbit(torch.view_as_real(out) if out.is_complex() else out),
+                       torch.signbit(torch.view_as_real(x * called) if out.is_complex() else x * called))
+    assert graphed.stats.fallbacks == {"signature_mismatch": 1}
+
+
+def test_a_nan_constant_replays_the_graph_captured_with_nan():
+    graphed = devgraph.wrap(Scale(), device="cpu", batch_sizes=[4])
+    graphed(_x(), float("nan"))
+    out = graphed(_x(), float("nan"))  # another NaN object with the same bits: the same constant
+    assert torch.isnan(out).all() and graphed.stats.fallbacks == {}
+    with pytest.warns(UserWarning, match=r"argument 'c' is -0\.0 \(float\) at capture it was nan \(float\)"):
+        graphed(_x(), -0.0)
+
+
+def test_nested_float_constants_are_keyed_by_their_bits():
+    class Scales(torch.nn.Module):
+        def forward(self, x, cs):
+            return x * cs[0]
+
+    graphed = devgraph.wrap(Scales(), device="cpu", batch_sizes=[4])
+    graphed(_x(), (0.0, 1.0))
+    out = _quiet(graphed, _x(), (-0.0, 1.0))
+    assert torch.equal(torch.signbit(out), torch.signbit(_x() * -0.0))
+    assert graphed.stats.fallbacks == {"signature_mismatch": 1}
