@@ -31,7 +31,9 @@ One call, top to bottom (``graphed(**batch)``; ``__call__`` and ``serve`` below,
 7. replay: the part's ``replay``: ``Graph.replay(host_args)`` per graph (on a backend whose tasks
    need a re-issue -- the CPU reference, NPU -- each task is re-issued with the new host values; on
    CUDA the values are only noted), the splitting ops run eagerly in between for pieces.
-8. slice: the part cuts the outputs to the real batch along the dim that grows with the bucket.
+8. slice: the part cuts the outputs to the real batch along the dim that grows with the bucket;
+   inputs the forward writes in place (seen at capture) get their real rows back from the static
+   buffers (``StaticInputs.store_written``), as eager would have written them.
 
 Any ``Unsupported`` on the way runs the model eagerly (``_eager``), counted by reason.
 """
@@ -333,6 +335,8 @@ class GraphRunner:
                 inputs.weights.check(self.fn)
             # replay, slice
             out = part.replay(call, size, host_args)
+            if inputs.written_by_model:  # the forward writes its inputs: so must the call, as eager
+                inputs.store_written(call)
             part.stats.replays += 1
             return out
         except Unsupported as why:

@@ -124,3 +124,82 @@ def test_nested_float_constants_are_keyed_by_their_bits():
     out = _quiet(graphed, _x(), (-0.0, 1.0))
     assert torch.equal(torch.signbit(out), torch.signbit(_x() * -0.0))
     assert graphed.stats.fallbacks == {"signature_mismatch": 1}
+
+
+# -- inputs the forward writes in place --------------------------------------------------------------
+
+
+class Recurrent(torch.nn.Module):
+    """A recurrent state updated in place: ``s`` carries over from call to call, in the caller's tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, s, x):
+        s.mul_(0.5).add_(self.lin(x))
+        return s * 2
+
+
+class AddsOne(torch.nn.Module):
+    def forward(self, x):
+        x.add_(1)
+        return x * 3
+
+
+class WritesData(torch.nn.Module):
+    """Writes its input through ``.data``: no version bump, only the values show it."""
+
+    def forward(self, x):
+        x.data.mul_(3)
+        return x + 1
+
+
+def _wrap_mode(model, mode, **options):
+    if mode == "piecewise":
+        return devgraph.wrap(model, device="cpu", mode=mode, capture_sizes=[2, 4], **options)
+    return devgraph.wrap(model, device="cpu", mode=mode, batch_sizes=[2, 4], **options)
+
+
+@pytest.mark.parametrize("mode", ["full", "piecewise", "breakable"])
+@pytest.mark.parametrize(
+    ("model", "inputs"), [(Recurrent, 2), (AddsOne, 1), (WritesData, 1)], ids=["recurrent", "add_", "data"]
+)
+def test_an_input_the_forward_writes_is_written_in_the_callers_tensor(mode, model, inputs):
+    eager_model = model().eval()
+    graphed = _wrap_mode(model().eval(), mode)
+    mine = [_x(3, seed=i) for i in range(inputs)]
+    eager = [t.clone() for t in mine]
+    with torch.no_grad():
+        for _ in range(4):  # each call starts from the state the last one left, as eager
+            out = graphed(*mine)
+            expected = eager_model(*eager)
+            torch.testing.assert_close(out, expected)
+            for got, want in zip(mine, eager):
+                torch.testing.assert_close(got, want)
+    assert graphed.stats.replays == 4 and graphed.stats.eager_calls == 0
+
+
+def test_a_written_input_along_another_batch_dim_gets_its_real_rows_back():
+    class Transposed(torch.nn.Module):
+        def forward(self, s):
+            s.add_(1)
+            return s.sum(0)
+
+    graphed = devgraph.wrap(Transposed(), device="cpu", batch_sizes=[4], batch_dims={"s": 1})
+    mine, eager = torch.zeros(2, 3), torch.zeros(2, 3)
+    for _ in range(3):
+        torch.testing.assert_close(graphed(mine), Transposed()(eager))
+    torch.testing.assert_close(mine, torch.full((2, 3), 3.0))
+    assert graphed.stats.replays == 3
+
+
+def test_an_input_the_forward_only_reads_is_never_written():
+    graphed = devgraph.wrap(Lin().eval(), device="cpu", batch_sizes=[4])
+    x = _x()
+    before = x._version
+    for _ in range(3):
+        graphed(x)
+    assert x._version == before  # no copy back: nothing to copy
+    assert not graphed.runner.inputs.written_by_model
