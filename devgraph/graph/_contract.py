@@ -22,6 +22,7 @@ import attrs
 from devgraph._errors import DevgraphError
 from devgraph.graph import _capture
 from devgraph.graph._compiled_regions import record_opaque
+from devgraph.graph._grad import refuse_backward
 from devgraph.graph._opnames import resolve_auto_update_ops
 from devgraph.graph._tasks import TaskGroup, apply_host_args
 
@@ -378,7 +379,12 @@ class Graph(abc.ABC):
                 stack.callback(self._finish_capture, lambda: body_ok)
                 # The guard's own exit may refuse the capture (a compiled graph it could not record
                 # whole): only a block whose guard also exited cleanly ends the capture.
-                with _being_captured(self), _capture.capturing(self, auto_update_ops), _probed(self):
+                with (
+                    _being_captured(self),
+                    _capture.capturing(self, auto_update_ops),
+                    _probed(self),
+                    refuse_backward(),  # a backward after the capture would read the capture's values
+                ):
                     yield self
                 body_ok = True
         except BaseException as exc:

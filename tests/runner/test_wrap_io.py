@@ -203,3 +203,196 @@ def test_an_input_the_forward_only_reads_is_never_written():
         graphed(x)
     assert x._version == before  # no copy back: nothing to copy
     assert not graphed.runner.inputs.written_by_model
+
+
+# -- grad mode --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["full", "piecewise", "breakable"])
+def test_in_grad_mode_outputs_require_grad_as_eagers_and_backward_is_refused_by_name(mode):
+    model = Lin().eval()
+    graphed = _wrap_mode(model, mode)
+    out = graphed(_x())
+    assert out.requires_grad == model(_x()).requires_grad == True  # noqa: E712  (parameters require grad)
+    torch.testing.assert_close(out, model(_x()))
+    with pytest.raises(DevgraphError, match=r"backward through an output that devgraph served.*graphed\.module"):
+        out.sum().backward()
+    assert model.lin.weight.grad is None  # nothing half-accumulated
+    out.add_(1)  # writable in place, as eager's
+    assert graphed.stats.replays == 1 and graphed.stats.eager_calls == 0
+
+
+def test_an_input_that_requires_grad_makes_the_outputs_require_grad():
+    model = Lin().eval().requires_grad_(False)
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    assert not graphed(_x()).requires_grad  # nothing requires grad: nor does eager's
+    x = _x().requires_grad_()
+    out = graphed(x)
+    assert out.requires_grad and model(x).requires_grad
+    with pytest.raises(DevgraphError, match="served from a captured graph"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not graphed(x).requires_grad
+
+
+def test_integer_and_non_tensor_outputs_are_handed_back_as_they_are_in_grad_mode():
+    class Several(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return {"logits": y, "tokens": y.argmax(-1), "scale": 2}
+
+    graphed = devgraph.wrap(Several().eval(), device="cpu", batch_sizes=[4])
+    out = graphed(_x())
+    assert out["logits"].requires_grad and not out["tokens"].requires_grad and out["scale"] == 2
+    assert out["tokens"].shape == (3,)
+
+
+def test_an_eager_fallback_in_grad_mode_keeps_eagers_autograd_graph():
+    model = Lin().eval()
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    out = _quiet(graphed, _x(6))  # above the largest bucket: eager
+    assert graphed.stats.eager_calls == 1
+    out.sum().backward()  # eager's autograd graph: gradients as eager gives them
+    assert model.lin.weight.grad is not None
+
+
+def test_a_graph_captured_in_grad_mode_refuses_backward_by_name():
+    dev = devgraph.device("cpu")
+    model = Lin()
+    x = _x()
+    graph = dev.graph()
+    with graph.capture():
+        y = model(x).relu()  # addmm and relu save tensors for backward
+    graph.replay()
+    with pytest.raises(DevgraphError, match=r"backward through the output of a captured graph"):
+        y.sum().backward()
+
+
+def test_a_backward_inside_the_capture_block_is_captured_with_the_forward():
+    dev = devgraph.device("cpu")
+    w = torch.randn(4, 4, requires_grad=True)
+    x = _x()
+    graph = dev.graph()
+    with graph.capture():
+        loss = (x @ w).relu().sum()
+        (grad,) = torch.autograd.grad(loss, w)
+    graph.replay()
+    expected = torch.autograd.grad((x @ w).relu().sum(), w)[0]
+    torch.testing.assert_close(grad, expected)
+
+
+# -- outputs under inference_mode and no_grad -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["full", "piecewise", "breakable"])
+@pytest.mark.parametrize(("capture_under", "call_under"), [("inference", "no_grad"), ("inference", "grad")])
+def test_outputs_captured_under_inference_mode_are_ordinary_tensors_outside_it(mode, capture_under, call_under):
+    model = Lin().eval()
+    graphed = _wrap_mode(model, mode)
+    with torch.inference_mode():
+        graphed(_x())  # captured under inference_mode
+    context = torch.no_grad() if call_under == "no_grad" else torch.enable_grad()
+    with context:
+        out = graphed(_x(seed=2))
+        expected = model(_x(seed=2))
+        assert out.is_inference() == expected.is_inference() == False  # noqa: E712
+        torch.testing.assert_close(out, expected)
+        out.mul_(2)  # eager's can be written in place outside inference mode; so can these
+    torch.testing.assert_close(out.detach(), 2 * expected.detach())
+    assert graphed.stats.replays == 2
+
+
+def test_outputs_under_inference_mode_can_be_written_there_too():
+    model = Lin().eval()
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    with torch.inference_mode():
+        graphed(_x())
+        out = graphed(_x())
+        out.add_(1)
+        torch.testing.assert_close(out, model(_x()) + 1)
+
+
+# -- copies of a wrapper ------------------------------------------------------------------------------
+
+
+def _roundtrip_pickle(graphed):
+    import pickle
+
+    return pickle.loads(pickle.dumps(graphed))
+
+
+def _roundtrip_torch_save(graphed):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(graphed, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize(
+    "copy_of",
+    [
+        pytest.param(lambda g: __import__("copy").deepcopy(g), id="deepcopy"),
+        pytest.param(_roundtrip_pickle, id="pickle"),
+        pytest.param(_roundtrip_torch_save, id="torch.save"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["full", "piecewise"])
+def test_a_captured_wrapper_copies_its_model_and_options_and_captures_again(copy_of, mode):
+    model = Lin().eval()
+    graphed = _wrap_mode(model, mode, pad_values={"x": 0.0})
+    with torch.no_grad():
+        graphed(_x())
+        twin = copy_of(graphed)
+        assert isinstance(twin, devgraph.GraphedModule)
+        assert twin.module is not model and not twin.runner.captured  # graphs are never copied
+        assert twin.runner.config == graphed.runner.config and twin.runner.device is graphed.runner.device
+        torch.testing.assert_close(twin(_x()), model(_x()))
+        assert twin.runner.captured and twin.stats.replays == 1
+        twin.module.lin.weight.mul_(2)  # the copy's model is its own
+        torch.testing.assert_close(twin(_x()), twin.module(_x()))
+        torch.testing.assert_close(graphed(_x()), model(_x()))
+
+
+def test_a_shallow_copy_shares_the_model_and_captures_its_own_graphs():
+    import copy
+
+    model = Lin().eval()
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    graphed(_x())
+    twin = copy.copy(graphed)
+    assert twin.module is model and twin.runner is not graphed.runner and not twin.runner.captured
+    torch.testing.assert_close(twin(_x()), model(_x()))
+
+
+def test_the_state_dict_of_a_wrapper_saves_as_the_models():
+    import io
+
+    model = Lin().eval()
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    graphed(_x())
+    buf = io.BytesIO()
+    torch.save(graphed.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert loaded.keys() == model.state_dict().keys()
+
+
+def test_a_wrapper_subclass_that_holds_more_than_a_model_refuses_copies_by_name():
+    import copy
+
+    class Holds(devgraph.GraphedModule):
+        pass
+
+    model = Lin().eval()
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    holds = Holds(model, graphed.runner)
+    with pytest.raises(DevgraphError, match=r"copy\.deepcopy of a Holds is not supported.*wrap the copy"):
+        copy.deepcopy(holds)
+    with pytest.raises(DevgraphError, match=r"pickling .* of a Holds is not supported"):
+        _roundtrip_pickle(holds)
