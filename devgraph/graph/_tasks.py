@@ -173,8 +173,7 @@ def apply_host_args(
         if bad:
             raise DevgraphError(
                 f"task {task.index} ({task.op}) takes no host argument(s) {bad}; its host arguments are "
-                f"{list(task.host_names)}"
-                + _tensor_note(bad, [task])
+                f"{list(task.host_names)}" + _tensor_note(bad, [task])
             )
         yield task, dict(given)
 

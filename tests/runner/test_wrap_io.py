@@ -100,8 +100,10 @@ def test_float_constants_are_keyed_by_their_bits(captured, called):
     graphed(x, captured)
     out = _quiet(graphed, x, called)
     # x * -0.0 has the signs of -x: a graph captured with 0.0 would return +0.0 everywhere
-    assert torch.equal(torch.signbit(torch.view_as_real(out) if out.is_complex() else out),
-                       torch.signbit(torch.view_as_real(x * called) if out.is_complex() else x * called))
+    assert torch.equal(
+        torch.signbit(torch.view_as_real(out) if out.is_complex() else out),
+        torch.signbit(torch.view_as_real(x * called) if out.is_complex() else x * called),
+    )
     assert graphed.stats.fallbacks == {"signature_mismatch": 1}
 
 
@@ -215,7 +217,9 @@ def test_in_grad_mode_outputs_require_grad_as_eagers_and_backward_is_refused_by_
     out = graphed(_x())
     assert out.requires_grad == model(_x()).requires_grad == True  # noqa: E712  (parameters require grad)
     torch.testing.assert_close(out, model(_x()))
-    with pytest.raises(DevgraphError, match=r"backward through an output that devgraph served.*graphed\.module"):
+    with pytest.raises(
+        DevgraphError, match=r"backward through an output that devgraph served.*graphed\.module"
+    ):
         out.sum().backward()
     assert model.lin.weight.grad is None  # nothing half-accumulated
     out.add_(1)  # writable in place, as eager's
@@ -290,7 +294,9 @@ def test_a_backward_inside_the_capture_block_is_captured_with_the_forward():
 
 @pytest.mark.parametrize("mode", ["full", "piecewise", "breakable"])
 @pytest.mark.parametrize(("capture_under", "call_under"), [("inference", "no_grad"), ("inference", "grad")])
-def test_outputs_captured_under_inference_mode_are_ordinary_tensors_outside_it(mode, capture_under, call_under):
+def test_outputs_captured_under_inference_mode_are_ordinary_tensors_outside_it(
+    mode, capture_under, call_under
+):
     model = Lin().eval()
     graphed = _wrap_mode(model, mode)
     with torch.inference_mode():
@@ -396,3 +402,59 @@ def test_a_wrapper_subclass_that_holds_more_than_a_model_refuses_copies_by_name(
         copy.deepcopy(holds)
     with pytest.raises(DevgraphError, match=r"pickling .* of a Holds is not supported"):
         _roundtrip_pickle(holds)
+
+
+# -- the checks a broken version must fail: the weight watch, the debug address checks -----------------
+
+
+def test_the_weight_watch_sees_the_same_parameter_at_a_new_address():
+    model = Lin().eval()
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    for _ in range(3):  # the watch has settled: it looks again only after a registration
+        graphed(_x())
+    model.lin.weight.data = torch.randn(4, 4)  # the same Parameter object, its memory elsewhere
+    torch.nn.Linear(2, 2)  # a registration anywhere makes the runner look
+    with pytest.warns(UserWarning, match=r"parameter 'lin.weight' was replaced since capture"):
+        out = graphed(_x())
+    torch.testing.assert_close(out, model(_x()))
+    assert graphed.stats.recaptures == 1
+
+
+def test_debug_names_a_runner_input_that_no_longer_lives_at_its_capture_address():
+    graphed = devgraph.wrap(Lin().eval(), device="cpu", batch_sizes=[4], debug=True)
+    graphed(_x())
+    buffer = graphed.runner.inputs.buffers["x"]
+    buffer.set_(buffer.clone())  # its memory moved (what a bug in a part's buffers would do)
+    with pytest.raises(DevgraphError, match=r"input 'x' no longer lives at its capture address"):
+        graphed(_x())
+
+
+def test_piecewise_debug_copies_in_a_module_input_that_moved():
+    model = Lin().eval()
+    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[4])
+    with torch.no_grad():
+        graphed(_x(4))
+        part = graphed.runner.pieces
+        inputs = part._piece_inputs(part.inputs.read((_x(4),), {}), 4)
+        where = [i for i, t in enumerate(inputs) if t.data_ptr() == part.inputs.buffers["x"].data_ptr()]
+        assert len(where) == 1
+        moved = list(inputs)
+        moved[where[0]] = _x(4, seed=7)  # the module's own input at another address, other values
+        # Without debug only inputs that may move (pool memory, staging) are checked: stale.
+        stale = part.module.replay(moved, 4, None)[0].clone()
+        checked = part.module.replay(moved, 4, None, debug=True)[0]
+        torch.testing.assert_close(checked, model(_x(4, seed=7)))
+    assert not torch.allclose(stale, checked)
+
+
+def test_the_hugging_face_wrapper_refuses_copies_by_name():
+    import copy
+
+    pytest.importorskip("transformers")
+    from _hf_models import tiny_model
+
+    graphed = devgraph.wrap(tiny_model("llama"), "cpu", batch_sizes=[1, 2], max_cache_len=32)
+    with pytest.raises(
+        DevgraphError, match=r"copy\.deepcopy of a GraphedCausalLM is not supported.*wrap the copy"
+    ):
+        copy.deepcopy(graphed)

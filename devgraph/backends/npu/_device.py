@@ -611,7 +611,6 @@ class NpuGraph(Graph):
         _handlers.spec_names(actual, handler)  # refuse a spec that would update the wrong argument
         return actual, tuple(args), kwargs, lambda result: handler.postprocess_result(result, kwargs)
 
-
     def _updatable_tensor_args(self, func: Any) -> tuple[str, ...]:
         """What torch_npu's handler registry re-issues for ``func`` (``_npu_paged_attention``'s
         ``context_lens``, a host tensor): an update may give those too."""
