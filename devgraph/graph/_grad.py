@@ -35,7 +35,8 @@ def refuse_backward() -> Iterator[None]:
     saved-tensor hooks disabled, inside a functorch transform) the block runs as it is."""
     import torch
 
-    if not torch.is_grad_enabled() or not torch._C._autograd._saved_tensors_hooks_is_enabled():
+    hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
+    if not torch.is_grad_enabled() or not hooks_enabled():
         yield
         return
     capturing = [True]
