@@ -438,7 +438,7 @@ class BreakableGraph:
             names.update(b.host_args)
         self._plan = []
         for i, graph in enumerate(self._graphs):
-            taken = tuple(sorted({n for t in graph.tasks if t.is_auto for n in t.argument_names}))
+            taken = tuple(sorted({n for t in graph.tasks if t.is_auto for n in t.host_names}))
             self._plan.append((graph, taken, self._breaks[i] if i < len(self._breaks) else None))
             names.update(taken)
         self._host_names = frozenset(names)

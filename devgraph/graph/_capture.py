@@ -72,6 +72,8 @@ class GuardedGraph(Protocol):
         self, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[OpOverload, tuple[Any, ...], dict[str, Any], Callable[[Any], Any] | None]: ...
 
+    def _updatable_tensor_args(self, func: OpOverload) -> tuple[str, ...]: ...
+
 
 _SYNC_REMEDY = (
     "keep the value on the device (tensor ops instead of Python numbers), or compute it before "
@@ -422,7 +424,8 @@ def _call_as_task(
     graph: GuardedGraph, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     call, args, kwargs, post = graph._prepare_task_call(func, args, kwargs)
-    with graph._group(TaskGroup.for_call(len(graph.tasks), call, args, kwargs)):
+    group = TaskGroup.for_call(len(graph.tasks), call, args, kwargs, graph._updatable_tensor_args(call))
+    with graph._group(group):
         result = call(*args, **kwargs)
     return result if post is None else post(result)
 

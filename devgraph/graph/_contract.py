@@ -22,6 +22,7 @@ import attrs
 from devgraph._errors import DevgraphError
 from devgraph.graph import _capture
 from devgraph.graph._compiled_regions import record_opaque
+from devgraph.graph._grad import refuse_backward
 from devgraph.graph._opnames import resolve_auto_update_ops
 from devgraph.graph._tasks import TaskGroup, apply_host_args
 
@@ -293,7 +294,7 @@ class Graph(abc.ABC):
             "_task_update_end",
             "_task_update_abort",
         ),
-        "update": ("_check_update_allowed", "_update_tasks", "_needs_reissue"),
+        "update": ("_check_update_allowed", "_update_tasks", "_needs_reissue", "_updatable_tensor_args"),
         "enable_debug_mode": ("_enable_debug_mode",),
         "debug_dump": ("_debug_dump",),
         "call_opaque": ("_call_opaque",),
@@ -378,7 +379,12 @@ class Graph(abc.ABC):
                 stack.callback(self._finish_capture, lambda: body_ok)
                 # The guard's own exit may refuse the capture (a compiled graph it could not record
                 # whole): only a block whose guard also exited cleanly ends the capture.
-                with _being_captured(self), _capture.capturing(self, auto_update_ops), _probed(self):
+                with (
+                    _being_captured(self),
+                    _capture.capturing(self, auto_update_ops),
+                    _probed(self),
+                    refuse_backward(),  # a backward after the capture would read the capture's values
+                ):
                     yield self
                 body_ok = True
         except BaseException as exc:
@@ -604,6 +610,12 @@ class Graph(abc.ABC):
         runtime rewrites such calls (torch_npu's handlers swap ``.default`` for ``.out`` with
         pre-allocated outputs) returns the rewritten call. Default: the call as made."""
         return func, args, kwargs, None
+
+    def _updatable_tensor_args(self, func: Any) -> tuple[str, ...]:
+        """The tensor arguments of ``func`` (the call an auto task captured) that ``update`` may
+        replace all the same: its runtime re-issues them from host memory. Default: none (an update
+        gives only the op's non-tensor arguments; the graph reads tensors where they were)."""
+        return ()
 
     @abc.abstractmethod
     def _begin_capture(self, stream: Stream, pool: MemoryPool) -> None: ...

@@ -40,12 +40,23 @@ class TaskGroup:
     _args: tuple[Any, ...] = attrs.field(default=(), repr=False)
     _kwargs: dict[str, Any] = attrs.field(factory=dict, repr=False)
     _names: tuple[str, ...] = attrs.field(default=(), repr=False)
+    _host_names: frozenset[str] = attrs.field(default=frozenset(), repr=False)
 
     @classmethod
     def for_call(
-        cls, index: int, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+        cls,
+        index: int,
+        func: OpOverload,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        updatable_tensors: Sequence[str] = (),
     ) -> TaskGroup:
-        """A group for one auto-captured call of the torch op ``func``."""
+        """A group for one auto-captured call of the torch op ``func``.
+
+        Its host arguments (what ``update`` may give it) are the op's non-tensor arguments, and
+        ``updatable_tensors``: tensor arguments the backend's runtime re-issues from host memory
+        (torch_npu's handler registry updates ``_npu_paged_attention``'s ``context_lens``).
+        """
         names = tuple(a.name for a in func._schema.arguments)
         host: dict[str, Any] = {}
         for i, name in enumerate(names):
@@ -68,6 +79,8 @@ class TaskGroup:
             args=weak_args,
             kwargs=weak_kwargs,
             names=names,
+            host_names=frozenset(a.name for a in func._schema.arguments if not _holds_tensor_type(a.type))
+            | frozenset(updatable_tensors),
         )
 
     @property
@@ -75,12 +88,20 @@ class TaskGroup:
         return self._func is not None
 
     def takes(self, name: str) -> bool:
-        return name in self._names
+        """Whether ``update`` may give this task a new ``name``: one of its op's host arguments
+        (``host_names``), never a tensor argument (the graph reads tensors where they were)."""
+        return name in self._host_names
 
     @property
     def argument_names(self) -> tuple[str, ...]:
-        """The op's argument names (auto tasks; empty for explicit groups)."""
+        """The op's argument names, tensors included (auto tasks; empty for explicit groups)."""
         return self._names
+
+    @property
+    def host_names(self) -> tuple[str, ...]:
+        """The op's host (non-tensor) argument names, in the op's order: what ``update`` may give
+        this task (auto tasks; empty for explicit groups)."""
+        return tuple(n for n in self._names if n in self._host_names)
 
     def call_with(self, new_host_args: Mapping[str, Any]) -> Callable[[], Any]:
         """A thunk that re-issues the captured call with ``new_host_args`` replacing host values."""
@@ -97,6 +118,12 @@ class TaskGroup:
 
     def remember(self, new_host_args: Mapping[str, Any]) -> None:
         self.host_args.update(new_host_args)
+
+
+def _holds_tensor_type(schema_type: Any) -> bool:
+    """Whether an op schema argument's type is or holds a tensor (``Tensor``, ``Tensor?``,
+    ``Tensor[]``, ``Tensor?[]``)."""
+    return "Tensor" in str(schema_type)
 
 
 def holds_tensor(value: Any) -> bool:
@@ -125,11 +152,7 @@ def apply_host_args(
                 unused -= set(kwargs)
                 pairs.append((task, kwargs))
         if unused:
-            ops = sorted({t.op for t in tasks}) or ["<none captured>"]
-            raise DevgraphError(
-                f"no updatable task takes host argument(s) {sorted(unused)}; the graph's updatable "
-                f"ops are {ops}. Capture with auto_update_ops=[...] naming the op that takes them."
-            )
+            raise _unknown(sorted(unused), tasks)
         yield from pairs
         return
     per_task = list(host_args)
@@ -148,5 +171,32 @@ def apply_host_args(
             )
         bad = [k for k in given if not task.takes(k)]
         if bad:
-            raise DevgraphError(f"task {task.index} ({task.op}) takes no argument(s) {bad}")
+            raise DevgraphError(
+                f"task {task.index} ({task.op}) takes no host argument(s) {bad}; its host arguments are "
+                f"{list(task.host_names)}" + _tensor_note(bad, [task])
+            )
         yield task, dict(given)
+
+
+def _unknown(names: list[str], tasks: Sequence[TaskGroup]) -> DevgraphError:
+    """The error for ``update`` names that no updatable task takes as a host argument."""
+    auto = [t for t in tasks if t.is_auto]
+    ops = sorted({t.op for t in tasks}) or ["<none captured>"]
+    valid = sorted({n for t in auto for n in t.host_names})
+    return DevgraphError(
+        f"no updatable task takes host argument(s) {names}; the graph's updatable ops are {ops}, whose host "
+        f"arguments are {valid or 'none'}"
+        + _tensor_note(names, auto)
+        + ". Pass one of those names, or capture with auto_update_ops=[...] naming the op that takes them."
+    )
+
+
+def _tensor_note(names: Sequence[str], tasks: Sequence[TaskGroup]) -> str:
+    """A clause for names that are tensor arguments of the tasks' ops (an update cannot replace those)."""
+    tensors = sorted({n for n in names for t in tasks if n in t.argument_names})
+    if not tensors:
+        return ""
+    return (
+        f" ({tensors} {'is a tensor argument' if len(tensors) == 1 else 'are tensor arguments'}: a graph reads "
+        "tensors where they were at capture, so write new values into that tensor in place instead)"
+    )

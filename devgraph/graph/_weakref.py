@@ -14,7 +14,11 @@ __all__ = ["weak_ref_tensor", "weak_ref_tensors"]
 def weak_ref_tensor(tensor: Any) -> Any:
     """A tensor over ``tensor``'s memory that does not keep that memory alive.
 
-    The caller keeps the memory alive by other means (for captured outputs: the graph's pool).
+    The caller keeps the memory alive by other means (for captured outputs: the graph's pool). It
+    is an ordinary tensor even when made under ``torch.inference_mode``: a graph's outputs are handed
+    to callers in any mode, and an inference tensor could not be written in place, or saved for
+    backward, outside inference mode (where eager's outputs can).
+
     Raises:
         TypeError: ``tensor`` is not a tensor.
     """
@@ -24,9 +28,10 @@ def weak_ref_tensor(tensor: Any) -> Any:
         raise TypeError(f"weak_ref_tensor expects a tensor, got {type(tensor).__name__}")
     storage = tensor.untyped_storage()
     weak = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device, storage.nbytes())
-    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
-        weak, tensor.storage_offset(), tensor.shape, tensor.stride()
-    )
+    with torch.inference_mode(False):
+        return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+            weak, tensor.storage_offset(), tensor.shape, tensor.stride()
+        )
 
 
 def weak_ref_tensors(tensors: Any) -> Any:

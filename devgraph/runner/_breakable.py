@@ -101,7 +101,7 @@ class BreakableGraphs(WholeGraphs):
     def _check_host_args(self, graph: Graph) -> None:
         assert isinstance(graph, BreakableGraph)
         taken = {n for b in graph.captured_breaks for n in b.host_args}
-        taken.update(n for g in graph.graphs for t in g.tasks if t.is_auto for n in t.argument_names)
+        taken.update(n for g in graph.graphs for t in g.tasks if t.is_auto for n in t.host_names)
         for call_name, op_name in self.config.host_args:
             if op_name not in taken:
                 ops = sorted({b.op for b in graph.captured_breaks}) or ["none"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
+import struct
 import sys
 import types
 from collections import OrderedDict
@@ -55,7 +56,7 @@ class Call:
             shape = x.shape
             t[name] = ("batched", tuple(shape[:d]) + tuple(shape[d + 1 :]), x.dtype, x.device)
         for name, x in self.static.items():
-            t[name] = ("static", x.data_ptr(), tuple(x.shape), x.dtype)
+            t[name] = static_key(x)
         for name in self.host:
             t[name] = ("host",)
         for name, v in self.consts.items():
@@ -136,6 +137,49 @@ _BY_IDENTITY = (
 )
 
 
+def static_key(x: torch.Tensor) -> tuple[Any, ...]:
+    """What a static tensor argument is matched by: everything that decides what a captured kernel
+    reads through it (address, storage offset, shape, strides, dtype, device, the conjugate and
+    negative bits). ``w`` and ``w.t()`` of a square ``w`` share address, shape and dtype and differ
+    in strides; ``z`` and ``z.conj()`` differ only in the conjugate bit."""
+    return (
+        "static",
+        x.data_ptr(),
+        x.storage_offset(),
+        tuple(x.shape),
+        x.stride(),
+        x.dtype,
+        x.device,
+        x.is_conj(),
+        x.is_neg(),
+    )
+
+
+#: the static key's fields after "static", named in a mismatch message.
+_STATIC_FIELDS = (
+    "address",
+    "storage offset",
+    "shape",
+    "strides",
+    "dtype",
+    "device",
+    "conjugate bit",
+    "negative bit",
+)
+
+_pack_double = struct.Struct("<d").pack
+
+
+def _plain_key(t: type, v: Any) -> Any:
+    """A plain value's key. Floats and complexes by their bits: ``0.0 == -0.0`` and NaN is unequal
+    to itself, yet a kernel given ``-0.0`` or a NaN computes other bits than one given ``0.0``."""
+    if t is float:
+        return (t, _pack_double(v))
+    if t is complex:
+        return (t, _pack_double(v.real) + _pack_double(v.imag))
+    return (t, v)
+
+
 def _const_key(v: Any) -> Any:
     """What a constant argument is compared by between the captured call and a later one: its type
     and value (``1.0`` and ``1`` differ), containers item by item, NumPy arrays by their bytes,
@@ -146,14 +190,14 @@ def _const_key(v: Any) -> Any:
     """
     t = type(v)
     if t in _PLAIN:
-        return (t, v)
+        return _plain_key(t, v)
     return _value_key(v, 0)
 
 
 def _value_key(v: Any, depth: int) -> Any:
     t = type(v)
     if t in _PLAIN:
-        return (t, v)
+        return _plain_key(t, v)
     if isinstance(v, torch.Tensor):
         raise Unsupported(
             "unsupported_call",
@@ -404,7 +448,7 @@ class TemplateCheck:
             if want is None or x.shape != want[0] or x.dtype != want[1] or x.device != want[2]:
                 return False
         for name, x in call.static.items():
-            if captured.get(name) != ("static", x.data_ptr(), tuple(x.shape), x.dtype):
+            if captured.get(name) != static_key(x):
                 return False
         for name in call.host:
             if captured.get(name) != ("host",):
@@ -424,8 +468,16 @@ def template_mismatch(captured: dict[str, Any], call: dict[str, Any]) -> str | N
     for name, want in captured.items():
         got = call[name]
         if want != got:
-            if want[0] == "static":
-                return f"static argument {name!r} is not the captured tensor"
+            if want[0] == "static" == got[0]:
+                differ = [
+                    f"{field} {g!r}, at capture {w!r}"
+                    for field, w, g in zip(_STATIC_FIELDS, want[1:], got[1:])
+                    if w != g
+                ]
+                return (
+                    f"static argument {name!r} is not the captured tensor ({'; '.join(differ)}); a graph reads "
+                    "a static argument where and as it was at capture"
+                )
             if want[0] == "const" == got[0]:
                 return f"argument {name!r} is {_words(got[1])} at capture it was {_words(want[1])}"
             return f"argument {name!r} is {got[1:]} at capture it was {want[1:]}"
@@ -444,6 +496,10 @@ def signature_of(fn: Callable[..., Any]) -> inspect.Signature:
 
 def _words(key: Any) -> str:
     """A constant's key (``_const_key``) for an error message: ``1.0 (float)``."""
+    if isinstance(key, tuple) and len(key) == 2 and key[0] in (float, complex) and type(key[1]) is bytes:
+        parts = struct.unpack(f"<{len(key[1]) // 8}d", key[1])
+        value = parts[0] if key[0] is float else complex(*parts)
+        return f"{value!r} ({key[0].__name__})"
     if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], type):
         return f"{key[1]!r} ({key[0].__name__})"
     if isinstance(key, tuple) and key and isinstance(key[0], type):

@@ -6,6 +6,7 @@ first use (the runner layer imports torch; ``import devgraph`` does not).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,9 @@ class GraphedModule:
     that return the module return the wrapper, so graphs keep serving calls; a change the graphs
     cannot follow (a weight moved or cast, a training flag flipped) drops them and the next call
     captures again. Moving the model off the wrapper's device is refused: wrap it again there.
+
+    ``copy.deepcopy``, ``copy.copy``, ``pickle`` and ``torch.save`` copy the model (deep or shallow,
+    as asked) and the wrapper's options, never the graphs: the copy captures on its first call.
     """
 
     def __init__(self, module: Any, runner: GraphRunner) -> None:
@@ -140,6 +144,37 @@ class GraphedModule:
                 f"devgraph.wrap(model.{name}(...), device={kind!r})"
             )
 
+    # -- copies: the model and the options, never the graphs -------------------------------------
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GraphedModule:
+        self._check_copyable("copy.deepcopy")
+        module = copy.deepcopy(self.module, memo)
+        fn = copy.deepcopy(self.runner.fn, memo)  # the module's copy when it is the module (the memo)
+        return GraphedModule(module, self.runner.fresh(fn))
+
+    def __copy__(self) -> GraphedModule:
+        self._check_copyable("copy.copy")
+        return GraphedModule(self.module, self.runner.fresh(self.runner.fn))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (``pickle``, ``torch.save``) as the model, the device and the options."""
+        self._check_copyable("pickling (pickle, torch.save)")
+        runner = self.runner
+        same = runner.fn is self.module
+        return (
+            _unpickle,
+            (self.module, None if same else runner.fn, runner.device.torch_device, _PickledOptions(runner)),
+        )
+
+    def _check_copyable(self, what: str) -> None:
+        if type(self) is not GraphedModule and type(self).__reduce__ is GraphedModule.__reduce__:
+            raise DevgraphError(
+                f"{what} of a {type(self).__name__} is not supported: it holds more than a model and its "
+                "options (caches, engine state). Copy the model and wrap the copy: "
+                "devgraph.wrap(copy.deepcopy(graphed.module), ...); save weights with "
+                "torch.save(graphed.module.state_dict(), ...)"
+            )
+
     def __getattr__(self, name: str) -> Any:
         if name in ("module", "runner"):
             raise AttributeError(name)
@@ -149,3 +184,29 @@ class GraphedModule:
         return (
             f"<GraphedModule {type(self.module).__name__} on {self.runner.device}, sizes {self.runner.sizes}>"
         )
+
+
+class _PickledOptions:
+    """A runner's options as pickled: its config, how it was built, never its graphs or threads."""
+
+    def __init__(self, runner: GraphRunner) -> None:
+        self.config = runner.config
+        self.built_with = runner._built_with
+
+
+def _unpickle(module: Any, fn: Any, device: Any, options: _PickledOptions) -> GraphedModule:
+    """A wrapper of ``module`` (calls served for ``fn``, default the module) rebuilt on ``device`` with
+    the pickled options; its first call captures."""
+    from devgraph._plugins import device as find_device
+    from devgraph.runner._runner import GraphRunner
+
+    compile_config, caller_serialises, is_decode = options.built_with
+    fresh = GraphRunner(
+        module if fn is None else fn,
+        find_device(device),
+        options.config,
+        compile_config,
+        caller_serialises=caller_serialises,
+        is_decode=is_decode,
+    )
+    return GraphedModule(module, fresh)

@@ -40,7 +40,8 @@ class StaticInputs:
     ``remember`` serve the capture; ``clear`` forgets all of it (a runner's reset).
 
     Attributes a runner reads: ``buffers`` (name -> static tensor, rows along the batch dim),
-    ``written_by_model`` (buffers the model writes itself, seen at capture: padded every call),
+    ``written_by_model`` (buffers the model writes itself, seen at capture: padded every call, and
+    their real rows copied back into the caller's tensors after every replay, ``store_written``),
     ``exact_only`` (why calls padded up to a size would differ from eager; None: padding is exact),
     ``padding_verdict`` (what the padding check found), ``watch`` (whether a weight, buffer or
     submodule was replaced since capture) and ``weights`` (their addresses, for ``debug=True``).
@@ -111,13 +112,7 @@ class StaticInputs:
 
     def buffer_versions(self) -> dict[str, int | None]:
         """Each buffer's version counter (bumped by every in-place write; None: not tracked)."""
-        versions: dict[str, int | None] = {}
-        for name, buf in self.buffers.items():
-            try:
-                versions[name] = buf._version
-            except RuntimeError:  # an inference tensor (made by the caller's code): assume written
-                versions[name] = None
-        return versions
+        return {name: _version(buf) for name, buf in self.buffers.items()}
 
     def remember(self, example: Call) -> None:
         """Record where the buffers, the example's static tensors and the model's weights live."""
@@ -138,7 +133,16 @@ class StaticInputs:
         def run(batched: dict[str, torch.Tensor], host: dict[str, list[Any]]) -> Any:
             values: dict[str, Any] = {**batched, **example.static, **example.consts, **host}
             args, kwargs = example.bind(self.signature, values)
-            return self.fn(*args, **kwargs)
+            # These runs see the example's real rows, where a write that leaves the version counter
+            # alone (``x.data``, an extension kernel) changes values that all-padding buffers may not.
+            before = {n: (_version(x), x.clone()) for n, x in batched.items()}
+            out = self.fn(*args, **kwargs)
+            self.written_by_model.update(
+                n
+                for n, (version, values) in before.items()
+                if version is None or _version(batched[n]) != version or not _same_values(batched[n], values)
+            )
+            return out
 
         verdict = None
         for size in reversed(padded):
@@ -217,6 +221,18 @@ class StaticInputs:
             # Rows above this bucket that an earlier call used are still dirty.
             used[name] = dirty if dirty > size else batch
 
+    def store_written(self, call: Call) -> None:
+        """Copy the real rows of every buffer the model writes (``written_by_model``) back into the
+        caller's tensor, after a replay: eager writes the caller's tensor in place (``x.add_(1)``, a
+        recurrent state ``s.mul_(0.5).add_(x)``), a replay only the static buffer, so without this
+        the caller's next call would start from stale state."""
+        firsts = self._first_rows[call.batch]  # made by ``load`` for this batch
+        batched = call.batched
+        for name in self.written_by_model:
+            x = batched.get(name)
+            if x is not None:
+                x.copy_(firsts[name])
+
     def padded_host_args(self, host: dict[str, list[Any]], size: int) -> dict[str, list[Any]]:
         """The updatable tasks' host arguments for a call's host lists padded to bucket ``size``
         (``{op argument: values}``, as ``Graph.replay(host_args=...)`` takes them); a host list
@@ -227,6 +243,23 @@ class StaticInputs:
             values = list(host.get(call_name, ()))
             out[op_name] = values + [pad.get(call_name, 0)] * (size - len(values))
         return out
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place write), None for an inference tensor."""
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor (made by the caller's code): assume written
+        return None
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` still holds what its copy ``b`` holds (NaN where NaN was)."""
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 #: What a call's results depend on besides its arguments (``ambient``): autocast on, its dtype, the

@@ -11,7 +11,8 @@ everything else to the pieces, both capturing into one ``SharedPool``. A part ho
 One call, top to bottom (``graphed(**batch)``; ``__call__`` and ``serve`` below, in this order):
 
 1. lock, thread, autograd: take the lock, claim the calling thread (outputs are views of graph
-   memory), turn autograd off.
+   memory), turn autograd off (a caller in grad mode gets outputs that require grad as eager's do,
+   whose backward raises by name: ``for_grad``; an eager fallback runs in the caller's grad mode).
 2. read: ``StaticInputs.read`` -> ``CallReader.read`` (``_calls.py``): bind the arguments to the
    forward's signature -- in full for the first call of each shape, then by the binding
    remembered for that shape -- and classify them into a ``Call``: batched tensors, static
@@ -31,13 +32,16 @@ One call, top to bottom (``graphed(**batch)``; ``__call__`` and ``serve`` below,
 7. replay: the part's ``replay``: ``Graph.replay(host_args)`` per graph (on a backend whose tasks
    need a re-issue -- the CPU reference, NPU -- each task is re-issued with the new host values; on
    CUDA the values are only noted), the splitting ops run eagerly in between for pieces.
-8. slice: the part cuts the outputs to the real batch along the dim that grows with the bucket.
+8. slice: the part cuts the outputs to the real batch along the dim that grows with the bucket;
+   inputs the forward writes in place (seen at capture) get their real rows back from the static
+   buffers (``StaticInputs.store_written``), as eager would have written them.
 
 Any ``Unsupported`` on the way runs the model eagerly (``_eager``), counted by reason.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -54,6 +58,7 @@ from devgraph.runner._buckets import choose_bucket
 from devgraph.runner._calls import Call, Unsupported
 from devgraph.runner._capture_loop import CaptureLoop
 from devgraph.runner._config import RunnerConfig, RunnerStats, positive_int, positive_ints
+from devgraph.runner._grad import for_grad
 from devgraph.runner._inputs import StaticInputs
 from devgraph.runner._padding import CATEGORY as PADDING_CATEGORY
 from devgraph.runner._pieces import Pieces
@@ -135,7 +140,11 @@ class GraphRunner:
         self.fn = fn
         self.device = device
         self.config = config
+        # What ``fresh`` builds a like runner from (a copy of a wrapper gets one, nothing captured).
+        self._built_with = (compile_config, caller_serialises, is_decode)
         self._lock = threading.RLock()
+        self._grad = False  # the call in progress was made in grad mode
+        self._params: tuple[int, tuple[torch.Tensor, ...]] = (-1, ())  # (registrations seen, parameters)
         self.threads = ThreadOwner(config, caller_serialises)
         # One side stream for every capture of the runner, and one pool shared by its parts.
         shared = SharedPool(device, stream=device.stream())
@@ -258,8 +267,12 @@ class GraphRunner:
             self.threads.claim()
             if not torch.is_grad_enabled():  # entering no_grad costs as much as reading the call
                 return self._call(args, kwargs)
-            with torch.no_grad():
-                return self._call(args, kwargs)
+            outer, self._grad = self._grad, True
+            try:
+                with torch.no_grad():
+                    return self._call(args, kwargs)
+            finally:
+                self._grad = outer
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         part = self.part
@@ -320,18 +333,24 @@ class GraphRunner:
                 part.capture_loop.rank_check.agree_on_call(size)
             if size is None:
                 top = f"1..{buckets[-1]}" if buckets else "none"
-                return part.beyond(
+                return self._served(
                     call,
-                    Unsupported(
-                        "batch_too_large",
-                        f"batch {call.batch} is outside the captured {part.size_word} ({top})",
+                    part.beyond(
+                        call,
+                        Unsupported(
+                            "batch_too_large",
+                            f"batch {call.batch} is outside the captured {part.size_word} ({top})",
+                        ),
                     ),
                 )
             if inputs.exact_only is not None and size != call.batch:
-                return part.beyond(
+                return self._served(
                     call,
-                    Unsupported(
-                        PADDING_CATEGORY, f"{inputs.exact_only}; {part.size_word} {buckets} still replay"
+                    part.beyond(
+                        call,
+                        Unsupported(
+                            PADDING_CATEGORY, f"{inputs.exact_only}; {part.size_word} {buckets} still replay"
+                        ),
                     ),
                 )
             # load
@@ -341,8 +360,10 @@ class GraphRunner:
                 inputs.weights.check(self.fn)
             # replay, slice
             out = part.replay(call, size, host_args)
+            if inputs.written_by_model:  # the forward writes its inputs: so must the call, as eager
+                inputs.store_written(call)
             part.stats.replays += 1
-            return out
+            return self._served(call, out) if self._grad else out
         except Unsupported as why:
             unsupported = why
         # Outside the except block: an error of the model's own eager run is not chained to ours.
@@ -350,7 +371,30 @@ class GraphRunner:
 
     def _eager(self, part: Part, why: Unsupported, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         part.accounts.note_fallback(why.category, why.detail)
+        if self._grad:  # as the caller asked: its autograd graph and all
+            with torch.enable_grad():
+                return self.fn(*args, **kwargs)
         return self.fn(*args, **kwargs)
+
+    def _served(self, call: Call, out: Any) -> Any:
+        """A served call's outputs as a caller in grad mode gets them: requiring grad where an input
+        or a parameter does (as eager's), a backward through them refused by name (``for_grad``)."""
+        if not self._grad:
+            return out
+        tensors = itertools.chain(call.batched.values(), call.static.values(), self._parameters())
+        anchor = next((t for t in tensors if t.requires_grad), None)
+        if anchor is None:
+            return out
+        with torch.enable_grad():
+            return for_grad(out, anchor)
+
+    def _parameters(self) -> tuple[torch.Tensor, ...]:
+        """The model's parameters, listed again only after a registration anywhere (a replaced one)."""
+        seen, params = self._params
+        if seen != registrations[0]:
+            params = tuple(self.fn.parameters()) if isinstance(self.fn, torch.nn.Module) else ()
+            self._params = (registrations[0], params)
+        return params
 
     def _is_decode_unread(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """``is_decode`` for a call the reader refused (it binds, but holds something no graph can
@@ -394,6 +438,19 @@ class GraphRunner:
         """
         with self._lock:
             self._drop()
+
+    def fresh(self, fn: Callable[..., Any], device: Device | None = None) -> GraphRunner:
+        """A runner with this one's options over ``fn`` (on ``device``, default this one's), nothing
+        captured: its first call captures. What a copy of a wrapper gets (graphs are never copied)."""
+        compile_config, caller_serialises, is_decode = self._built_with
+        return GraphRunner(
+            fn,
+            device or self.device,
+            self.config,
+            compile_config,
+            caller_serialises=caller_serialises,
+            is_decode=is_decode,
+        )
 
     def note_fallback(self, category: str, detail: str) -> None:
         """Account for a call served without graphs: raise when ``strict``, else count it in

@@ -184,7 +184,7 @@ class DeviceMetadataGraph(Graph):
             names = (
                 None
                 if any(self._needs_reissue(t) for t in auto)
-                else frozenset(n for t in auto for n in t.argument_names)
+                else frozenset(n for t in auto for n in t.host_names)
             )
             pending: dict[str, Any] = {}
             plan = self.__dict__["_host_only"] = (self._tasks, names, pending)

@@ -611,6 +611,13 @@ class NpuGraph(Graph):
         _handlers.spec_names(actual, handler)  # refuse a spec that would update the wrong argument
         return actual, tuple(args), kwargs, lambda result: handler.postprocess_result(result, kwargs)
 
+    def _updatable_tensor_args(self, func: Any) -> tuple[str, ...]:
+        """What torch_npu's handler registry re-issues for ``func`` (``_npu_paged_attention``'s
+        ``context_lens``, a host tensor): an update may give those too."""
+        registry = self.device._handlers  # type: ignore[attr-defined]
+        handler = registry.get(getattr(func, "__name__", "")) if registry else None
+        return _handlers.spec_names(func, handler) if handler is not None else ()
+
 
 def _refuse_nested(what: str) -> None:
     """Task updates cannot nest (one update stream per device, one open update on it)."""
