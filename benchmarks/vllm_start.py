@@ -132,7 +132,10 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--baseline", default="plain-eager", choices=MODES)
     parser.add_argument(
-        "--check", default="devgraph", choices=MODES, help="the mode whose ratio to --baseline must meet --target"
+        "--check",
+        default="devgraph",
+        choices=MODES,
+        help="the mode whose ratio to --baseline must meet --target",
     )
     parser.add_argument("--target", type=float, default=TARGET)
     parser.add_argument("--timeout", type=int, default=900)
@@ -208,7 +211,9 @@ def main() -> int:
                 "pairs_median": round(statistics.median(pairs), 2),
             }
         if mode != "devgraph":
-            pairs = [r[f"{mode}_capture"] / r["devgraph_capture"] for r in rounds if r.get("devgraph_capture")]
+            pairs = [
+                r[f"{mode}_capture"] / r["devgraph_capture"] for r in rounds if r.get("devgraph_capture")
+            ]
             if pairs:
                 report[f"capture_ratio_{mode}_to_devgraph"] = round(statistics.median(pairs), 2)
     for key, value in report.items():

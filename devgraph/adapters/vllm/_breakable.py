@@ -23,7 +23,7 @@ graphs, every other batch that fits a capture size these breakable graphs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
@@ -128,6 +128,6 @@ class DevgraphBreakableWrapper(DevgraphGraphWrapper):
         }
         return [name for name in layers if name not in broken]
 
-    def _step_host_args(self, context: Any, graph: Graph) -> dict[str, Any] | None:
+    def _step_host_args(self, context: Any, graph: Graph) -> Mapping[str, Any] | None:
         # Every break reads the step's attention metadata from vLLM's forward context as it runs.
         return None

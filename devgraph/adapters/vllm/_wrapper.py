@@ -14,7 +14,7 @@ import gc
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -149,9 +149,9 @@ class DevgraphGraphWrapper:
         )
         DevgraphGraphWrapper._all_instances.add(self)
 
-    #: what the counters of ``stats()`` call this wrapper's graphs (``capture.<label>``...)
     @property
     def label(self) -> str:
+        """What the counters of ``stats()`` call this wrapper's graphs (``capture.<label>``, ...)."""
         return str(self.runtime_mode.name)
 
     def _graph_set(self, shared: SharedPool) -> GraphSet[Any]:
@@ -298,7 +298,7 @@ class DevgraphGraphWrapper:
         _stats.count("replay", self.label)
         return output
 
-    def _step_host_args(self, context: Any, graph: Graph) -> dict[str, Any] | None:
+    def _step_host_args(self, context: Any, graph: Graph) -> Mapping[str, Any] | None:
         """The host arguments this step's replay re-issues to the graph's updatable tasks (None: none)."""
         return step_host_args(context, graph) if graph.tasks else None
 

@@ -146,7 +146,10 @@ def test_attention_that_ran_inside_a_segment_is_refused_naming_the_layer(cpu):
     model, config = _Model(), _config(splitting_ops=())
     wrapper = DevgraphBreakableWrapper(model, config)
     assert OP not in wrapper.breaks
-    with torch.no_grad(), pytest.raises(DevgraphError, match=r"layer\(s\) layer0 did not run as a break") as err:
+    with (
+        torch.no_grad(),
+        pytest.raises(DevgraphError, match=r"layer\(s\) layer0 did not run as a break") as err,
+    ):
         step(wrapper, model, config, CAPTURED, mode=CUDAGraphMode.PIECEWISE, capture=True)
     assert "splitting_ops" in str(err.value) and "VLLM_USE_BREAKABLE_CUDAGRAPH" in str(err.value)
     assert not wrapper.graphs and not wrapper.entries
@@ -162,7 +165,9 @@ def _runner_model(config, model):
     # imported at start for a CUDA graph pool).
     inner = BreakableCUDAGraphWrapper.__new__(BreakableCUDAGraphWrapper)
     inner.__dict__.update(runnable=model, runtime_mode=CUDAGraphMode.PIECEWISE)
-    return SimpleNamespace(inner=inner, outer=CUDAGraphWrapper(inner, config, runtime_mode=CUDAGraphMode.FULL))
+    return SimpleNamespace(
+        inner=inner, outer=CUDAGraphWrapper(inner, config, runtime_mode=CUDAGraphMode.FULL)
+    )
 
 
 def test_runner_nests_full_around_breakable_in_place_of_vllms_wrappers(cpu, breakable_flag):
