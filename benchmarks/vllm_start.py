@@ -9,7 +9,14 @@ greedy tokens, which must be identical both ways. Modes:
   Dynamo; warm once its compile cache is, if vLLM can load it back);
 * ``plain-eager``: vLLM without devgraph, ``enforce_eager=True`` (nothing compiled: the least a start does);
 * ``devgraph``: ``DEVGRAPH_VLLM=1``, vLLM's default config (FULL decode graphs through devgraph, model
-  uncompiled).
+  uncompiled);
+* ``devgraph-breakable``: ``DEVGRAPH_VLLM=1`` with vLLM's ``VLLM_USE_BREAKABLE_CUDAGRAPH=1`` and
+  ``cudagraph_mode=PIECEWISE``: one devgraph breakable capture of the whole uncompiled model per size
+  (attention and KV-cache writes eager between segments), no torch.compile;
+* ``devgraph-full-and-breakable``: the same flag with vLLM's default config (FULL_AND_PIECEWISE): FULL
+  decode graphs and breakable graphs for the other batches, both captured at start;
+* ``devgraph-piecewise``: ``DEVGRAPH_VLLM=1``, ``cudagraph_mode=PIECEWISE`` without the flag: vLLM's
+  compile-split pieces (Dynamo trace, eager backend on CPU) captured through devgraph.
 
 Each run also reports the seconds of vLLM's ``capture_model()`` inside the start (timed by this
 script's child around vLLM's method): devgraph's graph capture, the part of the start it adds.
@@ -23,8 +30,12 @@ Needs the vLLM test environment (``nox -s tests-vllm --install-only`` builds it)
 
     .nox/tests-vllm/bin/python benchmarks/vllm_start.py --pairs 3
 
-Writes ``<out>/vllm_start.json`` beside ``sglang_start.json``; exits 1 if the median ratio to the
-``--baseline`` mode is above ``--target`` (1.5) or tokens differ.
+Writes ``<out>/<name>.json`` (``vllm_start.json``) beside ``sglang_start.json``; exits 1 if the median
+ratio of the ``--check`` mode (``devgraph``) to the ``--baseline`` mode is above ``--target`` (1.5) or
+tokens differ. The breakable modes' run::
+
+    .nox/tests-vllm/bin/python benchmarks/vllm_start.py --pairs 3 --name vllm_start_breakable \
+        --modes plain-eager,devgraph,devgraph-breakable,devgraph-full-and-breakable,devgraph-piecewise
 """
 
 from __future__ import annotations
@@ -43,7 +54,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_TESTS = ROOT / "tests" / "adapters" / "vllm"
 TARGET = 1.5
-MODES = ("plain", "plain-eager", "devgraph")
+MODES = (
+    "plain",
+    "plain-eager",
+    "devgraph",
+    "devgraph-breakable",
+    "devgraph-full-and-breakable",
+    "devgraph-piecewise",
+)
+#: The modes that switch devgraph on, and their extra environment.
+DEVGRAPH_MODES = {
+    "devgraph": {},
+    "devgraph-breakable": {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"},
+    "devgraph-full-and-breakable": {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"},
+    "devgraph-piecewise": {},
+}
 
 #: The child: import vLLM (untimed), time LLM(...), generate, write JSON.
 CHILD = r"""
@@ -52,6 +77,8 @@ from vllm import LLM, SamplingParams
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 model, mode, out = sys.argv[1:4]
 kwargs = {"enforce_eager": True} if mode == "plain-eager" else {}
+if mode in ("devgraph-breakable", "devgraph-piecewise"):
+    kwargs = {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}
 # The share of the start that graph capture takes (this harness's own timer around vLLM's method).
 capture_s = [0.0]
 capture_model = GPUModelRunner.capture_model
@@ -67,10 +94,12 @@ llm = LLM(model=model, dtype="float32", seed=0, max_model_len=128, max_num_seqs=
 started = time.perf_counter() - start
 res = llm.generate(["w1 w2 w3", "w5 w6", "w9"], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
 stats = {}
-if mode == "devgraph":
+if mode.startswith("devgraph"):
     from devgraph.adapters.vllm import stats as devgraph_stats
     stats = devgraph_stats()
+cc = llm.llm_engine.vllm_config.compilation_config
 json.dump({"start_s": started, "capture_s": capture_s[0], "stats": stats,
+           "cudagraph_mode": cc.cudagraph_mode.name, "compilation_mode": cc.mode.name,
            "tokens": [list(r.outputs[0].token_ids) for r in res]}, open(out, "w"))
 """
 
@@ -84,8 +113,8 @@ def run(model_dir: Path, mode: str, tmp: Path, timeout: int) -> dict:
         VLLM_LOGGING_LEVEL="WARNING",
         TOKENIZERS_PARALLELISM="false",
     )
-    if mode == "devgraph":
-        env.update(DEVGRAPH_VLLM="1", DEVGRAPH_BACKEND="cpu")
+    if mode in DEVGRAPH_MODES:
+        env.update(DEVGRAPH_VLLM="1", DEVGRAPH_BACKEND="cpu", **DEVGRAPH_MODES[mode])
     cmd = [sys.executable, "-c", CHILD, str(model_dir), mode, str(out)]
     proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
@@ -102,9 +131,16 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=3, help="rounds of one timed run per mode")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--baseline", default="plain-eager", choices=MODES)
+    parser.add_argument(
+        "--check",
+        default="devgraph",
+        choices=MODES,
+        help="the mode whose ratio to --baseline must meet --target",
+    )
     parser.add_argument("--target", type=float, default=TARGET)
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--name", default="vllm_start", help="the JSON file's name in --out (without .json)")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     sys.path.insert(0, str(VLLM_TESTS))
@@ -113,6 +149,7 @@ def main() -> int:
     times: dict[str, list[float]] = {m: [] for m in modes}
     captures: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, list] = {}
+    last: dict[str, dict] = {}  # each mode's last timed run (its graph counters, config)
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -131,6 +168,7 @@ def main() -> int:
                 row[f"{mode}_capture"] = round(result["capture_s"], 2)
                 if result["tokens"] != tokens[mode]:
                     raise SystemExit(f"{mode}: tokens changed between runs")
+                last[mode] = result
             rounds.append(row)
             print("round", i, row, flush=True)
     import torch
@@ -140,7 +178,10 @@ def main() -> int:
 
     report = {
         "benchmark": "vllm_start",
-        "what": "seconds LLM(...) takes to return on cpu (tiny Llama, fp32, max_num_seqs=8), devgraph on vs off",
+        "what": (
+            "seconds LLM(...) takes to return on cpu (tiny Llama, fp32, max_num_seqs=8), devgraph on vs off, "
+            "with devgraph's FULL, breakable and compile-split piecewise graphs"
+        ),
         "target_ratio": args.target,
         "baseline": args.baseline,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, shared (noisy)",
@@ -149,27 +190,40 @@ def main() -> int:
         "devgraph": devgraph.__version__,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "modes": {
-            m: {**summary(v), "capture_median_s": statistics.median(captures[m])} for m, v in times.items()
+            m: {
+                **summary(v),
+                "capture_median_s": statistics.median(captures[m]),
+                "cudagraph_mode": last[m].get("cudagraph_mode"),
+                "compilation_mode": last[m].get("compilation_mode"),
+                "stats": last[m].get("stats", {}),
+            }
+            for m, v in times.items()
         },
         "rounds": rounds,
         "tokens_identical": all(tokens[m] == tokens[modes[0]] for m in modes),
     }
-    if "devgraph" in times:
-        for base in (m for m in modes if m != "devgraph"):
-            pairs = [r["devgraph"] / r[base] for r in rounds]
-            report[f"ratio_devgraph_to_{base}"] = {
-                "of_medians": round(statistics.median(times["devgraph"]) / statistics.median(times[base]), 2),
+    for mode in (m for m in modes if m in DEVGRAPH_MODES):
+        for base in (m for m in modes if m != mode and (m not in DEVGRAPH_MODES or mode != "devgraph")):
+            pairs = [r[mode] / r[base] for r in rounds]
+            report[f"ratio_{mode}_to_{base}"] = {
+                "of_medians": round(statistics.median(times[mode]) / statistics.median(times[base]), 2),
                 "pairs_min": round(min(pairs), 2),
                 "pairs_median": round(statistics.median(pairs), 2),
             }
+        if mode != "devgraph":
+            pairs = [
+                r[f"{mode}_capture"] / r["devgraph_capture"] for r in rounds if r.get("devgraph_capture")
+            ]
+            if pairs:
+                report[f"capture_ratio_{mode}_to_devgraph"] = round(statistics.median(pairs), 2)
     for key, value in report.items():
-        if key.startswith(("modes", "ratio_", "tokens_")):
+        if key.startswith(("modes", "ratio_", "capture_ratio_", "tokens_")):
             print(key, value)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "vllm_start.json"
+    path = args.out / f"{args.name}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")
-    ratio = report.get(f"ratio_devgraph_to_{args.baseline}", {}).get("of_medians", 0.0)
+    ratio = report.get(f"ratio_{args.check}_to_{args.baseline}", {}).get("of_medians", 0.0)
     return 0 if ratio <= args.target and report["tokens_identical"] else 1
 
 

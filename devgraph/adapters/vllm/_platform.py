@@ -75,7 +75,13 @@ class DevgraphPlatformMixin:
         if cc.cudagraph_mode == CUDAGraphMode.NONE:
             return
         _refuse_attention_limits(cls, vllm_config)
-        if _devgraph_attention(cls, vllm_config) and cc.cudagraph_mode.requires_piecewise_compilation():
+        breakable = _breakable_pieces(vllm_config)
+        if breakable:
+            # vLLM's breakable graphs (VLLM_USE_BREAKABLE_CUDAGRAPH): the PIECEWISE batches are served by
+            # devgraph's breakable capture of the uncompiled model (vLLM set compilation mode NONE).
+            saved = (CompilationMode.NONE, saved[1], saved[2])
+            cc.mode = CompilationMode.NONE
+        elif _devgraph_attention(cls, vllm_config) and cc.cudagraph_mode.requires_piecewise_compilation():
             # A FULL graph records what vLLM's opaque attention op launches, but a task update needs
             # the attention called directly (its op is then an updatable task of the graph): the
             # decode batches get FULL graphs, the rest runs eagerly.
@@ -120,9 +126,10 @@ class DevgraphPlatformMixin:
 
             parallel.worker_cls = worker_qualname(parallel.worker_cls)
         logger.info(
-            "devgraph vLLM platform: device %s, cudagraph_mode %s, capture sizes %s",
+            "devgraph vLLM platform: device %s, cudagraph_mode %s%s, capture sizes %s",
             cls.devgraph_device_name,
             cc.cudagraph_mode.name,
+            " (PIECEWISE batches from breakable graphs)" if breakable else "",
             cc.cudagraph_capture_sizes,
         )
 
@@ -157,10 +164,12 @@ class DevgraphPlatformMixin:
     def opaque_attention_op(cls) -> bool:
         """False for FULL graphs without pieces with devgraph's attention: the model then runs
         uncompiled and calls the attention directly (with pieces, vLLM splits at its custom op, whose
-        body the graph records)."""
+        body the graph records). True with breakable pieces: the op is where a segment ends."""
         from vllm.config import get_current_vllm_config_or_none
 
         config = get_current_vllm_config_or_none()
+        if config is not None and _breakable_pieces(config):
+            return True
         if config is not None and _direct_devgraph_attention(cls, config):
             return False
         return super().opaque_attention_op()  # type: ignore[misc]
@@ -352,6 +361,16 @@ def _refuse_attention_limits(cls: Any, vllm_config: Any) -> None:
             "compilation_config={'cudagraph_mode': 'PIECEWISE'} (graphs of the pieces between the "
             f"attention calls, the platform's attention eager) for this model, or unset {DEVGRAPH_VLLM_ENV}"
         )
+
+
+def _breakable_pieces(vllm_config: Any) -> bool:
+    """True when vLLM's PIECEWISE batches come from breakable graphs: vLLM's own switch
+    ``VLLM_USE_BREAKABLE_CUDAGRAPH`` is on and the mode has PIECEWISE graphs (PIECEWISE,
+    FULL_AND_PIECEWISE). vLLM's opaque attention op is then the break, so it stays opaque."""
+    from devgraph.adapters.vllm._breakable import breakable_enabled
+
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return mode is not None and mode.has_piecewise_cudagraphs() and breakable_enabled()
 
 
 def _direct_devgraph_attention(cls: Any, vllm_config: Any) -> bool:

@@ -6,7 +6,9 @@ GPU runner) not at all. ``adopt_model_runner(runner)`` gives the runner the
 ``DevgraphModelRunnerMixin`` overrides, keeping its class and state otherwise:
 
 * ``load_model``: the platform's load, then the model's FULL wrapper (whichever class the platform
-  used, or none) is replaced by a ``DevgraphGraphWrapper`` around the same model;
+  used, or none) is replaced by a ``DevgraphGraphWrapper`` around the same model; with vLLM's
+  breakable graphs on (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``) a ``DevgraphBreakableWrapper`` serves the
+  PIECEWISE batches inside it, in place of vLLM's ``BreakableCUDAGraphWrapper`` (a drafter's too);
 * ``profile_cudagraph_memory``: vLLM swaps the pools of its own wrapper classes to a profiling pool
   and clears only those classes afterwards; devgraph's wrappers get the same treatment, so no
   profiling-time graph (captured against the profiling KV cache) survives into serving;
@@ -32,7 +34,13 @@ from devgraph._errors import DevgraphError
 from devgraph.adapters.vllm import _stats
 from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
 
-__all__ = ["DevgraphModelRunnerMixin", "EagerDecodeReport", "adopt_model_runner", "wrap_full_model"]
+__all__ = [
+    "DevgraphModelRunnerMixin",
+    "EagerDecodeReport",
+    "adopt_model_runner",
+    "wrap_drafter_model",
+    "wrap_full_model",
+]
 
 logger = logging.getLogger("devgraph")
 
@@ -48,10 +56,27 @@ def _wants_full_graphs(vllm_config: Any) -> bool:
     )
 
 
+def _wants_breakable_graphs(vllm_config: Any) -> bool:
+    from devgraph.adapters.vllm._breakable import breakable_enabled
+
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return mode is not None and mode.has_piecewise_cudagraphs() and breakable_enabled()
+
+
+def _platform_wrapper(model: Any, mode: Any) -> Any:
+    """The model inside the platform's own graph wrapper of runtime ``mode`` (``CUDAGraphWrapper``,
+    ``ACLGraphWrapper``, vLLM's ``BreakableCUDAGraphWrapper``: whatever has ``runnable`` and that
+    ``runtime_mode``), or ``model`` itself."""
+    if getattr(model, "runtime_mode", None) == mode and hasattr(model, "runnable"):
+        return model.runnable
+    return model
+
+
 def wrap_full_model(model: Any, vllm_config: Any) -> Any:
     """``model`` as the runner should hold it: inside one FULL ``DevgraphGraphWrapper`` when FULL
-    graphs are on, with any FULL wrapper the platform put around it (``CUDAGraphWrapper``,
-    ``ACLGraphWrapper``: whatever has ``runnable`` and ``runtime_mode == FULL``) taken off first.
+    graphs are on, inside a ``DevgraphBreakableWrapper`` for PIECEWISE batches when vLLM's breakable
+    graphs are on (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``; the FULL wrapper then around it, as vLLM nests
+    them), with the graph wrappers the platform put around it taken off first.
 
     Raises:
         DevgraphError: the model sits in a wrapper devgraph does not know (micro-batching's
@@ -59,18 +84,36 @@ def wrap_full_model(model: Any, vllm_config: Any) -> Any:
     """
     from vllm.config import CUDAGraphMode
 
-    if not _wants_full_graphs(vllm_config) or isinstance(model, DevgraphGraphWrapper):
+    full, breakable = _wants_full_graphs(vllm_config), _wants_breakable_graphs(vllm_config)
+    if not (full or breakable) or isinstance(model, DevgraphGraphWrapper):
         return model
     if vllm_config.parallel_config.use_ubatching:
         raise DevgraphError(
-            "DEVGRAPH_VLLM=1 with FULL graphs does not support micro-batching (dual-batch overlap): "
-            "vLLM wraps the model in its UBatchWrapper, whose graphs are CUDA graphs; turn off "
-            "enable_dbo or use cudagraph_mode=PIECEWISE"
+            "DEVGRAPH_VLLM=1 with FULL or breakable graphs does not support micro-batching (dual-batch "
+            "overlap): vLLM wraps the model in its UBatchWrapper, whose graphs are CUDA graphs; turn off "
+            "enable_dbo, or use cudagraph_mode=PIECEWISE without VLLM_USE_BREAKABLE_CUDAGRAPH"
         )
-    inner = model
-    if getattr(model, "runtime_mode", None) == CUDAGraphMode.FULL and hasattr(model, "runnable"):
-        inner = model.runnable  # the platform's own FULL wrapper: devgraph's takes its place
+    # The platform's own wrappers (devgraph's take their places): FULL outside, breakable inside.
+    inner = _platform_wrapper(_platform_wrapper(model, CUDAGraphMode.FULL), CUDAGraphMode.PIECEWISE)
+    if breakable:
+        from devgraph.adapters.vllm._breakable import DevgraphBreakableWrapper
+
+        inner = DevgraphBreakableWrapper(inner, vllm_config)
+    if not full:
+        return inner
     return DevgraphGraphWrapper(inner, vllm_config, runtime_mode=CUDAGraphMode.FULL)
+
+
+def wrap_drafter_model(model: Any, vllm_config: Any) -> Any:
+    """A speculative-decoding drafter's model as the runner should hold it: vLLM's GPU runner wraps it in
+    its own ``BreakableCUDAGraphWrapper`` when breakable graphs are on; devgraph's takes its place."""
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
+
+    if isinstance(model, BreakableCUDAGraphWrapper):
+        from devgraph.adapters.vllm._breakable import DevgraphBreakableWrapper
+
+        return DevgraphBreakableWrapper(model.runnable, vllm_config)
+    return model
 
 
 def _num_tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
@@ -140,6 +183,9 @@ class DevgraphModelRunnerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         self.model = wrap_full_model(self.model, self.vllm_config)
+        drafter = getattr(self, "drafter", None)
+        if drafter is not None and getattr(drafter, "model", None) is not None:
+            drafter.model = wrap_drafter_model(drafter.model, self.vllm_config)
 
     @staticmethod
     @contextlib.contextmanager

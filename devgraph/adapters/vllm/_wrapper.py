@@ -14,7 +14,7 @@ import gc
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -139,8 +139,8 @@ class DevgraphGraphWrapper:
                 "devgraph captures need the devgraph platform's graph_pool_handle()"
             )
         # Graphs by batch descriptor, in vLLM's global pool (renewed through the platform once retired).
-        self.graphs: GraphSet[Any] = GraphSet(
-            self.device, SharedPool(self.device, make=current_platform.graph_pool_handle)
+        self.graphs: GraphSet[Any] = self._graph_set(
+            SharedPool(self.device, make=current_platform.graph_pool_handle)
         )
         self.graphs.shared.adopt(pool)
         self.entries: dict[Any, _Entry] = {}
@@ -148,6 +148,15 @@ class DevgraphGraphWrapper:
             logging.DEBUG
         )
         DevgraphGraphWrapper._all_instances.add(self)
+
+    @property
+    def label(self) -> str:
+        """What the counters of ``stats()`` call this wrapper's graphs (``capture.<label>``, ...)."""
+        return str(self.runtime_mode.name)
+
+    def _graph_set(self, shared: SharedPool) -> GraphSet[Any]:
+        """The set holding this wrapper's graphs (one ``devgraph.Graph`` per batch descriptor)."""
+        return GraphSet(self.device, shared)
 
     # -- vLLM's wrapper surface -----------------------------------------------------------------
 
@@ -217,7 +226,7 @@ class DevgraphGraphWrapper:
         context = get_forward_context()
         mode = context.cudagraph_runtime_mode
         if mode == CUDAGraphMode.NONE or mode != self.runtime_mode:
-            _stats.count("eager", self.runtime_mode.name)
+            _stats.count("eager", self.label)
             return self.runnable(*args, **kwargs)
         descriptor = context.batch_descriptor
         if descriptor is None:
@@ -264,7 +273,7 @@ class DevgraphGraphWrapper:
             )
         metadata = _metadata_addresses(context) if self.runtime_mode.name == "FULL" else {}
         self.entries[descriptor] = _Entry(addresses, metadata)
-        _stats.count("capture", self.runtime_mode.name)
+        _stats.count("capture", self.label)
         # The caller gets the captured tensors themselves, not weak views of them.
         return output
 
@@ -282,13 +291,16 @@ class DevgraphGraphWrapper:
                         "capture; a FULL graph reads them at their capture-time addresses (vLLM's "
                         "persistent buffers), so this replay would read stale metadata"
                     )
-        graph = self.graphs.graph(descriptor)
-        host_args = step_host_args(context, graph) if graph.tasks else None
+        host_args = self._step_host_args(context, self.graphs.graph(descriptor))
         output = self.graphs.replay(descriptor, host_args)
         if host_args is not None:
-            _stats.count("update", self.runtime_mode.name)
-        _stats.count("replay", self.runtime_mode.name)
+            _stats.count("update", self.label)
+        _stats.count("replay", self.label)
         return output
+
+    def _step_host_args(self, context: Any, graph: Graph) -> Mapping[str, Any] | None:
+        """The host arguments this step's replay re-issues to the graph's updatable tasks (None: none)."""
+        return step_host_args(context, graph) if graph.tasks else None
 
     def _check_addresses(self, entry: _Entry, now: list[int]) -> None:
         if now != entry.input_addresses:

@@ -66,6 +66,11 @@ ALL_RUNS = (
     ("gemma2", "FULL", "cpu"),
     ("bloom", "eager-native", None),
     ("bloom", "default", "cpu"),
+    # vLLM's VLLM_USE_BREAKABLE_CUDAGRAPH=1: PIECEWISE batches from devgraph's breakable graphs.
+    ("llama", "breakable:PIECEWISE", "cpu"),
+    ("llama", "breakable:FULL_AND_PIECEWISE", "cpu"),
+    ("mixtral", "eager", None),
+    ("mixtral", "breakable:FULL_AND_PIECEWISE", "cpu"),
 )
 
 

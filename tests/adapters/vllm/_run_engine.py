@@ -3,7 +3,10 @@
 Usage: python _run_engine.py MODEL_DIR MODE OUT_JSON, MODE in eager, eager-native (eager with vLLM's
 torch implementations of its custom ops), default (vLLM's default compilation
 config, unchanged), or a cudagraph_mode (PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE) with
-capture sizes 1, 2, 4, 8.
+capture sizes 1, 2, 4, 8; ``breakable:PIECEWISE`` and ``breakable:FULL_AND_PIECEWISE`` are those
+modes with vLLM's own switch VLLM_USE_BREAKABLE_CUDAGRAPH=1 (no torch.compile: PIECEWISE batches from
+breakable graphs of the whole model) and capture sizes up to 64, so that the prefill step (61 tokens)
+fits one too.
 Run in a fresh process per engine: vLLM resolves its platform once per process (DEVGRAPH_VLLM is
 read then). The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the
 graph wrappers' counters are this process's.
@@ -32,9 +35,20 @@ CAPTURE_SIZES = [1, 2, 4, 8]
 #: Top logprobs recorded per output position (exact floats: JSON keeps a float's repr).
 LOGPROBS = 5
 MAX_TOKENS = [4 + i for i in range(len(PROMPTS))]
+#: Breakable modes: sizes up to the prefill step of all prompts (61 tokens), 1 included.
+BREAKABLE_CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64]
+BREAKABLE = "breakable:"
 
 
 def main(model: str, mode: str, out: str) -> None:
+    import os
+
+    sizes = CAPTURE_SIZES
+    if mode.startswith(BREAKABLE):
+        # vLLM's own switch; set before vLLM is imported, as a user would set it.
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+        mode, sizes = mode[len(BREAKABLE) :], BREAKABLE_CAPTURE_SIZES
+
     import torch
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
@@ -49,7 +63,7 @@ def main(model: str, mode: str, out: str) -> None:
     elif mode == "default":
         kwargs = {"max_num_seqs": 8}  # vLLM's default compilation config; fewer capture sizes (16 at most)
     else:
-        compilation.update(cudagraph_mode=mode, cudagraph_capture_sizes=CAPTURE_SIZES)
+        compilation.update(cudagraph_mode=mode, cudagraph_capture_sizes=sizes)
         kwargs = {"compilation_config": compilation}
     kwargs.setdefault("max_num_seqs", 16)
     llm = LLM(model=model, dtype="float32", seed=0, max_model_len=128, **kwargs)
@@ -75,6 +89,7 @@ def main(model: str, mode: str, out: str) -> None:
         "platform": [c.__module__ + "." + c.__qualname__ for c in type(current_platform).__mro__],
         "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name),
         "capture_sizes": list(llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes or []),
+        "compilation_mode": str(llm.llm_engine.vllm_config.compilation_config.mode.name),
         "stats": stats,
     }
     with open(out, "w") as f:

@@ -97,6 +97,11 @@ PRIVATE_SYMBOLS = {
     # _wrapper.clear_all_graphs: the platform's cached global graph pool, renewed once all its graphs
     # are reset (vLLM's get_global_graph_pool() caches it there).
     "vllm.platforms.interface.Platform._global_graph_pool": None,
+    # _breakable.vllm_break_ops: the ops vLLM's compiled PIECEWISE mode splits at (its default
+    # splitting_ops; with breakable graphs on, vLLM leaves splitting_ops empty).
+    "vllm.config.CompilationConfig._attention_ops": None,
+    # _breakable: which layer a captured attention break served (the op's layer_name may be wrapped).
+    "vllm.utils.torch_utils._resolve_layer_name": ["layer_name"],
 }
 
 
@@ -158,6 +163,9 @@ def test_the_adapter_uses_no_other_private_vllm_symbol():
         "_open_group",
         "_reference",
         "_cpu_attention",
+        "_graph_set",
+        "_step_host_args",
+        "_attention_inside_segments",
     }
     assert used - own <= allowed, sorted(used - own - allowed)
 
@@ -218,3 +226,22 @@ def test_cpu_attention_the_full_graph_task_runs_is_vllms():
     forward = inspect.getsource(cpu_attn.CPUAttentionBackendImpl)
     for name in CPU_ATTENTION_LAYER_ATTRIBUTES:
         assert f"layer.{name}" in forward, name
+
+
+def test_breakable_graph_switch_wrapper_and_split_ops_the_breakable_wrapper_builds_on():
+    # VLLM_USE_BREAKABLE_CUDAGRAPH is vLLM's switch; its wrapper (replaced) holds runnable and
+    # runtime_mode; the breaks are its compiled PIECEWISE mode's split ops, read from these names.
+    import vllm.envs as envs
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper, is_breakable_cudagraph_enabled
+    from vllm.config import CompilationConfig
+    from vllm.model_executor.layers.attention import attention
+    from vllm.utils.torch_utils import _resolve_layer_name
+
+    assert "VLLM_USE_BREAKABLE_CUDAGRAPH" in envs.environment_variables
+    assert callable(is_breakable_cudagraph_enabled)
+    assert _params(BreakableCUDAGraphWrapper.__init__) == ["self", "runnable", "vllm_config", "runtime_mode"]
+    assert "vllm::unified_attention_with_output" in CompilationConfig._attention_ops
+    # The attention op takes the layer's name (how the wrapper tells which layers ran as breaks).
+    assert _params(attention.unified_attention_with_output)[4] == "layer_name"
+    assert _params(attention.unified_kv_cache_update) == ["key", "value", "layer_name"]
+    assert _resolve_layer_name("model.layers.0.self_attn.attn") == "model.layers.0.self_attn.attn"
