@@ -22,7 +22,7 @@ from typing import Any
 
 from devgraph._errors import DevgraphError
 
-__all__ = ["check_token_guards", "sample_sizes", "symbolic_sizes"]
+__all__ = ["check_token_guards", "guards_hold", "sample_sizes", "symbolic_sizes", "token_guards"]
 
 #: torch's ``SLoc.maybe_user_loc``: ``"<code>  # <short file>:<line> in <function>"``.
 _USER_LOC = re.compile(r"^(?P<code>.*)  # (?P<file>.+):(?P<line>\d+) in (?P<func>\S+)$")
@@ -94,6 +94,25 @@ def check_token_guards(shape_env: Any, symbols: Iterable[Any], run_sizes: Sequen
                 f"branching on x.shape), {_size_remedy(failing, run_sizes)}or use mode='full' (one capture "
                 "per batch size)"
             )
+
+
+def token_guards(shape_env: Any, symbols: Iterable[Any]) -> tuple[tuple[Any, str], ...]:
+    """``(sympy expression, user line)`` of each guard on the token symbols alone that records a
+    decision the compiled pieces keep: the trace holds where every one does (``guards_hold``)."""
+    tokens = set(symbols)
+    found = []
+    for guard in shape_env.guards if tokens else ():
+        expr = shape_env.replace(guard.expr)
+        free = expr.free_symbols
+        if free and free <= tokens and _bakes_a_decision(guard.sloc):
+            found.append((expr, _user_line(guard.sloc)))
+    return tuple(found)
+
+
+def guards_hold(guards: Iterable[tuple[Any, str]], symbols: Iterable[Any], n: int) -> bool:
+    """Whether every guard of ``token_guards`` holds with the token symbols at ``n``."""
+    tokens = set(symbols)
+    return not any(_fails(expr, tokens, n) for expr, _ in guards)
 
 
 def _some(sizes: list[int]) -> str:
