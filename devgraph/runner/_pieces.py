@@ -8,10 +8,12 @@ every captured size runs the compiled pieces uncaptured.
 
 One trace serves every token count its decisions hold at. A forward that branches on the token
 count (``if x.shape[0] == 1:``, the decode fast path) is traced again for the captured sizes where
-the first trace went the other way, and size 1 always gets a trace of its own without a symbolic
-token dimension (torch assumes a symbolic size is not 1 inside its own ops, without a guard: a
-``squeeze`` would keep the dim inductor compiled for). Each size is captured from the trace that
-holds at it; a call no trace holds at runs eagerly, counted as ``token_count_branch``.
+the first trace went the other way. Size 1 gets a trace of its own, without a symbolic token
+dimension, there and wherever the pieces are compiled (inductor, torchair): inside its own ops
+torch assumes a symbolic size is not 1, without a guard, and compiled code keeps that (a
+``squeeze`` of the token dim stays); eager pieces run the traced aten ops, which decide again at
+run time. Each size is captured from the trace that serves it; a call no trace serves runs
+eagerly (counted as ``token_count_branch`` above the captured sizes).
 
 Modes (after vLLM's CUDAGraphMode): ``piecewise`` serves every call this way;
 ``full_and_piecewise`` routes uniform decode batches (``is_decode``) that fit a full-graph bucket
@@ -63,8 +65,8 @@ class PiecewiseStats(RunnerStats):
     ``replays`` counts piecewise replays; ``eager_calls`` calls that ran without graphs (a size
     above the captured ones runs the compiled pieces uncaptured: ``fallbacks['size_not_captured']``);
     ``full`` holds the full-graph part's own stats in ``full_and_piecewise`` mode; ``traces``
-    counts the traces (one, plus one per token count the forward branches differently at, plus
-    size 1's own).
+    counts the traces (one, plus one per region of captured sizes the forward branches differently
+    at, plus size 1's own where the pieces are compiled).
     """
 
     compile_seconds: float = 0.0
@@ -139,6 +141,9 @@ class Pieces:
         #: Every trace, the first (symbolic, at the largest size) first (see the module docstring).
         self.traces: list[Traced] = []
         self._trace_at: dict[int, Traced | None] = {}
+        # Eager pieces run the traced aten ops, which decide size-1 questions again at run time;
+        # compiled ones keep what torch decided for a symbolic size (not 1) without a guard.
+        self._symbolic_serves_one = compile_config.compiler_for(device) == "eager"
         self._replay_inputs: dict[int, list[torch.Tensor]] = {}
 
     @property
@@ -162,12 +167,12 @@ class Pieces:
 
     def trace_for(self, tokens: int) -> Traced | None:
         """The trace whose pieces compute what the forward does at ``tokens`` tokens (None: none
-        does; such a call runs eagerly): a trace made at that count exactly, else the first that
-        holds there."""
+        does; such a call runs eagerly): a trace made at that count exactly, else the first
+        symbolic one that holds there (at 1 token only where the pieces run eagerly)."""
         if tokens in self._trace_at:
             return self._trace_at[tokens]
         found = next((t for t in self.traces if t.static_size == tokens), None)
-        if found is None:
+        if found is None and (tokens != 1 or self._symbolic_serves_one):
             found = next((t for t in self.traces if t.static_size is None and t.holds_at(tokens)), None)
         if len(self._trace_at) < _TRACE_AT_CACHE:
             self._trace_at[tokens] = found
@@ -247,9 +252,9 @@ class Pieces:
         first = self._trace(example, trace_size, run_sizes=[trace_size])
         self.traces = [first]
         self._trace_at.clear()
-        # The sizes to capture the first trace does not hold at, and 1 (see the module docstring):
-        # each gets a trace made at it, which then serves every size it holds at that is still open.
-        wanting = sorted({n for n in self.sizes if n == 1 or not first.holds_at(n)})
+        # The sizes to capture the first trace does not serve (see the module docstring): each gets
+        # a trace made at it, which then serves every size it holds at that is still open.
+        wanting = sorted({n for n in self.sizes if self.trace_for(n) is None})
         while wanting:
             if len(self.traces) >= _MAX_TRACES:  # a branch every few sizes: refuse, naming the line
                 first.check_guards(self._run_sizes())
@@ -260,9 +265,9 @@ class Pieces:
                     "branching on x.shape), capture fewer sizes (capture_sizes=[...]), or use mode='full'"
                 )
             n = wanting[0]
-            traced = self._trace(example, n, static=n == 1)
-            self.traces.append(traced)
-            wanting = [m for m in wanting[1:] if not traced.holds_at(m)]
+            self.traces.append(self._trace(example, n, static=n == 1))
+            self._trace_at.clear()
+            wanting = [m for m in wanting[1:] if self.trace_for(m) is None]
         self.stats.compile_seconds = time.perf_counter() - start
         self.stats.traces = len(self.traces)
         module = first.compiled.module

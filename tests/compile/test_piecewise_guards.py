@@ -141,6 +141,14 @@ def test_size_one_is_traced_at_one_token_even_without_a_python_branch():
     assert graphed.stats.traces == 2 and graphed.stats.replays == 5
 
 
+def test_eager_pieces_serve_size_one_from_the_one_trace_when_nothing_branches(device):
+    # Eager pieces run the traced aten ops, which decide size-1 questions again at run time.
+    model = Branching(lambda n: False, device.torch_device)
+    graphed = devgraph.wrap(model, device=device, mode="piecewise", capture_sizes=[1, 2, 4])
+    _check(graphed, model, [1, 2, 4], device.torch_device)
+    assert graphed.stats.traces == 1 and graphed.stats.replays == 3
+
+
 def test_a_region_of_sizes_is_served_by_one_more_trace(device):
     model = SmallOnly().to(device.torch_device)
     graphed = devgraph.wrap(model, device=device, mode="piecewise", capture_sizes=[2, 4, 8, 128])
@@ -149,6 +157,13 @@ def test_a_region_of_sizes_is_served_by_one_more_trace(device):
     assert graphed.stats.traces == 2
     assert graphed.runner.pieces.trace_for(8) is graphed.runner.pieces.trace_for(2)
     assert graphed.stats.fallbacks == {"size_not_captured": 1}
+
+
+def test_a_one_token_call_without_size_one_captured_runs_eagerly_where_pieces_are_compiled():
+    model = SqueezesTheTokenDim()
+    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4], compile_backend="inductor")
+    _check(graphed, model, [2, 4, 1])
+    assert graphed.stats.traces == 1 and graphed.stats.replays == 2 and graphed.stats.eager_calls == 1
 
 
 def test_a_one_token_call_without_size_one_captured_runs_eagerly():
@@ -192,10 +207,12 @@ def test_a_branch_needing_too_many_traces_is_refused_naming_the_line():
                 return self.lin(x) + 2
             if n == 5:
                 return self.lin(x) + 3
+            if n == 7:
+                return self.lin(x) + 4
             return self.lin(x)
 
-    # traces at 8, at 1 and at 2 and 3 (each pinned): 5 would need a fifth
-    graphed = devgraph.wrap(EveryFew(None), device="cpu", mode="piecewise", capture_sizes=[1, 2, 3, 5, 8])
+    # traces at 8, and at 2, 3 and 5 (each pinned): 7 would need a fifth
+    graphed = devgraph.wrap(EveryFew(None), device="cpu", mode="piecewise", capture_sizes=[1, 2, 3, 5, 7, 8])
     with pytest.raises(DevgraphError, match="branches on the token count") as info:
         graphed.capture(_x(2))
     assert _branch_line(EveryFew) in str(info.value)
