@@ -58,27 +58,21 @@ def test_architectures_that_read_only_the_tokens_written_pass_the_check(name, dt
     check_static_cache(model, model.config.num_hidden_layers, 256)
 
 
-def test_the_check_refuses_any_model_whose_logits_read_the_cache_kind(monkeypatch):
-    # Any dependence on the cache's length is found, not GPT-Neo's alone: a Llama whose output
-    # reads how many slots its cache has.
-    model = tiny_model("llama")
+def test_the_check_refuses_any_model_whose_logits_read_the_cache_kind():
+    # Any dependence on the cache is found, not GPT-Neo's alone: a Llama whose final norm is scaled
+    # when its cache is a static one.
     from transformers.cache_utils import StaticLayer
 
-    real = model.model.norm.forward
+    model = tiny_model("llama")
+    static = []
 
-    def reads_the_cache_length(hidden, *args, **kwargs):
-        static = any(isinstance(layer, StaticLayer) for layer in getattr(reads_the_cache_length, "cache", ()))
-        return real(hidden, *args, **kwargs) * (1.5 if static else 1.0)
+    def note_the_cache(module, args, kwargs):
+        # the cache argument: past_key_values (transformers 5.23), cache (5.24)
+        layers = [getattr(v, "layers", ()) for v in kwargs.values()]
+        static[:] = [any(isinstance(layer, StaticLayer) for group in layers for layer in group)]
 
-    original = model.model.forward
-
-    def forward(*args, **kwargs):
-        cache = kwargs.get("past_key_values")
-        reads_the_cache_length.cache = getattr(cache, "layers", ())
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(model.model.norm, "forward", reads_the_cache_length)
-    monkeypatch.setattr(model.model, "forward", forward)
+    model.model.register_forward_pre_hook(note_the_cache, with_kwargs=True)
+    model.model.norm.register_forward_hook(lambda module, args, out: out * 1.5 if static[0] else out)
     with pytest.raises(devgraph.DevgraphError, match="LlamaForCausalLM computes other logits") as info:
         check_static_cache(model, model.config.num_hidden_layers, 32)
     assert "-token prompt (rounding in float32 stays below 0.001)" in str(info.value)
