@@ -42,9 +42,9 @@ FIXES: dict[str, str] = {
     ),
     "empty_batch": "nothing to fix: a call with 0 rows runs eagerly (skip empty batches to avoid the call)",
     "size_not_captured": "add the size to capture_sizes (or raise capture_budget where sizes were dropped)",
-    "size_beyond_trace": (
-        "make the forward the same code for every token count (torch.where instead of branching on x.shape), "
-        "or keep calls within the bound (runner.pieces.bound)"
+    "token_count_branch": (
+        "make the forward the same code for every token count (torch.where instead of Python branching on "
+        "x.shape), or add the size to capture_sizes (it is then traced at that size), or use mode='full'"
     ),
     # Hugging Face generate(): whole calls
     "inputs": "pass input_ids of shape [batch, prompt_len]",

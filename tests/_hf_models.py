@@ -188,7 +188,7 @@ def tiny_model(name: str, dtype: torch.dtype = torch.float32, **overrides: Any) 
     import pytest
     import transformers
 
-    config_name, model_name, base = {**ARCHITECTURES, **REFUSED, **CAPTURE_REFUSED}[name]
+    config_name, model_name, base = {**ARCHITECTURES, **REFUSED, **CAPTURE_REFUSED, **CACHE_LENGTH_DEPENDENT}[name]
     if not hasattr(transformers, model_name):  # a release without it: skip by capability
         pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
     config = getattr(transformers, config_name)(**{**base, **overrides})
@@ -210,3 +210,25 @@ def full_length_static_cache(model: torch.nn.Module, max_cache_len: int) -> Any:
 
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
     return Cache(layers=[StaticLayer(max_cache_len=max_cache_len) for _ in range(layers)])
+
+#: Architectures whose attention depends on the static cache's length (GPT-Neo's local window is sliced
+#: by the number of cached keys): refused at wrap by the static-cache check when the window is
+#: shorter than ``max_cache_len``.
+CACHE_LENGTH_DEPENDENT: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gpt_neo": (
+        "GPTNeoConfig",
+        "GPTNeoForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            attention_types=[[["global", "local"], 1]],
+            window_size=4,
+            max_position_embeddings=512,
+            vocab_size=VOCAB,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+}

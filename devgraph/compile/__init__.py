@@ -17,7 +17,6 @@ the full graphs; prefill, mixed and larger decode batches the pieces; one pool f
 
 from devgraph.compile._compilers import compile_piece, compilers_for
 from devgraph.compile._config import CompileConfig, compile_option_names
-from devgraph.compile._guards import TraceBound
 from devgraph.compile._pieces import PieceGraphs, PiecewiseModule
 from devgraph.compile._planner import CapturePlan, padding_cost, plan_capture_sizes, spread_evenly
 from devgraph.compile._splitting_ops import host_values, resolve_splitting_ops
@@ -33,7 +32,6 @@ __all__ = [
     "PassManager",
     "PieceGraphs",
     "PiecewiseModule",
-    "TraceBound",
     "Traced",
     "builtin_passes",
     "compile_option_names",

@@ -5,7 +5,7 @@ compiled pieces directly at every size, bypassing Dynamo's guards. A forward tha
 token count (``if x.shape[0] == 1:``) leaves a *shape guard* in Dynamo's ``ShapeEnv``: the trace
 holds only where the guard does. ``check_token_guards`` evaluates every guard on the token symbols
 at a spread of token counts and raises ``DevgraphError`` naming the user's line when one fails at a
-captured size; one that fails only above the largest captured size bounds the trace (``TraceBound``).
+captured size; above the largest, a call runs only where ``guards_hold`` (checked per call).
 
 Dynamo assumes a dynamic size is at least 2 and decides ``x.shape[0] == 1`` statically, without a
 guard; ``symbolic_sizes`` turns that assumption off for the trace (``backed_size_oblivious``), so
@@ -21,11 +21,9 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-import attrs
-
 from devgraph._errors import DevgraphError
 
-__all__ = ["TraceBound", "check_token_guards", "sample_sizes", "symbolic_sizes"]
+__all__ = ["check_token_guards", "guards_hold", "sample_sizes", "symbolic_sizes", "token_guards"]
 
 #: torch's ``SLoc.maybe_user_loc``: ``"<code>  # <short file>:<line> in <function>"``.
 _USER_LOC = re.compile(r"^(?P<code>.*)  # (?P<file>.+):(?P<line>\d+) in (?P<func>\S+)$")
@@ -65,33 +63,22 @@ def sample_sizes(run_sizes: Sequence[int] | None) -> list[int]:
     return sorted(sizes)
 
 
-def check_token_guards(
-    shape_env: Any, symbols: Iterable[Any], run_sizes: Sequence[int] | None
-) -> TraceBound | None:
-    """Check every guard on the token symbols at the token counts the pieces run at.
-
-    A guard failing at a captured size (or, with ``run_sizes`` None, at the smallest counts) is a
-    refusal. A guard that holds at every captured size and fails only above the largest -- a branch
-    such as ``if x.shape[0] <= 4096``, or inductor's ``2816*tokens <= 2**31 - 1`` (32-bit indexing)
-    -- bounds the trace instead: the pieces serve counts up to the bound, and the runner serves
-    larger calls eagerly (fallback ``size_beyond_trace``).
+def check_token_guards(shape_env: Any, symbols: Iterable[Any], run_sizes: Sequence[int] | None) -> None:
+    """Raise ``DevgraphError`` when a guard on the token symbols fails at a captured token count (with
+    ``run_sizes`` None: at any count). Counts above the largest captured one are checked per call.
 
     Args:
         shape_env: the trace's ``ShapeEnv``.
         symbols: the token dimensions' symbols (all of them take the same value at run time).
         run_sizes: the captured token counts (a call is padded up to one of them; counts above the
             largest run uncaptured at their own size); None: the pieces run at every count.
-    Returns:
-        The tightest bound, or None when every guard holds at every sampled count.
     Raises:
         DevgraphError: naming the user's line that branched, the guard and a size where it fails.
     """
     tokens = set(symbols)
     if not tokens:
-        return None
+        return
     sizes = sample_sizes(run_sizes)
-    floor = max(run_sizes) if run_sizes else 1  # the counts that must hold: every captured one
-    bound: TraceBound | None = None
     for guard in shape_env.guards:
         expr = shape_env.replace(guard.expr)
         free = expr.free_symbols
@@ -100,53 +87,40 @@ def check_token_guards(
         if not _bakes_a_decision(guard.sloc):
             continue
         failing = [n for n in sizes if _fails(expr, tokens, n)]
-        if not failing:
-            continue
-        first = failing[0]
-        if first <= floor:
+        if run_sizes:
+            # Above the largest captured count a call runs uncaptured, and the runner checks there
+            # that a trace holds at its count (``guards_hold``), else runs it eagerly: such a guard
+            # (a branch like ``if x.shape[0] <= 4096``, inductor's 32-bit indexing,
+            # ``2816*tokens <= 2147483647``, met on an H100) bounds what the trace serves.
+            failing = [n for n in failing if n <= max(run_sizes)]
+        if failing:
             raise DevgraphError(
                 f"the forward branches on the token count ({_user_line(guard.sloc)}); the piecewise trace "
                 f"holds only where {_readable(expr, tokens)}, not for {_some(failing)} tokens, and the "
-                "compiled pieces run at every captured size without re-checking. "
+                "compiled pieces replay at every captured size without re-checking. "
                 "Make the forward the same code for every token count (torch.where instead of Python "
                 f"branching on x.shape), {_size_remedy(failing, run_sizes)}or use mode='full' (one capture "
                 "per batch size)"
             )
-        last_good = max(n for n in sizes if n < first)  # every sampled count up to it holds
-        limit = _first_failure(expr, tokens, last_good, first) - 1
-        if bound is None or limit < bound.tokens:
-            bound = TraceBound(limit, _readable(expr, tokens), _user_line(guard.sloc))
-    return bound
 
 
-@attrs.frozen
-class TraceBound:
-    """The largest token count a piecewise trace holds for, and the guard that sets it.
-
-    Attributes:
-        tokens: calls of more tokens than this must not run the traced pieces.
-        condition: the guard, over ``tokens`` (``2816*tokens <= 2147483647``).
-        where: the line that made it (the user's branch, or inductor's code generation).
-    """
-
-    tokens: int
-    condition: str
-    where: str
-
-    def describe(self) -> str:
-        return f"the piecewise trace holds only where {self.condition} ({self.where})"
+def token_guards(shape_env: Any, symbols: Iterable[Any]) -> tuple[tuple[Any, str], ...]:
+    """``(sympy expression, user line)`` of each guard on the token symbols alone that records a
+    decision the compiled pieces keep: the trace holds where every one does (``guards_hold``)."""
+    tokens = set(symbols)
+    found = []
+    for guard in shape_env.guards if tokens else ():
+        expr = shape_env.replace(guard.expr)
+        free = expr.free_symbols
+        if free and free <= tokens and _bakes_a_decision(guard.sloc):
+            found.append((expr, _user_line(guard.sloc)))
+    return tuple(found)
 
 
-def _first_failure(expr: Any, tokens: set[Any], good: int, bad: int) -> int:
-    """The smallest count in ``(good, bad]`` where the guard fails (bisection: ``good`` holds,
-    ``bad`` fails; between two samples a guard is taken to change once)."""
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        if _fails(expr, tokens, mid):
-            bad = mid
-        else:
-            good = mid
-    return bad
+def guards_hold(guards: Iterable[tuple[Any, str]], symbols: Iterable[Any], n: int) -> bool:
+    """Whether every guard of ``token_guards`` holds with the token symbols at ``n``."""
+    tokens = set(symbols)
+    return not any(_fails(expr, tokens, n) for expr, _ in guards)
 
 
 def _some(sizes: list[int]) -> str:

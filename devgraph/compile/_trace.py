@@ -14,6 +14,7 @@ dynamic, after which the runner calls the ``PiecewiseModule`` itself, bypassing 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,7 +30,7 @@ from devgraph._errors import CaptureError, DevgraphError
 from devgraph._plugins import device as _device
 from devgraph.compile._compilers import CompiledPiece, compile_piece
 from devgraph.compile._config import CompileConfig
-from devgraph.compile._guards import TraceBound, check_token_guards, symbolic_sizes
+from devgraph.compile._guards import check_token_guards, guards_hold, symbolic_sizes, token_guards
 from devgraph.compile._pieces import PiecewiseModule
 from devgraph.compile._split import SplitGraph, split_graph
 from devgraph.compile._splitting_ops import (
@@ -344,7 +345,11 @@ class Traced:
             ``("const", value)``.
         spec: the pytree spec of the model's output.
         batch_dims: per module output, the dims that are the traced (token) dimension.
-        bound: the largest token count the trace holds for (a guard fails above it), or None.
+        guards: the trace's decisions on the token count, ``(expression, user line)``
+            (``token_guards``): it holds where every expression does.
+        symbols: the token dimension's symbols.
+        static_size: the token count of a trace without a symbolic token dimension (it holds at
+            that count only); None for a symbolic trace.
     """
 
     compiled: CompiledGraph
@@ -352,7 +357,27 @@ class Traced:
     outputs: tuple[OutputSlot, ...]
     spec: TreeSpec
     batch_dims: tuple[tuple[int, ...], ...]
-    bound: TraceBound | None = None
+    guards: tuple[Any, ...] = ()
+    symbols: frozenset[Any] = frozenset()
+    static_size: int | None = None
+
+    def holds_at(self, tokens: int) -> bool:
+        """Whether the compiled pieces compute what the forward does at ``tokens`` tokens: the token
+        count the trace branched on goes the traced way there (every guard holds)."""
+        if self.static_size is not None:
+            return tokens == self.static_size
+        return guards_hold(self.guards, self.symbols, tokens)
+
+    @property
+    def branch_lines(self) -> tuple[str, ...]:
+        """The user lines (``"path:LINE: code"``) where the forward branched on the token count."""
+        return tuple(dict.fromkeys(line for _, line in self.guards))
+
+    def check_guards(self, run_sizes: Sequence[int] | None) -> None:
+        """Raise ``DevgraphError`` naming the line when the trace fails at one of ``run_sizes`` or
+        at a count above the largest (``check_token_guards``; None: at any count)."""
+        if self.static_size is None:
+            _check_guards(self.compiled, set(self.symbols), run_sizes)
 
 
 def _fresh_function(call: Callable[..., Any]) -> Callable[..., Any]:
@@ -362,6 +387,18 @@ def _fresh_function(call: Callable[..., Any]) -> Callable[..., Any]:
     code = compile("def devgraph_traced(*args):\n    return _call(*args)\n", "<devgraph trace>", "exec")
     exec(code, namespace)
     return namespace["devgraph_traced"]
+
+
+def _pins_a_size(exc: BaseException) -> bool:
+    """Whether Dynamo refused the trace because the code made a dimension marked dynamic a constant."""
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+    seen: BaseException | None = exc
+    for _ in range(8):  # Dynamo's wrappers: inner_exception, __cause__
+        if seen is None or isinstance(seen, ConstraintViolationError):
+            break
+        seen = getattr(seen, "inner_exception", None) or seen.__cause__
+    return isinstance(seen, ConstraintViolationError)
 
 
 def _unwrap_dynamo_error(exc: BaseException) -> BaseException:
@@ -376,6 +413,10 @@ def trace_call(
     compiler: DevgraphCompiler,
     host: Mapping[str, Sequence[Any]],
     run_sizes: Sequence[int] | None = None,
+    *,
+    check_guards: bool = True,
+    static_size: int | None = None,
+    static_if_pinned: bool = False,
 ) -> Traced:
     """Trace ``invoke(tensors, traced)`` once with Dynamo and ``compiler``; return how to call it directly.
 
@@ -383,9 +424,18 @@ def trace_call(
     ``dynamic`` maps argument names to their token dimension. ``host`` (op argument -> list) is
     what the host arguments are when Dynamo runs the result once. ``run_sizes`` are the token counts
     the result runs at, besides every count above the largest (None: every count); a forward that
-    branches on the token count differently at one of them is refused, and one whose branch turns
-    only above the largest is bounded (``Traced.bound``; ``check_token_guards``).
+    branches on the token count differently at one of them is refused (``check_token_guards``)
+    unless ``check_guards`` is False (the caller then serves only counts where ``Traced.holds_at``).
+    ``static_size``: trace without a symbolic token dimension, the tensors holding that many tokens
+    (``dynamic`` and the guard check are ignored): every decision on the token count, torch's own
+    0/1 specialisations included, is then made for that count exactly. ``static_if_pinned``: when
+    the forward pins the token count to the traced one (``if x.shape[0] == 2:`` traced at 2, which
+    Dynamo refuses for a dynamic dimension), trace statically at that count instead of refusing.
     """
+    if static_size is not None:
+        # New tensor objects over the same memory: Dynamo keeps dynamic marks on the tensors it saw.
+        tensors = {n: t.view(t.shape) if n in dynamic else t for n, t in tensors.items()}
+        dynamic, check_guards = {}, False
     names = list(tensors)
     with torch.no_grad():
         reference = invoke(tensors, False)  # the output's structure (and a warm-up)
@@ -399,12 +449,18 @@ def trace_call(
         torch._dynamo.mark_dynamic(tensors[name], dim)
     compiler.host = host
     compiled_fn = torch.compile(_fresh_function(call), backend=compiler, fullgraph=True, dynamic=False)
+    sizes = symbolic_sizes() if dynamic else contextlib.nullcontext()
     try:
-        with torch.no_grad(), symbolic_sizes():
+        with torch.no_grad(), sizes:
             leaves = compiled_fn(*args)
     except DevgraphError:
         raise
     except Exception as exc:
+        if static_if_pinned and dynamic and _pins_a_size(exc):
+            name, dim = next(iter(dynamic.items()))
+            return trace_call(
+                invoke, tensors, dynamic, compiler, host, run_sizes, static_size=tensors[name].shape[dim]
+            )
         inner = _unwrap_dynamo_error(exc)
         if inner is not exc:
             raise inner from None
@@ -445,7 +501,8 @@ def trace_call(
         token_dim: object = fake.shape[dynamic[n]] if n in dynamic else None  # a SymInt if dynamic
         if isinstance(token_dim, torch.SymInt):
             symbols.add(token_dim.node.expr)
-    bound = _check_guards(result, symbols, run_sizes)
+    if check_guards:
+        _check_guards(result, symbols, run_sizes)
     batch_dims = tuple(
         tuple(
             d
@@ -455,20 +512,26 @@ def trace_call(
         for f in result.fake_outputs
     )
     _check_output_shapes(result.fake_outputs, symbols)
-    return Traced(result, tuple(inputs), tuple(outputs), spec, batch_dims, bound)
+    shape_env = _shape_env(result)
+    guards = token_guards(shape_env, symbols) if shape_env is not None else ()
+    return Traced(
+        result, tuple(inputs), tuple(outputs), spec, batch_dims, guards, frozenset(symbols), static_size
+    )
 
 
-def _check_guards(
-    result: CompiledGraph, symbols: set[Any], run_sizes: Sequence[int] | None
-) -> TraceBound | None:
-    """Refuse a trace that fails at a captured token count; bound one that fails only above the
-    largest (``check_token_guards``)."""
+def _shape_env(result: CompiledGraph) -> Any:
+    """The trace's ``ShapeEnv`` (None when no input size is symbolic)."""
     # A fake tensor's sizes are SymInts where symbolic (torch types them int).
     sizes: Iterator[object] = (s for f in result.fake_inputs for s in f.shape)
     sym = next((s for s in sizes if isinstance(s, torch.SymInt)), None)
-    if sym is None:
-        return None
-    return check_token_guards(sym.node.shape_env, symbols, run_sizes)
+    return None if sym is None else sym.node.shape_env
+
+
+def _check_guards(result: CompiledGraph, symbols: set[Any], run_sizes: Sequence[int] | None) -> None:
+    """Refuse a trace that holds for some of the token counts it runs at only (``check_token_guards``)."""
+    shape_env = _shape_env(result)
+    if shape_env is not None:
+        check_token_guards(shape_env, symbols, run_sizes)
 
 
 def _check_output_shapes(fakes: Sequence[Any], symbols: set[Any]) -> None:

@@ -6,6 +6,15 @@ shared pool, largest size first. A replay runs the pieces' graphs with the split
 (attention) run eagerly in between, so attention sees the call's real metadata. A call larger than
 every captured size runs the compiled pieces uncaptured.
 
+One trace serves every token count its decisions hold at. A forward that branches on the token
+count (``if x.shape[0] == 1:``, the decode fast path) is traced again for the captured sizes where
+the first trace went the other way. Size 1 gets a trace of its own, without a symbolic token
+dimension, there and wherever the pieces are compiled (inductor, torchair): inside its own ops
+torch assumes a symbolic size is not 1, without a guard, and compiled code keeps that (a
+``squeeze`` of the token dim stays); eager pieces run the traced aten ops, which decide again at
+run time. Each size is captured from the trace that serves it; a call no trace serves runs
+eagerly (counted as ``token_count_branch`` above the captured sizes).
+
 Modes (after vLLM's CUDAGraphMode): ``piecewise`` serves every call this way;
 ``full_and_piecewise`` routes uniform decode batches (``is_decode``) that fit a full-graph bucket
 to the runner's ``WholeGraphs`` part and everything else (prefill, mixed batches, larger decode
@@ -27,13 +36,13 @@ import attrs
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from devgraph._errors import DevgraphError
 from devgraph._fallback_fixes import with_fix
 from devgraph.compile import (
     CapturePlan,
     CompileConfig,
     DevgraphCompiler,
     PiecewiseModule,
-    TraceBound,
     Traced,
     plan_capture_sizes,
     trace_call,
@@ -55,10 +64,13 @@ class PiecewiseStats(RunnerStats):
 
     ``replays`` counts piecewise replays; ``eager_calls`` calls that ran without graphs (a size
     above the captured ones runs the compiled pieces uncaptured: ``fallbacks['size_not_captured']``);
-    ``full`` holds the full-graph part's own stats in ``full_and_piecewise`` mode.
+    ``full`` holds the full-graph part's own stats in ``full_and_piecewise`` mode; ``traces``
+    counts the traces (one, plus one per region of captured sizes the forward branches differently
+    at, plus size 1's own where the pieces are compiled).
     """
 
     compile_seconds: float = 0.0
+    traces: int = 0
     dropped_sizes: tuple[int, ...] = ()
     pieces: int = 0
     splitting_ops: int = 0
@@ -126,23 +138,45 @@ class Pieces:
         self.plan: CapturePlan | None = None
         #: The sizes a call is bucketed into: the captured ones (none before capture).
         self.buckets: list[int] = []
-        self.traced: Traced | None = None
-        self.bound: TraceBound | None = None  # set by the trace: larger calls run eagerly
+        #: Every trace, the first (symbolic, at the largest size) first (see the module docstring).
+        self.traces: list[Traced] = []
+        self._trace_at: dict[int, Traced | None] = {}
+        # Eager pieces run the traced aten ops, which decide size-1 questions again at run time;
+        # compiled ones keep what torch decided for a symbolic size (not 1) without a guard.
+        self._symbolic_serves_one = compile_config.compiler_for(device) == "eager"
         self._replay_inputs: dict[int, list[torch.Tensor]] = {}
 
     @property
+    def traced(self) -> Traced | None:
+        """The first trace (None before the first call or ``capture``)."""
+        return self.traces[0] if self.traces else None
+
+    @property
     def module(self) -> PiecewiseModule | None:
-        """The ``PiecewiseModule`` (None before the first call or ``capture``)."""
-        return self.traced.compiled.module if self.traced else None
+        """The first trace's ``PiecewiseModule`` (None before the first call or ``capture``)."""
+        return self.traces[0].compiled.module if self.traces else None
 
     @property
     def captured(self) -> bool:
-        return self.traced is not None
+        return bool(self.traces)
 
     def graphs(self, size: int) -> list[Graph]:
         """The captured graphs of ``size``, one per captured piece, in order."""
-        module = self.module
-        return module.graphs(size) if module is not None else []
+        traced = self.trace_for(size) if self.traces else None
+        return traced.compiled.module.graphs(size) if traced is not None else []
+
+    def trace_for(self, tokens: int) -> Traced | None:
+        """The trace whose pieces compute what the forward does at ``tokens`` tokens (None: none
+        does; such a call runs eagerly): a trace made at that count exactly, else the first
+        symbolic one that holds there (at 1 token only where the pieces run eagerly)."""
+        if tokens in self._trace_at:
+            return self._trace_at[tokens]
+        found = next((t for t in self.traces if t.static_size == tokens), None)
+        if found is None and (tokens != 1 or self._symbolic_serves_one):
+            found = next((t for t in self.traces if t.static_size is None and t.holds_at(tokens)), None)
+        if len(self._trace_at) < _TRACE_AT_CACHE:
+            self._trace_at[tokens] = found
+        return found
 
     @property
     def cache_key(self) -> str:
@@ -159,86 +193,115 @@ class Pieces:
 
     def replay(self, call: Call, size: int, host_args: Mapping[str, Any] | None) -> Any:
         """Replay the pieces of ``size`` (the call is loaded), the splitting ops eagerly in between."""
-        assert self.traced is not None
+        traced = self.trace_for(size)
+        assert traced is not None  # every captured size has its trace
         replay_inputs = self._replay_inputs.get(size)
         if replay_inputs is None:
-            replay_inputs = self._piece_inputs(call, size)
+            replay_inputs = self._piece_inputs(traced, call, size)
             if not call.static:  # then the same tensors every call: the buffers' first rows, weights
                 self._replay_inputs[size] = replay_inputs
-        out = self.traced.compiled.module.replay(replay_inputs, size, host_args, debug=self.config.debug)
-        return self._assemble(out, size, call.batch)
+        out = traced.compiled.module.replay(replay_inputs, size, host_args, debug=self.config.debug)
+        return self._assemble(traced, out, size, call.batch)
 
     def beyond(self, call: Call, why: Unsupported) -> Any:
         """A call no captured size serves: the compiled pieces at the call's own size, uncaptured
-        (counted: ``size_not_captured`` above the captured sizes, else ``why``'s category)."""
+        (counted: ``size_not_captured`` above the captured sizes, else ``why``'s category); eagerly
+        where no trace holds at that size (``token_count_branch``, or ``why``'s category below the
+        largest captured size)."""
+        traced = self.trace_for(call.batch)
+        if traced is None:
+            if why.category == "batch_too_large":
+                raise Unsupported(
+                    "token_count_branch",
+                    f"the forward branches on the token count, and no trace holds at {call.batch} tokens "
+                    f"({self._branch_lines()}); such calls run eagerly",
+                )
+            raise why
         if why.category == "batch_too_large":
             self._note_uncaptured(call.batch)
         else:
             self.accounts.note_fallback(why.category, why.detail)
-        return self._run_uncaptured(call)
+        return self._run_uncaptured(traced, call)
 
     # -- capture -------------------------------------------------------------------------------
 
     def drop(self) -> None:
         """Forget the trace and every captured graph; the counters stay."""
-        if self.traced is not None:
-            self.traced.compiled.module.reset()
-        self.traced = None
-        self.bound = None
+        for traced in self.traces:
+            traced.compiled.module.reset()
+        self.traces = []
+        self._trace_at.clear()
         self.plan = None
         self.buckets = []
         self._replay_inputs.clear()
         self.inputs.clear()
         self.capture_loop.clear()
-        self.stats.pieces = self.stats.splitting_ops = 0
+        self.stats.pieces = self.stats.splitting_ops = self.stats.traces = 0
         self.stats.passes = {}
         self.stats.dropped_sizes = ()
         self.stats.compile_seconds = 0.0
 
     def capture(self, example: Call) -> None:
         """Trace, compile and capture every planned size (run inside ``CaptureLoop.all_or_nothing``)."""
-        cfg, inputs = self.config, self.inputs
-        # The trace marks the token dim dynamic; Dynamo specialises sizes 0 and 1, so trace with >= 2.
+        inputs = self.inputs
+        # The first trace marks the token dim dynamic, at the largest size (at least 2: a traced size
+        # of 1 would make torch decide size-1 questions for that size).
         trace_size = max(2, max(self.sizes))
         inputs.alloc(example, trace_size)
-
-        def invoke(tensors: dict[str, torch.Tensor], traced: bool) -> Any:
-            values: dict[str, Any] = dict(tensors)
-            values.update(example.consts)
-            for name in example.host:
-                values[name] = [] if traced else [cfg.pad_value(name)] * trace_size
-            args, kwargs = example.bind(inputs.signature, values)
-            return self.fn(*args, **kwargs)
-
-        tensors = inputs.narrowed(trace_size)
-        tensors.update(example.static)
-        dynamic = {n: cfg.batch_dim(n) for n in example.batched}
-        host = inputs.padded_host_args({}, trace_size)
-        compiler = DevgraphCompiler(
-            self.device, self.compile_config, host_args=[op for _, op in cfg.host_args]
-        )
         start = time.perf_counter()
-        self.traced = traced = trace_call(invoke, tensors, dynamic, compiler, host, self._run_sizes())
-        self.bound = traced.bound
+        first = self._trace(example, trace_size, run_sizes=[trace_size])
+        self.traces = [first]
+        self._trace_at.clear()
+        # The sizes to capture the first trace does not serve (see the module docstring): each gets
+        # a trace made at it, which then serves every size it holds at that is still open.
+        wanting = sorted({n for n in self.sizes if self.trace_for(n) is None})
+        while wanting:
+            if len(self.traces) >= _MAX_TRACES:  # a branch every few sizes: refuse, naming the line
+                first.check_guards(self._run_sizes())
+                raise DevgraphError(
+                    f"the forward branches on the token count ({self._branch_lines()}) so that "
+                    f"{_MAX_TRACES} traces do not serve the capture sizes ({size_ranges(wanting)} are left). "
+                    "Make the forward the same code for every token count (torch.where instead of Python "
+                    "branching on x.shape), capture fewer sizes (capture_sizes=[...]), or use mode='full'"
+                )
+            n = wanting[0]
+            self.traces.append(self._trace(example, n, static=n == 1))
+            self._trace_at.clear()
+            wanting = [m for m in wanting[1:] if self.trace_for(m) is None]
         self.stats.compile_seconds = time.perf_counter() - start
-        module = traced.compiled.module
+        self.stats.traces = len(self.traces)
+        module = first.compiled.module
         self.stats.pieces = module.captured_pieces
-        self.stats.splitting_ops = sum(p.is_splitting_op for p in traced.compiled.split.pieces)
-        self.stats.passes = dict(traced.compiled.pass_counts)
+        self.stats.splitting_ops = sum(p.is_splitting_op for p in first.compiled.split.pieces)
+        self.stats.passes = dict(first.compiled.pass_counts)
         inputs.remember(example)
-        self.plan = self._plan(module.captured_pieces)
+        self.plan = self._plan(max(t.compiled.module.captured_pieces for t in self.traces))
         self.buckets = list(self.plan.sizes)
         self.stats.dropped_sizes = self.plan.dropped
+        if len(self.traces) > 1:
+            logger.info(
+                "devgraph: the forward branches on the token count (%s); %d traces serve the sizes (%s)",
+                self._branch_lines(),
+                len(self.traces),
+                "; ".join(
+                    f"{'traced at ' + str(t.static_size) if t.static_size else 'symbolic'}: "
+                    f"{size_ranges([n for n in self.plan.sizes if self.trace_for(n) is t]) or 'none captured'}"
+                    for t in self.traces
+                ),
+            )
 
         def prepare(size: int) -> tuple[Callable[[], Any], Callable[[], None]]:
             host = inputs.padded_host_args({}, size)  # padding only: what warm-up and capture see
-            piece_inputs = self._piece_inputs(example, size)
+            traced = self.trace_for(size)
+            assert traced is not None  # a size no trace holds at was traced itself above
+            sized = traced.compiled.module
+            piece_inputs = self._piece_inputs(traced, example, size)
 
             def warm_up() -> Any:
-                return module(*piece_inputs, host=host)
+                return sized(*piece_inputs, host=host)
 
             def capture() -> None:
-                module.capture(piece_inputs, size, self.shared, host)
+                sized.capture(piece_inputs, size, self.shared, host)
 
             return warm_up, capture
 
@@ -247,11 +310,49 @@ class Pieces:
             prepare,
             remedy="or run the offending op eagerly between the pieces (splitting_ops=[...]), "
             "or capture fewer sizes (capture_sizes=[...])",
-            summary=f"captured {module.captured_pieces} pieces x {len(self.plan.sizes)} sizes ({{sizes}})",
+            summary=f"captured {module.captured_pieces} pieces x {len(self.plan.sizes)} sizes ({{sizes}})"
+            + (f" from {len(self.traces)} traces" if len(self.traces) > 1 else ""),
             tail=f"; {self.stats.splitting_ops} splitting ops run eagerly in between",
             desc=f"devgraph piecewise capture ({self.device})",
             example=example,
         )
+
+    def _trace(self, example: Call, size: int, *, run_sizes: list[int] | None = None, static: bool = False) -> Traced:
+        """Trace the model at ``size`` tokens (the buffers' first rows): symbolic in the token dim,
+        refused where it fails at ``run_sizes`` or above (the first trace); a later one is ``static``
+        at that size, or becomes so where the forward pins the token count to it."""
+        cfg, inputs = self.config, self.inputs
+
+        def invoke(tensors: dict[str, torch.Tensor], traced: bool) -> Any:
+            values: dict[str, Any] = dict(tensors)
+            values.update(example.consts)
+            for name in example.host:
+                values[name] = [] if traced else [cfg.pad_value(name)] * size
+            args, kwargs = example.bind(inputs.signature, values)
+            return self.fn(*args, **kwargs)
+
+        tensors = inputs.narrowed(size)
+        tensors.update(example.static)
+        dynamic = {n: cfg.batch_dim(n) for n in example.batched}
+        host = inputs.padded_host_args({}, size)
+        compiler = DevgraphCompiler(self.device, self.compile_config, host_args=[op for _, op in cfg.host_args])
+        return trace_call(
+            invoke,
+            tensors,
+            dynamic,
+            compiler,
+            host,
+            run_sizes,
+            check_guards=run_sizes is not None,
+            static_size=size if static else None,
+            # a later trace may pin its size (``if x.shape[0] == 2:`` at 2): it then serves that size
+            static_if_pinned=run_sizes is None,
+        )
+
+    def _branch_lines(self) -> str:
+        """The user lines the traces branched on the token count at (for messages)."""
+        lines = {line for t in self.traces for line in t.branch_lines}
+        return "; ".join(sorted(lines)) or "a branch on the token count"
 
     def _run_sizes(self) -> list[int] | None:
         """The token counts the pieces may run at below the largest (None: every count, when the
@@ -279,10 +380,9 @@ class Pieces:
             max_sizes=getattr(self.device, "max_capture_sizes", None),
         )
 
-    def _piece_inputs(self, call: Call, size: int | None) -> list[torch.Tensor]:
-        assert self.traced is not None
+    def _piece_inputs(self, traced: Traced, call: Call, size: int | None) -> list[torch.Tensor]:
         inputs = []
-        for slot in self.traced.inputs:
+        for slot in traced.inputs:
             if slot[0] == "fixed":
                 inputs.append(slot[1])
                 continue
@@ -295,14 +395,12 @@ class Pieces:
                 inputs.append(self.inputs.buffers[name].narrow(self.config.batch_dim(name), 0, size))
         return inputs
 
-    def _run_uncaptured(self, call: Call) -> Any:
-        """The compiled pieces at the call's own size, without graphs."""
-        assert self.traced is not None
-        module = self.traced.compiled.module
-        out = module(
-            *self._piece_inputs(call, None), host=self.inputs.padded_host_args(call.host, call.batch)
+    def _run_uncaptured(self, traced: Traced, call: Call) -> Any:
+        """The compiled pieces of ``traced`` at the call's own size, without graphs."""
+        out = traced.compiled.module(
+            *self._piece_inputs(traced, call, None), host=self.inputs.padded_host_args(call.host, call.batch)
         )
-        return self._assemble(out, call.batch, call.batch)
+        return self._assemble(traced, out, call.batch, call.batch)
 
     def _note_uncaptured(self, tokens: int) -> None:
         self.stats.eager_calls += 1
@@ -316,9 +414,7 @@ class Pieces:
             )
             logger.info("devgraph: %s", with_fix("size_not_captured", detail))
 
-    def _assemble(self, flat: Any, size: int, batch: int) -> Any:
-        assert self.traced is not None
-        traced = self.traced
+    def _assemble(self, traced: Traced, flat: Any, size: int, batch: int) -> Any:
         outputs = list(flat) if isinstance(flat, (list, tuple)) else [flat]
         if len(traced.outputs) == 1 and traced.outputs[0][0] == "out" and traced.spec.is_leaf():
             t = outputs[traced.outputs[0][1]]  # one tensor: no tree to rebuild
@@ -338,6 +434,13 @@ class Pieces:
                     t = t.narrow(d, 0, batch)
             leaves.append(t.clone() if self.config.clone_outputs else t)
         return tree_unflatten(leaves, traced.spec)
+
+
+#: Traces one part makes at most: the first, size 1's own and one per further region of token
+#: counts its branches divide the captured sizes into; more refuse (a branch every few sizes).
+_MAX_TRACES = 4
+#: Token counts whose trace ``trace_for`` remembers (captured ones and uncaptured calls' sizes).
+_TRACE_AT_CACHE = 4096
 
 
 def _default_sizes(config: RunnerConfig) -> list[int]:

@@ -50,7 +50,7 @@ import attrs
 import torch
 
 from devgraph._errors import DevgraphError
-from devgraph.compile import CompileConfig, TraceBound
+from devgraph.compile import CompileConfig
 from devgraph.graph import Device, Graph, SharedPool
 from devgraph.runner._accounts import Accounts
 from devgraph.runner._breakable import BreakableGraphs
@@ -83,7 +83,6 @@ class Part(Protocol):
     size_word: str  # how its sizes are named in messages
     sizes: list[int]  # the sizes asked for
     buckets: list[int]  # the sizes a call is bucketed into (the captured ones)
-    bound: TraceBound | None  # calls above bound.tokens run eagerly (the part's trace does not hold)
     inputs: StaticInputs
     accounts: Accounts
     capture_loop: CaptureLoop
@@ -317,13 +316,6 @@ class GraphRunner:
                     part.accounts.note_recapture(replaced)
             if not part.captured:
                 part.capture_loop.all_or_nothing(lambda: part.capture(call), part.drop)
-            bound = part.bound
-            if bound is not None and call.batch > bound.tokens:
-                raise Unsupported(
-                    "size_beyond_trace",
-                    f"a call of size {call.batch} is above {bound.tokens}: {bound.describe()}; "
-                    "such calls run the model eagerly",
-                )
             # match
             inputs.match(call, part.match_word)
             # bucket

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -23,9 +23,6 @@ from devgraph.runner._calls import Call, Unsupported
 from devgraph.runner._capture_loop import part_core
 from devgraph.runner._config import RunnerConfig, RunnerStats
 from devgraph.runner._padding import PaddingVerdict
-
-if TYPE_CHECKING:
-    from devgraph.compile import TraceBound
 
 __all__ = ["WholeGraphs"]
 
@@ -45,7 +42,6 @@ class WholeGraphs:
     kind = "full"
     match_word = "captured"
     size_word = "batch sizes"
-    bound: TraceBound | None = None  # captured per size: no trace bounds the sizes
     #: What a capture is called in the summary line, the progress bar and the accounts.
     graph_noun = "graphs"
     desc_word = "capture"

@@ -124,13 +124,12 @@ def test_sizes_above_the_buckets_run_the_pieces_uncaptured(decoders):
 
 def test_every_piece_has_a_graph_per_size_in_one_shared_pool(decoders):
     runner = decoders.built()
-    module = runner.pieces.module
     assert runner.stats.pieces == decoders.model.config.num_layers + 1
     assert runner.stats.splitting_ops == decoders.model.config.num_layers
     assert runner.stats.captured_sizes == tuple(SIZES)
     pools = set()
     for size in SIZES:
-        graphs = module.graphs(size)
+        graphs = runner.pieces.graphs(size)  # size 1 from a trace of its own
         assert len(graphs) == runner.stats.pieces
         pools.update(id(g.pool()) for g in graphs)
     assert len(pools) == 1
@@ -189,7 +188,7 @@ def test_full_and_piecewise_graphs_share_one_pool(both_modes):
     both_modes.check(both_modes.prefill({ids[0]: _tokens(3, 1), ids[1]: _tokens(2, 2)}))
     both_modes.check(both_modes.manager.decode_batch(ids, _tokens(2, 3)))
     runner = both_modes.graphed.runner
-    pools = {id(g.pool()) for size in runner.pieces.plan.sizes for g in runner.pieces.module.graphs(size)}
+    pools = {id(g.pool()) for size in runner.pieces.plan.sizes for g in runner.pieces.graphs(size)}
     pools.update(id(runner.full.graph(s).pool()) for s in runner.full.sizes)
     assert len(pools) == 1
     both_modes.free(ids)

@@ -31,6 +31,9 @@ bucket, a sequence longer than ``max_cache_len``) run plain ``model.generate`` w
 warning naming the option, counted in ``stats.fallbacks`` (``strict=True`` raises instead). A
 decode step that cannot be captured raises a ``CaptureError`` once, said for the model's user
 (``_refusal``); later calls run eagerly as ``capture_refused``. Needs transformers >= 5 and attention layers only (full, sliding-window or chunked).
+At wrap the model runs a few short prompts eagerly over a static cache and over transformers' dynamic
+cache; a model whose attention depends on the cache's length (GPT-Neo) is refused there
+(``_static_check``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from devgraph.adapters.hf._plan import eager_reason, read_generate_call
 from devgraph.adapters.hf._prefill import PiecewisePrefill
 from devgraph.adapters.hf._refusal import refusal
 from devgraph.adapters.hf._route import decode_route, route_config
+from devgraph.adapters.hf._static_check import check_static_cache
 from devgraph.adapters.hf._step import MAX_MASKS, DecodeRoute, DecodeStep
 from devgraph.graph import Device
 from devgraph.runner import (
@@ -246,6 +250,7 @@ class GraphedCausalLM(GraphedModule):
         prefill_factory: Any = None,
     ) -> None:
         layers = _check_model(model, device)
+        check_static_cache(model, layers, options.max_cache_len)
         self.options = options
         extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
         largest = normalise_batch_sizes(runner_config.batch_sizes, runner_config.max_batch_size)[-1]

@@ -1,0 +1,79 @@
+"""A model whose attention depends on the static cache's length is refused at wrap, in every mode.
+
+GPT-Neo's local attention slices its window from a mask by the number of cached keys: over devgraph's
+static cache of ``max_cache_len`` slots its logits were 0.1-0.4 off, silently, in every mode. The
+wrap-time check runs the model over a static and a dynamic cache and compares; architectures that
+compute the same there (Llama, Qwen3, and GPT-Neo whose window covers the whole cache) pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from _hf_models import prompts, tiny_model
+
+import devgraph
+from devgraph.adapters.hf._static_check import check_static_cache
+
+MODES = ["full", "piecewise", "full_and_piecewise", "breakable", "full_and_breakable"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gpt_neo_is_refused_at_wrap_in_every_mode(mode):
+    with pytest.raises(devgraph.DevgraphError) as info:
+        devgraph.wrap(tiny_model("gpt_neo"), "cpu", mode=mode, max_cache_len=32)
+    message = str(info.value)
+    assert message.startswith("GPTNeoForCausalLM computes other logits over a static KV cache")
+    assert "max_cache_len=32" in message and "_can_compile_fullgraph = False" in message
+    assert "use eager model.generate()" in message
+
+
+def test_gpt_neo_is_refused_in_bfloat16_too():
+    with pytest.raises(devgraph.DevgraphError, match="other logits over a static KV cache"):
+        devgraph.wrap(tiny_model("gpt_neo", dtype=torch.bfloat16), "cpu", max_cache_len=32)
+
+
+def test_gpt_neo_whose_window_covers_the_cache_is_served_and_equals_eager():
+    # The window then holds every slot, wherever the cache's end is: the check compares, it does not
+    # refuse by class.
+    model = tiny_model("gpt_neo", window_size=64)
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[1, 2], max_cache_len=32)
+    ids, mask = prompts(2, seed=3)
+    call = dict(attention_mask=mask, do_sample=False, max_new_tokens=5, output_logits=True, return_dict_in_generate=True)
+    out, expected = graphed.generate(ids, **call), model.generate(ids, **call)
+    assert torch.equal(out.sequences, expected.sequences)
+    for got, want in zip(out.logits, expected.logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert graphed.stats.replays == 4 and graphed.stats.fallbacks == {}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_architectures_that_read_only_the_tokens_written_pass_the_check(name, dtype):
+    model = tiny_model(name, dtype=dtype)
+    check_static_cache(model, model.config.num_hidden_layers, 32)
+    check_static_cache(model, model.config.num_hidden_layers, 256)
+
+
+def test_the_check_refuses_any_model_whose_logits_read_the_cache_kind():
+    # Any dependence on the cache is found, not GPT-Neo's alone: a Llama whose final norm is scaled
+    # when its cache is a static one.
+    from transformers.cache_utils import StaticLayer
+
+    model = tiny_model("llama")
+    static = []
+
+    def note_the_cache(module, args, kwargs):
+        # the cache argument: past_key_values (transformers 5.23), cache (5.24)
+        layers = [getattr(v, "layers", ()) for v in kwargs.values()]
+        static[:] = [any(isinstance(layer, StaticLayer) for group in layers for layer in group)]
+
+    model.model.register_forward_pre_hook(note_the_cache, with_kwargs=True)
+    model.model.norm.register_forward_hook(lambda module, args, out: out * 1.5 if static[0] else out)
+    with pytest.raises(devgraph.DevgraphError, match="LlamaForCausalLM computes other logits") as info:
+        check_static_cache(model, model.config.num_hidden_layers, 32)
+    assert "-token prompt (rounding in float32 stays below 0.001)" in str(info.value)
+    assert "_can_compile_fullgraph" not in str(info.value)  # Llama is marked compilable
