@@ -88,7 +88,10 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument(
-        "--prefill-max-tokens", type=int, default=None, help="prefill graphs up to this many tokens (default: the platform's)"
+        "--prefill-max-tokens",
+        type=int,
+        default=None,
+        help="prefill graphs up to this many tokens (default: SGLang's)",
     )
     parser.add_argument("--timeout", type=int, default=1200)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")

@@ -4,8 +4,10 @@
 backend (correctness, not speed), or from its NPU backend on devgraph's torch_npu simulator (tests/sim);
 ``DevgraphNpuPlatform`` runs on Ascend with devgraph's NPU backend. The decode graph runner follows
 the devgraph backend that captures (``_runner.graph_runner_cls``). Both are out-of-tree (``PlatformEnum.OOT``), declare ``graph_capture`` (decode graphs;
-no piecewise: SGLang 0.5.23 has no platform hook for prefill graphs) and default to the ``devgraph``
-attention backend, whose decode attention is a devgraph op updated by task update at every replay.
+not ``piecewise_graph``, SGLang's torch.compile piecewise backend: prefill graphs come from devgraph's
+breakable capture through ``_prefill``, which SGLang 0.5.23 offers no platform hook for) and default to
+the ``devgraph`` attention backend, whose decode attention is a devgraph op updated by task update at
+every replay.
 """
 
 from __future__ import annotations

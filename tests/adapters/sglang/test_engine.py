@@ -66,7 +66,9 @@ def _finish(started: tuple[subprocess.Popen, Path]) -> tuple[dict, dict, str]:
     return json.loads(out.read_text()), counters, stderr
 
 
-def _run(model_dir: Path, tmp: Path, mode: str, *options: str, name: str | None = None) -> tuple[dict, dict, str]:
+def _run(
+    model_dir: Path, tmp: Path, mode: str, *options: str, name: str | None = None
+) -> tuple[dict, dict, str]:
     return _finish(_start(model_dir, tmp, mode, *options, name=name))
 
 
@@ -78,7 +80,8 @@ PREFILL_MAX_TOKENS = 256
 RUNS = {
     "eager": ("eager", ()),
     "graphs": ("graphs", ()),  # decode graphs
-    "prefill": ("graphs", ("--prefill", "--prefill-max-tokens", str(PREFILL_MAX_TOKENS))),  # and prefill graphs
+    # decode and prefill graphs
+    "prefill": ("graphs", ("--prefill", "--prefill-max-tokens", str(PREFILL_MAX_TOKENS))),
 }
 
 
