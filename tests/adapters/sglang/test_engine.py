@@ -191,6 +191,19 @@ def test_moe_decode_graphs_are_refused_at_engine_start_naming_the_host_sync(tmp_
     assert "fused_moe_native.py" in log and "Tensor.cpu" in log
 
 
+def test_moe_prefill_graphs_are_refused_at_engine_start_naming_the_host_sync(tmp_path):
+    # Prefill graphs are captured before decode graphs: SGLang's CPU MoE copies the tokens per expert
+    # to the host inside the first segment, so devgraph's breakable capture refuses it by op and line
+    # (a graph would freeze the routing) and the engine stops at start.
+    model_dir = tiny_model.build(tmp_path / "model", "qwen3_moe")
+    options = ["--requests", "1", "--max-new-tokens", "2", "--prefill", "--prefill-max-tokens", "8"]
+    out, _, log = _run(model_dir, tmp_path, "graphs", *options)
+    assert not out and engine_run.STARTED not in log
+    assert "host synchronisation inside graph capture" in log
+    assert "fused_moe_native.py" in log and "Tensor.cpu" in log
+    assert "prefill_cuda_graph_runner.py" in log and "decode_cuda_graph_runner.py" not in log
+
+
 def test_platform_without_the_graph_switch_warns_at_start_and_captures_nothing(tmp_path):
     # SGLANG_PLATFORM=devgraph alone: SGLang on cpu captures no decode graph (it needs
     # enable_torch_compile); devgraph says so at start, naming the option, instead of running silently.
