@@ -25,10 +25,12 @@ ATTENTION_BACKEND = "devgraph"
 logger = logging.getLogger(__name__)
 
 #: Prefill graphs on ``cpu`` capture SGLang's token buckets up to this many tokens unless sized
-#: (``cuda_graph_max_bs_prefill`` / ``cuda_graph_bs_prefill``). SGLang's own list runs to its chunked
-#: prefill size (50 buckets up to 4096 tokens in the engine tests' configuration: 444 s of capture on
-#: the shared 2-core CPU, against 2-3 s for the 16 decode sizes); up to 256 it is 22 buckets.
-CPU_PREFILL_MAX_TOKENS = 256
+#: (``cuda_graph_max_bs_prefill`` / ``cuda_graph_bs_prefill``): 14 buckets. SGLang's own list runs to
+#: its chunked prefill size: 50 buckets up to 4096 tokens in the engine tests' configuration, 444 s
+#: of capture on the shared 2-core CPU where the 16 decode sizes took 41 s. A bucket costs about what
+#: a decode size does (1.1 s each for 22 buckets up to 256 tokens on the same loaded machine), and
+#: the engine start with both kinds of graphs is to stay within 1.5x the start without.
+CPU_PREFILL_MAX_TOKENS = 128
 
 
 def cpu_prefill_sizes(server_args) -> int | None:

@@ -106,9 +106,9 @@ def test_cpu_prefill_graphs_not_sized_are_bounded(caplog):
     args = _prefill_args()
     with caplog.at_level(logging.INFO, logger="devgraph.adapters.sglang._platform"):
         DevgraphCpuPlatform().apply_server_args_defaults(args)
-    assert args.cuda_graph_config.prefill.max_bs == CPU_PREFILL_MAX_TOKENS == 256
+    assert args.cuda_graph_config.prefill.max_bs == CPU_PREFILL_MAX_TOKENS == 128
     assert args.cuda_graph_config.decode.backend == "full"  # the other phase as it was
-    assert any("prefill graphs up to 256 tokens on cpu" in r.getMessage() for r in caplog.records)
+    assert any("prefill graphs up to 128 tokens on cpu" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize(
