@@ -24,6 +24,7 @@ PACKAGE = ROOT / "devgraph"
 #: (page, reason) of every block that does not run here; the reason names where it does run.
 EXPECTED_SKIPS = [
     ("docs/sglang.md", "needs SGLang and a model directory"),
+    ("docs/sglang.md", "needs SGLang and a model directory"),  # the prefill graphs' switch
     ("docs/vllm.md", "needs vLLM"),
 ]
 

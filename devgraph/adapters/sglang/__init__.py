@@ -14,14 +14,20 @@ extension points only, and does nothing until selected with ``SGLANG_PLATFORM=de
   one that captures;
 * a general plugin (entry point ``sglang.srt.plugins`` -> ``devgraph``) registering the
   ``devgraph`` attention backend: decode through ``devgraph.ops.paged_decode_attention`` with host
-  lengths given at every replay by task update, so the CPU reference runs the NPU's update path.
+  lengths given at every replay by task update, so the CPU reference runs the NPU's update path;
+  prefill inside prefill graphs through the break op ``devgraph_sglang::extend_attention``;
+* prefill graphs (opt-in, SGLang's ``--cuda-graph-backend-prefill breakable``) by devgraph's
+  breakable capture (``DevgraphBreakableBackend``: one ``devgraph.BreakableGraph`` per token bucket of
+  SGLang's prefill runner), reached through one ``HookRegistry`` hook around SGLang's
+  ``resolve_prefill_backend`` that the general plugin registers under ``SGLANG_PLATFORM=devgraph`` only
+  (SGLang 0.5.23 has no platform hook for the prefill backend).
 
 ``stats()`` returns this process's counters (captures, replays per bucket, padded rows, task
 updates); with ``DEVGRAPH_SGLANG_STATS=<file>`` they are also written there as JSON after every
 capture and replay, so a test can read the counters of an engine's scheduler process.
 
-Limits at SGLang 0.5.23: decode graphs only; prefill graphs and the breakable (piecewise) backend
-have no platform hook, so prefill runs eagerly.
+Limits at SGLang 0.5.23: prefill graphs by breakable capture only (not ``full``), with the
+``devgraph`` attention backend.
 """
 
 from __future__ import annotations

@@ -1,7 +1,13 @@
 """The ``devgraph`` SGLang attention backend: graph-safe paged decode for the CPU reference (and NPU).
 
-Prefill (extend) runs SGLang's ``torch_native`` path eagerly (prefill is never captured at SGLang
-0.5.23 on an out-of-tree platform). Decode goes through ``devgraph.ops.paged_decode_attention`` over
+Prefill (extend) is SGLang's ``torch_native`` extend. Eagerly it runs as it is; inside devgraph's
+prefill graphs (``_prefill.DevgraphBreakableBackend``) it is one call of the custom op
+``devgraph_sglang::extend_attention`` per layer, the break of the breakable capture: the op writes the
+layer's output into a tensor of the graphs' memory and reads everything that changes per batch
+(lengths, prefixes, request rows, KV slots: host lists and host loops) from the batch being replayed,
+which the prefill backend hands over before each replay (``set_extend_batch``). A batch padded to a
+larger graph attends over its real tokens only (the padded rows write no KV and read zeros). Decode
+goes through ``devgraph.ops.paged_decode_attention`` over
 SGLang's token-indexed KV pool viewed as blocks of ``page_size`` tokens (SGLang's ``--page-size``;
 devgraph's NPU kernel needs a multiple of 16, as Ascend's paged attention does), with every
 ``page_size``-th slot of the request's row of ``req_to_token``, divided by ``page_size``, as the block
@@ -23,6 +29,9 @@ neither this decode nor ``torch_native``'s prefill applies it) and ``qk_head_dim
 
 from __future__ import annotations
 
+import copy
+import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -35,6 +44,43 @@ from devgraph._errors import DevgraphError
 
 #: Name of the argument of ``devgraph::paged_decode_attention`` that holds the host lengths.
 HOST_LENS_ARG = "seq_lens_host"
+
+#: The prefill attention op: the break of devgraph's SGLang prefill graphs.
+EXTEND_ATTENTION = "devgraph_sglang::extend_attention"
+
+#: Live ``DevgraphAttentionBackend``s by handle: the op takes the handle (an int), not the backend.
+_BACKENDS: weakref.WeakValueDictionary[int, DevgraphAttentionBackend] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+@torch.library.custom_op(EXTEND_ATTENTION, mutates_args=("out",))
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    backend: int,
+    layer_id: int,
+    save_kv_cache: bool,
+) -> None:
+    """One layer's prefill attention into ``out``, for the batch its backend holds (the break op).
+
+    ``backend`` is a ``DevgraphAttentionBackend``'s handle; the batch (lengths, prefixes, KV slots)
+    is the one it was last given (``set_extend_batch``), read when the op runs, so a replay of the
+    graphs around it attends over the replayed batch.
+    """
+    owner = _BACKENDS.get(backend)
+    if owner is None:
+        raise DevgraphError(
+            f"{EXTEND_ATTENTION}: attention backend {backend} is gone (its engine was shut down); "
+            "the prefill graphs that call it must be released with it"
+        )
+    owner.extend_into(q, k, v, out, layer_id, save_kv_cache)
+
+
+@extend_attention.register_fake
+def _(q, k, v, out, backend, layer_id, save_kv_cache) -> None:
+    return None
 
 
 @torch.compiler.disable
@@ -59,6 +105,14 @@ class DevgraphAttentionBackend(TorchNativeAttnBackend):
         self._seq_lens_host: list[int] = []
         self._graph_block_table: torch.Tensor | None = None  # [max_bs, max_context] static buffer
         self._block_table: torch.Tensor | None = None  # this graph batch's rows of it
+        #: This backend's handle for ``devgraph_sglang::extend_attention``.
+        self.handle = next(_HANDLES)
+        _BACKENDS[self.handle] = self
+        #: True while devgraph's prefill graphs run the forward (warm-ups and capture): extend
+        #: attention then goes through the break op.
+        self.breakable = False
+        self._extend_batch: Any = None  # the batch the break op attends over
+        self._layers: dict[int, Any] = {}  # RadixAttention by layer id, as the forward met them
 
     # -- metadata (outside the graph) ---------------------------------------------------------
 
@@ -111,6 +165,56 @@ class DevgraphAttentionBackend(TorchNativeAttnBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         # Padded rows attend over one token (their KV goes to SGLang's reserved slot 0).
         return 1
+
+    # -- prefill ------------------------------------------------------------------------------
+
+    def set_extend_batch(self, forward_batch: Any) -> None:
+        """The batch the prefill break op attends over from now on (the prefill backend's replay)."""
+        self._extend_batch = forward_batch
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if not self.breakable:
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        self._check_layer(layer)
+        self._layers[layer.layer_id] = layer
+        self._extend_batch = forward_batch
+        out = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        extend_attention(q, k, v, out, self.handle, layer.layer_id, save_kv_cache)
+        return out
+
+    def extend_into(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        layer_id: int,
+        save_kv_cache: bool,
+    ) -> None:
+        """The body of the break op: ``torch_native``'s extend over the held batch's real tokens."""
+        batch = self._extend_batch
+        if batch is None:
+            raise DevgraphError(f"{EXTEND_ATTENTION} ran with no batch set (set_extend_batch)")
+        layer = self._layers[layer_id]
+        real = int(sum(batch.extend_seq_lens_cpu))
+        if real < q.shape[0]:
+            # A batch padded to a larger graph: its padded rows have no request, write no KV and
+            # attend to nothing (zeros, as SGLang's breakable prefill leaves them).
+            q, k, v = q[:real], k[:real], v[:real]
+            batch = copy.copy(batch)
+            batch.out_cache_loc = batch.out_cache_loc[:real]
+            out[real:].zero_()
+        result = TorchNativeAttnBackend.forward_extend(self, q, k, v, layer, batch, save_kv_cache)
+        out[:real].copy_(result.view(real, -1))
 
     # -- decode -------------------------------------------------------------------------------
 

@@ -266,11 +266,16 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
         _stats.record(update)
 
     def _barrier(self) -> None:
-        try:
-            from sglang.srt.runtime_context import get_parallel
+        tp_barrier()
 
-            group = get_parallel().tp_group
-        except Exception:  # no parallel state (a runner built outside an engine): nothing to wait for
-            return
-        if group is not None and getattr(group, "world_size", 1) > 1:
-            group.barrier()
+
+def tp_barrier() -> None:
+    """Wait for every tensor-parallel rank (before each warm-up, as SGLang's backends do)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        group = get_parallel().tp_group
+    except Exception:  # no parallel state (a runner built outside an engine): nothing to wait for
+        return
+    if group is not None and getattr(group, "world_size", 1) > 1:
+        group.barrier()

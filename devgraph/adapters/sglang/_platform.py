@@ -4,8 +4,10 @@
 backend (correctness, not speed), or from its NPU backend on devgraph's torch_npu simulator (tests/sim);
 ``DevgraphNpuPlatform`` runs on Ascend with devgraph's NPU backend. The decode graph runner follows
 the devgraph backend that captures (``_runner.graph_runner_cls``). Both are out-of-tree (``PlatformEnum.OOT``), declare ``graph_capture`` (decode graphs;
-no piecewise: SGLang 0.5.23 has no platform hook for prefill graphs) and default to the ``devgraph``
-attention backend, whose decode attention is a devgraph op updated by task update at every replay.
+not ``piecewise_graph``, SGLang's torch.compile piecewise backend: prefill graphs come from devgraph's
+breakable capture through ``_prefill``, which SGLang 0.5.23 offers no platform hook for) and default to
+the ``devgraph`` attention backend, whose decode attention is a devgraph op updated by task update at
+every replay.
 """
 
 from __future__ import annotations
@@ -21,6 +23,33 @@ from sglang.srt.platforms.npu import NPUDeviceMixin
 ATTENTION_BACKEND = "devgraph"
 
 logger = logging.getLogger(__name__)
+
+#: Prefill graphs on ``cpu`` capture SGLang's token buckets up to this many tokens unless sized
+#: (``cuda_graph_max_bs_prefill`` / ``cuda_graph_bs_prefill``): 14 buckets. SGLang's own list runs to
+#: its chunked prefill size: 50 buckets up to 4096 tokens in the engine tests' configuration, 444 s
+#: of capture on the shared 2-core CPU where the 16 decode sizes took 41 s. A bucket costs about what
+#: a decode size does (1.1 s each for 22 buckets up to 256 tokens on the same loaded machine), and
+#: the engine start with both kinds of graphs is to stay within 1.5x the start without.
+CPU_PREFILL_MAX_TOKENS = 128
+
+
+def cpu_prefill_sizes(server_args) -> int | None:
+    """Bound the prefill graphs' token buckets on ``cpu`` when they are on and not sized by the user.
+
+    Sets ``cuda_graph_config.prefill.max_bs`` to ``CPU_PREFILL_MAX_TOKENS`` (SGLang then lists its
+    buckets up to it) and returns it; None when it leaves the settings as they are (another device,
+    prefill graphs off or not breakable, sizes given).
+    """
+    config = getattr(server_args, "cuda_graph_config", None)
+    prefill = getattr(config, "prefill", None)
+    if getattr(server_args, "device", None) != "cpu" or prefill is None:
+        return None
+    if prefill.backend != "breakable" or prefill.max_bs is not None or prefill.bs is not None:
+        return None
+    from sglang.srt.model_executor.cuda_graph_config import with_phase
+
+    server_args.cuda_graph_config = with_phase(config, "prefill", max_bs=CPU_PREFILL_MAX_TOKENS)
+    return CPU_PREFILL_MAX_TOKENS
 
 
 def graph_settings_notes(server_args) -> list[str]:
@@ -90,6 +119,12 @@ class _DevgraphPlatform(SRTPlatform):
                 "devgraph SGLang platform: decode graphs up to cuda_graph_max_bs_decode=%d "
                 "(torch_compile_max_bs set to it; nothing is compiled)",
                 max_bs,
+            )
+        if cpu_prefill_sizes(server_args) is not None:
+            logger.info(
+                "devgraph SGLang platform: prefill graphs up to %d tokens on cpu (set "
+                "cuda_graph_max_bs_prefill or cuda_graph_bs_prefill to capture others)",
+                CPU_PREFILL_MAX_TOKENS,
             )
 
     def get_default_attention_backend(self) -> str:

@@ -2,7 +2,12 @@
 
 Both are cheap and inert unless devgraph is selected: installing devgraph changes no plain SGLang
 run. ``activate`` answers only to ``SGLANG_PLATFORM=devgraph``; ``register`` adds an attention
-backend *name* (``devgraph``) that nothing uses unless asked for.
+backend *name* (``devgraph``) that nothing uses unless asked for and, only under
+``SGLANG_PLATFORM=devgraph``, one hook through SGLang's plugin hook registry (``HookRegistry``, the
+general plugins' documented way in) around ``resolve_prefill_backend``: SGLang 0.5.23 has no platform
+hook for prefill graphs, and builds its CUDA breakable backend for them whatever the platform. The
+hook builds devgraph's on devgraph's platform and passes every other call through
+(``_prefill.resolve_prefill_backend_hook``).
 """
 
 from __future__ import annotations
@@ -72,6 +77,34 @@ def register() -> None:
 
     if ATTENTION_BACKENDS.get(PLATFORM_NAME) is not _create_attention_backend:
         register_attention_backend(PLATFORM_NAME)(_create_attention_backend)
+    if os.environ.get("SGLANG_PLATFORM") == PLATFORM_NAME:
+        register_prefill_hook()
+
+
+def register_prefill_hook() -> bool:
+    """Hook devgraph's prefill backend into SGLang's ``resolve_prefill_backend`` (once per process).
+
+    Through SGLang's ``HookRegistry`` (an ``AROUND`` hook). Inside SGLang's ``load_plugins`` (this is
+    its general plugin), SGLang applies the hooks once every plugin has registered its own; called
+    from anywhere else (the platform, after the plugins loaded), it applies them at once. Returns True
+    when this call registered it.
+    """
+    global _prefill_hooked
+    if _prefill_hooked:
+        return False
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType, _current_plugin_source
+
+    from devgraph.adapters.sglang._prefill import RESOLVE_PREFILL_BACKEND, resolve_prefill_backend_hook
+
+    HookRegistry.register(RESOLVE_PREFILL_BACKEND, resolve_prefill_backend_hook, HookType.AROUND)
+    if _current_plugin_source.get() is None:  # not inside load_plugins, which applies them after
+        HookRegistry.apply_hooks()
+    _prefill_hooked = True
+    logger.info("devgraph: prefill graphs resolve through devgraph (hook on %s)", RESOLVE_PREFILL_BACKEND)
+    return True
+
+
+_prefill_hooked = False
 
 
 def _create_attention_backend(model_runner):

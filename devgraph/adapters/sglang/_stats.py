@@ -40,6 +40,11 @@ class GraphStats:
     runner: str = ""
     graphs: dict = attrs.field(factory=dict)
     eager_checks: list = attrs.field(factory=list)
+    prefill_captured: list[int] = attrs.field(factory=list)
+    prefill_graphs: dict = attrs.field(factory=dict)
+    prefill_capture_s: float = 0.0
+    prefill_replays: Counter = attrs.field(factory=Counter)
+    prefill_padded_tokens: int = 0
 
     def as_dict(self) -> dict:
         """A JSON-ready copy (bucket keys as strings)."""
@@ -54,6 +59,11 @@ class GraphStats:
             "runner": self.runner,
             "graphs": {str(k): dict(v) for k, v in self.graphs.items()},
             "eager_checks": list(self.eager_checks),
+            "prefill_captured": list(self.prefill_captured),
+            "prefill_graphs": {str(k): dict(v) for k, v in self.prefill_graphs.items()},
+            "prefill_capture_s": round(self.prefill_capture_s, 3),
+            "prefill_replays": {str(k): v for k, v in sorted(self.prefill_replays.items())},
+            "prefill_padded_tokens": self.prefill_padded_tokens,
         }
 
 

@@ -1,9 +1,12 @@
 """Runs a real ``sgl.Engine`` on CPU under the devgraph platform and writes its outputs as JSON.
 
 ``python engine_run.py MODEL_DIR OUT.json graphs|eager|unset [--requests N] [--max-new-tokens N]
-[--max-running N] [--capture 1,2,3] [--page-size N] [--max-bs N]``: the same engine configuration both ways
-(``SGLANG_PLATFORM=devgraph``, the ``devgraph`` attention backend, the model's saved weights);
-``graphs`` captures decode graphs through devgraph, ``eager`` runs every step eagerly. On device
+[--max-running N] [--capture 1,2,3] [--page-size N] [--max-bs N] [--prefill] [--prefill-max-tokens N]``:
+the same engine configuration both ways (``SGLANG_PLATFORM=devgraph``, the ``devgraph`` attention
+backend, the model's saved weights); ``graphs`` captures decode graphs through devgraph (and, with
+``--prefill``, prefill graphs by devgraph's breakable capture: ``cuda_graph_backend_prefill="breakable"``,
+token buckets up to ``--prefill-max-tokens``, SGLang's ``cuda_graph_max_bs_prefill``), ``eager`` runs
+every step eagerly. On device
 ``cpu`` SGLang 0.5.23 captures decode graphs only with ``enable_torch_compile``;
 ``torch_compile_max_bs=0`` compiles no bucket's forward (see the README's SGLang section). The output
 JSON holds the output ids per request, the engine start time and the generation time. Run as a
@@ -58,12 +61,20 @@ def max_new_tokens(n: int, longest: int) -> list[int]:
 
 
 def engine_kwargs(
-    mode: str, *, max_running: int, capture: list[int] | None, page_size: int = 1, max_bs: int | None = None
+    mode: str,
+    *,
+    max_running: int,
+    capture: list[int] | None,
+    page_size: int = 1,
+    max_bs: int | None = None,
+    prefill: bool = False,
+    prefill_max_tokens: int | None = None,
 ) -> dict:
     """The ``sgl.Engine`` arguments of one mode (the graph settings are the only difference).
 
     ``unset``: no graph setting at all (SGLang's defaults: on ``cpu`` no decode graph, and devgraph
-    warns at start). ``max_bs``: ``cuda_graph_max_bs_decode``.
+    warns at start). ``max_bs``: ``cuda_graph_max_bs_decode``. ``prefill`` (``graphs`` only): prefill
+    graphs too, by breakable capture, up to ``prefill_max_tokens`` tokens (None: SGLang's default).
     """
     kwargs = dict(
         device="cpu",
@@ -83,6 +94,10 @@ def engine_kwargs(
         kwargs.update(enable_torch_compile=True, torch_compile_max_bs=0)
         if capture is not None:
             kwargs["cuda_graph_bs_decode"] = capture
+        if prefill:
+            kwargs["cuda_graph_backend_prefill"] = "breakable"
+            if prefill_max_tokens is not None:
+                kwargs["cuda_graph_max_bs_prefill"] = prefill_max_tokens
     elif mode == "eager":
         kwargs.update(disable_cuda_graph=True)
     elif mode != "unset":
@@ -103,6 +118,8 @@ def main() -> None:
     )
     parser.add_argument("--page-size", type=int, default=1, help="KV cache page (block) size")
     parser.add_argument("--max-bs", type=int, default=None, help="cuda_graph_max_bs_decode")
+    parser.add_argument("--prefill", action="store_true", help="graphs mode: prefill graphs too (breakable)")
+    parser.add_argument("--prefill-max-tokens", type=int, default=None, help="cuda_graph_max_bs_prefill")
     args = parser.parse_args()
     if os.environ.get("SGLANG_PLATFORM") != "devgraph":
         raise SystemExit("run with SGLANG_PLATFORM=devgraph")
@@ -118,6 +135,8 @@ def main() -> None:
             capture=capture,
             page_size=args.page_size,
             max_bs=args.max_bs,
+            prefill=args.prefill,
+            prefill_max_tokens=args.prefill_max_tokens,
         ),
     )
     started = time.perf_counter() - start

@@ -123,7 +123,82 @@ def test_attention_backend_hooks_devgraph_overrides_still_exist():
     assert callable(attention_registry.register_attention_backend)
 
 
-def test_general_plugin_adds_only_the_devgraph_attention_backend():
+def test_prefill_backend_is_resolved_by_the_function_devgraph_hooks():
+    # SGLang has no platform hook for prefill graphs: devgraph wraps resolve_prefill_backend (_prefill.py).
+    from sglang.srt.model_executor.runner import prefill_cuda_graph_runner as prefill_runner
+    from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import (
+        BreakableCudaGraphBackend,
+    )
+
+    from devgraph.adapters.sglang._prefill import RESOLVE_PREFILL_BACKEND, DevgraphBreakableBackend
+
+    module, _, name = RESOLVE_PREFILL_BACKEND.rpartition(".")
+    assert module == backend_utils.__name__ and name == "resolve_prefill_backend"
+    assert _params(backend_utils.resolve_prefill_backend) == ["cuda_graph_runner"]
+    assert "return BreakableCudaGraphBackend(" in inspect.getsource(backend_utils.resolve_prefill_backend)
+    runner = prefill_runner.PrefillCudaGraphRunner
+    assert "self.backend = resolve_prefill_backend(self)" in inspect.getsource(runner.__init__)
+    # The runner captures the transformer body and runs the LM head eagerly for this class (and Full's).
+    assert "isinstance(self.backend, (BreakableCudaGraphBackend, FullCudaGraphBackend))" in inspect.getsource(
+        runner.__init__
+    )
+    assert issubclass(DevgraphBreakableBackend, BreakableCudaGraphBackend)
+    assert not DevgraphBreakableBackend.__abstractmethods__
+    body = inspect.getsource(runner._execute_body_capture)
+    assert "self.backend.replay(shape_key, static_forward_batch, **kwargs)" in body
+
+
+def test_radix_attention_reaches_the_attention_backend_unless_sglangs_breakable_flag_is_set():
+    # devgraph leaves SGLang's flag off, so prefill attention reaches the devgraph backend's break op
+    # (with the flag on, RadixAttention cuts SGLang's own CUDA segments instead).
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    forward = inspect.getsource(RadixAttention.forward)
+    assert "breakable_cg = is_in_breakable_cuda_graph()" in forward
+    assert "get_attn_backend().forward(" in forward
+    assert _params(TorchNativeAttnBackend.forward_extend)[:7] == [
+        "self",
+        "q",
+        "k",
+        "v",
+        "layer",
+        "forward_batch",
+        "save_kv_cache",
+    ]
+
+
+def test_plugin_hook_registry_has_what_devgraph_uses():
+    from sglang.srt.plugins import hook_registry
+
+    assert _params(hook_registry.HookRegistry.register)[:3] == ["target", "hook", "hook_type"]
+    assert hook_registry.HookType.AROUND.value == "around"
+    assert hook_registry._current_plugin_source.get() is None  # set only inside load_plugins
+
+
+def _hooked(env: dict[str, str]) -> dict:
+    code = (
+        "import json\n"
+        "from devgraph.adapters.sglang._plugin import register\n"
+        "register()\n"
+        "from sglang.srt.model_executor.runner_backend import utils\n"
+        "from sglang.srt.model_executor.runner import prefill_cuda_graph_runner as r\n"
+        "w = getattr(utils.resolve_prefill_backend, '__wrapped__', None)\n"
+        "print(json.dumps({'wrapped': w is not None, 'runner_sees_it': r.resolve_prefill_backend is utils.resolve_prefill_backend}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_general_plugin_hooks_prefill_resolution_only_under_sglang_platform_devgraph():
+    plain = {k: v for k, v in os.environ.items() if k != "SGLANG_PLATFORM"}
+    assert _hooked(plain) == {"wrapped": False, "runner_sees_it": True}
+    assert _hooked(dict(plain, SGLANG_PLATFORM="devgraph")) == {"wrapped": True, "runner_sees_it": True}
+
+
+def test_general_plugin_adds_only_the_devgraph_attention_backend(monkeypatch):
+    monkeypatch.delenv("SGLANG_PLATFORM", raising=False)
     before = dict(attention_registry.ATTENTION_BACKENDS)
     register()
     after = attention_registry.ATTENTION_BACKENDS
@@ -149,7 +224,7 @@ def test_selected_platform_is_out_of_tree_with_devgraph_runner_and_backend(monke
     monkeypatch.setenv("DEVGRAPH_BACKEND", "cpu")
     platform = _load_platform_class(activate())()
     assert platform.is_out_of_tree() and platform.capabilities.graph_capture
-    assert not platform.capabilities.piecewise_graph  # no prefill/piecewise hook at 0.5.23
+    assert not platform.capabilities.piecewise_graph  # SGLang's torch.compile piecewise backend: not used
     assert platform.get_graph_runner_cls() is DevgraphDecodeGraphRunner
     assert issubclass(DevgraphDecodeGraphRunner, DecodeCudaGraphRunner)
     assert platform.get_full_graph_backend_cls() is DevgraphGraphBackend

@@ -11,7 +11,12 @@ import pytest
 pytest.importorskip("sglang.srt")
 
 from devgraph._errors import DevgraphError
-from devgraph.adapters.sglang._platform import DevgraphCpuPlatform, graph_settings_notes
+from devgraph.adapters.sglang._platform import (
+    CPU_PREFILL_MAX_TOKENS,
+    DevgraphCpuPlatform,
+    cpu_prefill_sizes,
+    graph_settings_notes,
+)
 from devgraph.adapters.sglang._plugin import activate
 
 
@@ -88,3 +93,36 @@ def test_max_decode_size_beside_a_size_list_is_warned_ignored(caplog):
 
 def test_other_devices_get_no_cpu_notes():
     assert graph_settings_notes(_args(device="npu")) == []
+
+
+def _prefill_args(**prefill):
+    from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig
+
+    config = CudaGraphConfig(prefill=PhaseConfig(**{"backend": "breakable", **prefill}))
+    return _args(enable_torch_compile=True, cuda_graph_config=config)
+
+
+def test_cpu_prefill_graphs_not_sized_are_bounded(caplog):
+    args = _prefill_args()
+    with caplog.at_level(logging.INFO, logger="devgraph.adapters.sglang._platform"):
+        DevgraphCpuPlatform().apply_server_args_defaults(args)
+    assert args.cuda_graph_config.prefill.max_bs == CPU_PREFILL_MAX_TOKENS == 128
+    assert args.cuda_graph_config.decode.backend == "full"  # the other phase as it was
+    assert any("prefill graphs up to 128 tokens on cpu" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "prefill",
+    [{"max_bs": 1024}, {"bs": [8, 16]}, {"backend": "disabled"}],
+    ids=["max-given", "sizes-given", "off"],
+)
+def test_cpu_prefill_settings_given_or_off_are_left_alone(prefill):
+    args = _prefill_args(**prefill)
+    before = args.cuda_graph_config
+    assert cpu_prefill_sizes(args) is None and args.cuda_graph_config is before
+
+
+def test_prefill_sizes_of_other_devices_are_sglangs():
+    args = _prefill_args()
+    args.device = "npu"
+    assert cpu_prefill_sizes(args) is None and args.cuda_graph_config.prefill.max_bs is None
