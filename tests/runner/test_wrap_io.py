@@ -435,14 +435,16 @@ def test_piecewise_debug_copies_in_a_module_input_that_moved():
     with torch.no_grad():
         graphed(_x(4))
         part = graphed.runner.pieces
-        inputs = part._piece_inputs(part.inputs.read((_x(4),), {}), 4)
+        traced = part.trace_for(4)
+        inputs = part._piece_inputs(traced, part.inputs.read((_x(4),), {}), 4)
         where = [i for i, t in enumerate(inputs) if t.data_ptr() == part.inputs.buffers["x"].data_ptr()]
         assert len(where) == 1
         moved = list(inputs)
         moved[where[0]] = _x(4, seed=7)  # the module's own input at another address, other values
         # Without debug only inputs that may move (pool memory, staging) are checked: stale.
-        stale = part.module.replay(moved, 4, None)[0].clone()
-        checked = part.module.replay(moved, 4, None, debug=True)[0]
+        module = traced.compiled.module
+        stale = module.replay(moved, 4, None)[0].clone()
+        checked = module.replay(moved, 4, None, debug=True)[0]
         torch.testing.assert_close(checked, model(_x(4, seed=7)))
     assert not torch.allclose(stale, checked)
 

@@ -93,6 +93,8 @@ class _DevgraphPlatform(SRTPlatform):
 
     _enum = PlatformEnum.OOT
     capabilities = PlatformCapabilities(graph_capture=True)
+    #: read by the prefill hook (``_prefill``), which must not import this module (import circle)
+    is_devgraph = True
 
     def apply_server_args_defaults(self, server_args) -> None:
         # The general plugin that registers the backend runs in every SGLang process; make sure it

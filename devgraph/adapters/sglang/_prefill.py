@@ -205,9 +205,7 @@ class DevgraphBreakableBackend(BreakableCudaGraphBackend):
 def _is_devgraph_platform() -> bool:
     from sglang.srt.platforms import current_platform
 
-    from devgraph.adapters.sglang._platform import _DevgraphPlatform
-
-    return isinstance(current_platform, _DevgraphPlatform)
+    return getattr(current_platform, "is_devgraph", False) is True
 
 
 def resolve_prefill_backend_hook(original: Callable[..., Any], cuda_graph_runner: Any) -> Any:
