@@ -25,6 +25,7 @@ from devgraph.graph import Device, SharedPool
 from devgraph.runner._accounts import Accounts
 from devgraph.runner._calls import Call
 from devgraph.runner._config import RunnerConfig, RunnerStats
+from devgraph.runner._guard import AttributeGuard
 from devgraph.runner._inputs import StaticInputs, ambient
 from devgraph.runner._model_state import capture_warnings
 from devgraph.runner._progress import progress, size_ranges
@@ -113,10 +114,14 @@ class CaptureLoop:
         #: The model's state before this capture began (set while ``all_or_nothing`` runs): the
         #: padding check starts each of its runs from it and compares what they change.
         self.state: StateSnapshot | None = None
+        #: The Python values the forward reads, as at capture (set when a capture succeeded): the
+        #: runner compares them at every call and captures again when one changed.
+        self.guard: AttributeGuard | None = None
 
     def clear(self) -> None:
         """Forget the capture's stats (a runner's reset; the counters stay)."""
         self.stats.captured_sizes = ()
+        self.guard = None
         self.stats.pool_bytes = 0
         self.stats.capture_seconds = 0.0
 
@@ -166,6 +171,7 @@ class CaptureLoop:
             )
         self.inputs.ambient = ambient(self.device.torch_device.type)
         self.inputs.watch.remember(fn)
+        self.guard = AttributeGuard(fn)
 
     def run(
         self,
