@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from devgraph.runner._snapshot import _MODULE_INTERNALS, _SCALARS, _SKIP_MODULES, _SKIP_TYPES, _same, _short
+from devgraph.runner._snapshot import _MODULE_INTERNALS, _SCALARS, _SKIP_TYPES, _same, _short, plain_object
 
 __all__ = ["AttributeGuard", "read_names"]
 
@@ -198,8 +198,7 @@ class AttributeGuard:
                 else:
                     self._value(f"{path}[{i}]", item, depth + 1)
             return
-        module = type(value).__module__ or ""
-        if module.startswith(_SKIP_MODULES) or module == "builtins":
+        if not plain_object(value):
             return
         table = getattr(value, "__dict__", None)
         if isinstance(table, dict):

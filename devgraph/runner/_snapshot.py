@@ -15,7 +15,7 @@ every replay): put back, it advances once per real call. Everything else -- a Py
 container, a tensor rebound or resized -- is frozen by a graph: the caller refuses the capture and
 names it (``Change.replayable`` is False). The walk is bounded (``_MAX_OBJECTS`` objects,
 ``_MAX_DEPTH`` levels below a module attribute) and skips functions, classes, Python modules and
-devgraph's own runner objects.
+torch's, devgraph's and the standard library's own objects.
 """
 
 from __future__ import annotations
@@ -52,7 +52,15 @@ _SKIP_TYPES = (
     staticmethod,
     classmethod,
 )
-_SKIP_MODULES = ("devgraph.runner", "devgraph.graph", "threading", "_thread", "weakref", "logging", "torch.")
+#: Plain objects of these packages are not walked: torch's and the standard library's internals, and
+#: devgraph's own (its adapters keep their caches themselves; its test models are walked as user code).
+_SKIP_MODULES = ("devgraph.", "threading", "_thread", "weakref", "logging", "torch.", "builtins")
+
+
+def plain_object(value: Any) -> bool:
+    """True for an object whose attributes are walked: not a torch, devgraph or standard-library one."""
+    module = type(value).__module__ or ""
+    return not module.startswith(_SKIP_MODULES) or module.startswith("devgraph.testing")
 
 
 @attrs.frozen
@@ -379,8 +387,7 @@ class StateSnapshot:
         numpy = sys.modules.get("numpy")
         if numpy is not None and isinstance(value, numpy.ndarray):
             return  # NumPy arrays: not walked (a forward that writes one in place is not seen)
-        module = type(value).__module__ or ""
-        if module.startswith(_SKIP_MODULES) or module == "builtins":
+        if not plain_object(value):
             return
         if hasattr(value, "__dict__") and isinstance(vars(value), dict):
             self.containers.append(_ContainerRecord(path, value, "attrs", "attribute"))
