@@ -140,7 +140,7 @@ class CaptureLoop:
         """
         fn = self.inputs.fn
         capture_warnings(fn, self.accounts.warned)
-        state = self.state = StateSnapshot(fn, self.device.torch_device.type)
+        state = self.state = StateSnapshot(fn, self.device.torch_device)
         try:
             build()
         except BaseException:

@@ -260,16 +260,20 @@ def _slot_names(cls: type) -> list[str]:
     return names
 
 
-def _global_generators(device_type: str) -> list[tuple[str, Any, Any]]:
-    """``(name, get, set)`` for the CPU generator and the device type's own (``torch.<type>``'s
-    ``get_rng_state_all``, as torch.random.fork_rng finds them), where it has one."""
+def _global_generators(device: torch.device) -> list[tuple[str, Any, Any]]:
+    """``(name, get, set)`` for the CPU generator and the capture device's own default generator
+    (``torch.<type>.get_rng_state(device)``, as torch.random.fork_rng finds them), where its device
+    module has one. Only that device's: reading every device's would start a context on each."""
     found: list[tuple[str, Any, Any]] = [("torch.default_generator", torch.get_rng_state, torch.set_rng_state)]
-    mod = getattr(torch, device_type, None) if device_type != "cpu" else None
-    get = getattr(mod, "get_rng_state_all", None)
-    put = getattr(mod, "set_rng_state_all", None)
-    available = getattr(mod, "is_available", None)
-    if get is not None and put is not None and (available is None or available()):
-        found.append((f"torch.{device_type} generators", get, put))
+    mod = getattr(torch, device.type, None) if device.type != "cpu" else None
+    get = getattr(mod, "get_rng_state", None)
+    put = getattr(mod, "set_rng_state", None)
+    if get is not None and put is not None:
+        try:
+            get(device)
+        except Exception:  # a device module without a generator of its own (it draws on the CPU's)
+            return found
+        found.append((f"{device} generator", lambda: get(device), lambda state: put(state, device)))
     return found
 
 
@@ -278,14 +282,15 @@ class StateSnapshot:
 
     Args:
         fn: the wrapped model or callable.
-        device_type: the capture device's type (its global generators are saved with the CPU's).
+        device: the capture device (its default generator is saved with the CPU's).
     """
 
-    def __init__(self, fn: object, device_type: str = "cpu") -> None:
+    def __init__(self, fn: object, device: torch.device | None = None) -> None:
         self.tensors: list[_TensorRecord] = []
         self.containers: list[_ContainerRecord] = []
         self.generators: list[_GeneratorRecord] = []
-        self.rng = [(name, put, get()) for name, get, put in _global_generators(device_type)]
+        found = _global_generators(device if device is not None else torch.device("cpu"))
+        self.rng = [(name, put, get()) for name, get, put in found]
         self._seen: set[int] = set()
         self._count = 0
         self._walk_root(fn)

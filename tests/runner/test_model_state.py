@@ -221,24 +221,25 @@ def test_a_count_of_rows_does_not_count_padding_rows():
 
 
 class RunningMin(torch.nn.Module):
-    """An observer keeping the running minimum of its inputs (a quantization range)."""
+    """An observer keeping the running minimum of its inputs (a quantization range); its output does
+    not read it, so only the state shows what the padding rows did."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("low", torch.full((4,), 0.5))
+        self.register_buffer("low", torch.full((4,), float("inf")))
 
     def forward(self, x):
         self.low.copy_(torch.minimum(self.low, x.min(0).values))
-        return x - self.low
+        return x * 2
 
 
 def test_a_running_minimum_never_takes_the_pad_value():
-    # Inputs above 0.5 leave the minimum where it is; a pad row of zeros would lower it to 0.
+    # Inputs above 1: a pad row of zeros would make the minimum 0.
     model = RunningMin()
     graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
     x = torch.rand(3, 4) + 1
-    torch.testing.assert_close(_quiet(graphed, x), x - 0.5)
-    assert model.low.tolist() == [0.5] * 4
+    torch.testing.assert_close(_quiet(graphed, x), x * 2)
+    torch.testing.assert_close(model.low, x.min(0).values)
     assert graphed.stats.fallbacks == {"padding_changes_result": 1}
 
 
