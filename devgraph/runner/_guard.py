@@ -173,7 +173,11 @@ class AttributeGuard:
         self._value(path, value, depth + 1)
 
     def _value(self, path: str, value: Any, depth: int) -> None:
-        if isinstance(value, (_SCALARS, torch.Tensor, _SKIP_TYPES)) or depth > _MAX_DEPTH or id(value) in self._seen:
+        if (
+            isinstance(value, (_SCALARS, torch.Tensor, _SKIP_TYPES))
+            or depth > _MAX_DEPTH
+            or id(value) in self._seen
+        ):
             return
         self._seen.add(id(value))
         dot = f"{path}." if path else ""
@@ -238,7 +242,11 @@ class AttributeGuard:
             pass
         found = self._first_change()
         if found is None:  # a table was written, but no value the forward reads changed: look again
-            moved = {i for i, t in enumerate_tables(self._tables) if self._versions.get(i, -1) not in (-1, dict_version(t))}
+            moved = {
+                i
+                for i, t in enumerate_tables(self._tables)
+                if self._versions.get(i, -1) not in (-1, dict_version(t))
+            }
             self._demoted |= moved  # written between calls: checked value by value from now on
             self._arm()
         return found
@@ -265,6 +273,7 @@ class AttributeGuard:
                     return f"{self._object_paths[i]} ({_short(self._object_values[i])} -> {_short(now)})"
                 self._object_values[i], self._object_ids[i] = now, id(now)
         return None
+
 
 _GONE = object()
 

@@ -126,12 +126,14 @@ class _TensorRecord:
             return "its storage or shape was replaced (.data =, resize_, set_)"
         if self.meta:
             return None
-        written = self.version is not None and _version(self.tensor) != self.version
+        # Values, not the version: a kernel that writes memory directly (an extension op, ``.data``)
+        # leaves the version alone, and a write of the same values changes nothing.
         if self.saved is not None:
             if not _same_values(self.tensor.detach(), self.saved):
-                return "written in place"
+                bumped = self.version is None or _version(self.tensor) != self.version
+                return "written in place" if bumped else "written in place (without a version bump)"
             return None
-        if self.checksum is not None and (written or _checksum(self.tensor) != self.checksum):
+        if self.checksum is not None and _checksum(self.tensor) != self.checksum:
             return "written in place (too large for devgraph to keep a copy, so it cannot be put back)"
         return None
 
@@ -184,7 +186,9 @@ class _ContainerRecord:
         for key in self.changed_keys():
             old, new = _short(self.saved.get(key, _MISSING)), _short(now.get(key, _MISSING))
             if not self.role:
-                found.append(Change(self.path, f"dict {self.path} changed at {key!r} ({old} -> {new})", False))
+                found.append(
+                    Change(self.path, f"dict {self.path} changed at {key!r} ({old} -> {new})", False)
+                )
                 continue
             name = f"{self.path}.{key}" if self.path else key
             if self.role == "attribute":
@@ -195,7 +199,9 @@ class _ContainerRecord:
 
     def changed_keys(self) -> list[str]:
         now = self._now()
-        return [k for k in {**self.saved, **now} if not _same(self.saved.get(k, _MISSING), now.get(k, _MISSING))]
+        return [
+            k for k in {**self.saved, **now} if not _same(self.saved.get(k, _MISSING), now.get(k, _MISSING))
+        ]
 
     def restore(self) -> None:
         obj, saved = self.obj, self.saved
@@ -256,7 +262,9 @@ def _slot_names(cls: type) -> list[str]:
     names: list[str] = []
     for klass in cls.__mro__:
         slots = klass.__dict__.get("__slots__", ())
-        names.extend([slots] if isinstance(slots, str) else [s for s in slots if s not in ("__dict__", "__weakref__")])
+        names.extend(
+            [slots] if isinstance(slots, str) else [s for s in slots if s not in ("__dict__", "__weakref__")]
+        )
     return names
 
 
@@ -264,7 +272,9 @@ def _global_generators(device: torch.device) -> list[tuple[str, Any, Any]]:
     """``(name, get, set)`` for the CPU generator and the capture device's own default generator
     (``torch.<type>.get_rng_state(device)``, as torch.random.fork_rng finds them), where its device
     module has one. Only that device's: reading every device's would start a context on each."""
-    found: list[tuple[str, Any, Any]] = [("torch.default_generator", torch.get_rng_state, torch.set_rng_state)]
+    found: list[tuple[str, Any, Any]] = [
+        ("torch.default_generator", torch.get_rng_state, torch.set_rng_state)
+    ]
     mod = getattr(torch, device.type, None) if device.type != "cpu" else None
     get = getattr(mod, "get_rng_state", None)
     put = getattr(mod, "set_rng_state", None)
@@ -337,7 +347,11 @@ class StateSnapshot:
             if not self._enter(sub):
                 continue
             dot = f"{name}." if name else ""
-            for table_name, role in (("_parameters", "parameter"), ("_buffers", "buffer"), ("_modules", "submodule")):
+            for table_name, role in (
+                ("_parameters", "parameter"),
+                ("_buffers", "buffer"),
+                ("_modules", "submodule"),
+            ):
                 table = sub.__dict__.get(table_name)
                 if table is None:
                     continue
@@ -412,7 +426,7 @@ class StateSnapshot:
         for rec in self.tensors:
             what = rec.change()
             if what is not None:
-                replayable = what == "written in place"
+                replayable = what.startswith("written in place") and rec.saved is not None
                 found.append(Change(rec.path, f"{rec.kind} {rec.path!r} {what}", replayable))
         for crec in self.containers:
             found.extend(crec.changes())

@@ -197,7 +197,9 @@ class BigEma(torch.nn.Module):
 def test_a_parameter_too_large_to_copy_written_in_place_is_refused(monkeypatch):
     monkeypatch.setattr(_snapshot, "_CLONE_LIMIT", 8)  # as a parameter of 2**20+ elements
     graphed = devgraph.wrap(BigEma(), device="cpu", batch_sizes=[4])
-    with pytest.raises(DevgraphError, match=r"parameter 'w' written in place \(too large.*cannot be put back"):
+    with pytest.raises(
+        DevgraphError, match=r"parameter 'w' written in place \(too large.*cannot be put back"
+    ):
         graphed(_x())
 
 
@@ -298,7 +300,9 @@ class NoisyAttention(torch.nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
 
 
-@pytest.mark.parametrize("model", [Dropout(), Samples(), NoisyAttention()], ids=["dropout", "sampling", "sdpa"])
+@pytest.mark.parametrize(
+    "model", [Dropout(), Samples(), NoisyAttention()], ids=["dropout", "sampling", "sdpa"]
+)
 def test_the_first_call_after_a_seed_draws_what_eager_draws(model, any_device):
     graphed = devgraph.wrap(model, device=any_device, batch_sizes=[4])
     x = _x().to(any_device.torch_device)

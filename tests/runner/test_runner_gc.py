@@ -10,7 +10,6 @@ import torch
 
 import devgraph
 
-
 #: per Probe (by id), gc's state at each run: kept outside the model, whose own state capture puts back
 _SEEN: dict[int, list[tuple[bool, int]]] = {}
 
