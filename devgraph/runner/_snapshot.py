@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import sys
 import types
 from typing import Any
@@ -238,9 +239,14 @@ _MISSING = object()
 
 
 def _same(a: Any, b: Any) -> bool:
-    """The same slot value: the same object, or an equal scalar of the same type."""
+    """The same slot value: the same object, or an equal scalar of the same type (or a tuple or
+    frozenset of such, item by item)."""
     if a is b:
         return True
+    if type(a) is type(b) and isinstance(a, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if type(a) is type(b) and isinstance(a, frozenset):
+        return a == b and all(isinstance(x, _SCALARS) for x in a)
     if type(a) is type(b) and isinstance(a, _SCALARS):
         try:
             return bool(a == b)
@@ -318,13 +324,16 @@ class StateSnapshot:
     def _walk_root(self, fn: object) -> None:
         if isinstance(fn, torch.nn.Module):
             self._walk_module("", fn)
-        elif isinstance(fn, types.MethodType):
-            self._walk_value("__self__", fn.__self__, 0)
-            self._walk_function(fn.__func__)
+        elif isinstance(fn, types.MethodType):  # model.forward: the model, and the function's closure
+            self._walk_value("", fn.__self__, 0)
+            if isinstance(fn.__func__, types.FunctionType):
+                self._walk_function(fn.__func__)
         elif isinstance(fn, types.FunctionType):
             self._walk_function(fn)
-        elif hasattr(fn, "func") and hasattr(fn, "keywords"):  # functools.partial
-            self._walk_value("partial", (fn.func, fn.args, dict(fn.keywords)), 0)  # type: ignore[attr-defined]
+        elif isinstance(fn, functools.partial):
+            if isinstance(fn.func, types.FunctionType):
+                self._walk_function(fn.func)
+            self._walk_value("partial arguments", (fn.args, fn.keywords), 0)
         else:
             self._walk_value("", fn, 0)
 

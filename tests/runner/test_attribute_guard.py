@@ -43,10 +43,11 @@ class Flags(torch.nn.Module):
         self.use_lora = True
         self.temperature = 1.0
         self.knobs = _Knobs()
+        self.dims = (4,)
         self.calls = 0  # never read by the forward
 
     def forward(self, x):
-        y = self.lin(x)
+        y = self.lin(x).reshape(-1, *self.dims)
         if self.use_lora:
             y = y * 2
         if self.training:
@@ -167,6 +168,7 @@ def test_values_the_forward_does_not_read_or_set_again_equal_keep_the_graphs():
     for i in range(4):
         model.calls += 1  # an attribute the forward never reads, beside flags it reads
         model.temperature = float("1.0")  # a new float object, equal to the captured one
+        model.dims = tuple([4])  # a new tuple, equal item by item
         torch.testing.assert_close(graphed(_x(seed=i)), model(_x(seed=i)))
     assert graphed.stats.recaptures == 0 and graphed.stats.replays == 4
 
