@@ -14,6 +14,7 @@ from devgraph._source import user_stacklevel
 
 __all__ = ["capture_warnings"]
 
+
 def capture_warnings(fn: object, warned: set[str]) -> None:
     """Warn once per runner (``warned``) about what replay cannot do like eager: hooks on the model
     (they run while capturing, never at replay) and dropout or batch norm left in training mode."""
