@@ -63,3 +63,16 @@ class Accounts:
                 "load_state_dict(sd) without assign=True",
                 stacklevel=user_stacklevel(),
             )
+
+    def note_changed(self, what: str) -> None:
+        """A Python value the forward reads changed since capture (the caller dropped its graphs):
+        count it as a recapture, warn once naming it."""
+        self.stats.recaptures += 1
+        if "attribute_changed" not in self.warned:
+            self.warned.add("attribute_changed")
+            warnings.warn(
+                f"devgraph: {what} changed since capture, and the graphs froze its value; capturing again "
+                "(stats.recaptures counts this). A value that changes at every call recaptures at every "
+                "call: pass it as an argument, or keep it in a tensor the forward reads",
+                stacklevel=user_stacklevel(),
+            )

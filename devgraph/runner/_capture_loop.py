@@ -2,8 +2,9 @@
 
 Every size captured largest first into one shared pool on one side stream (a ``SharedPool``:
 parts of one runner share it in ``full_and_*`` modes), with garbage collection frozen
-(``gc_frozen``), all sizes or none (``all_or_nothing``: what warm-ups and capture change in the
-model is put back, and a forward that rebinds state is refused).
+(``gc_frozen``), all sizes or none (``all_or_nothing``: what warm-ups, capture and the padding check
+change in the model -- ``StateSnapshot``: tensors, attributes, containers, generators -- is put back,
+and a forward that changes state a graph would freeze is refused by name).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from devgraph.graph import Device, SharedPool
 from devgraph.runner._accounts import Accounts
 from devgraph.runner._calls import Call
 from devgraph.runner._config import RunnerConfig, RunnerStats
+from devgraph.runner._guard import AttributeGuard
 from devgraph.runner._inputs import StaticInputs, ambient
-from devgraph.runner._model_state import ModuleState, capture_warnings
+from devgraph.runner._model_state import capture_warnings
 from devgraph.runner._progress import progress, size_ranges
 from devgraph.runner._ranks import RankCheck, capture_context, check_capture
+from devgraph.runner._snapshot import StateSnapshot
 
 __all__ = ["CaptureLoop", "Prepare", "gc_frozen", "part_core"]
 
@@ -108,25 +111,36 @@ class CaptureLoop:
         self.size_noun = size_noun
         self.size_options = size_options
         self.rank_check: RankCheck | None = None
+        #: The model's state before this capture began (set while ``all_or_nothing`` runs): the
+        #: padding check starts each of its runs from it and compares what they change.
+        self.state: StateSnapshot | None = None
+        #: The Python values the forward reads, as at capture (set when a capture succeeded): the
+        #: runner compares them at every call and captures again when one changed.
+        self.guard: AttributeGuard | None = None
 
     def clear(self) -> None:
         """Forget the capture's stats (a runner's reset; the counters stay)."""
         self.stats.captured_sizes = ()
+        self.guard = None
         self.stats.pool_bytes = 0
         self.stats.capture_seconds = 0.0
 
     def all_or_nothing(self, build: Callable[[], None], drop: Callable[[], None]) -> None:
         """Run ``build`` (the runner's capture of every size); on any failure ``drop`` it all.
 
-        What warm-ups and capture change in the model (buffer values, Python scalars) is put back.
+        Everything reachable from the model (``StateSnapshot``) is put back afterwards as it was
+        before the first warm-up: tensors written in place (the graphs replay the write, so they
+        advance once per real call as in eager), attributes, containers, and the random-number
+        generators (so the first served call draws what eager's first call would).
 
         Raises:
-            DevgraphError: the forward rebinds a buffer or changes a Python attribute (a graph
-                freezes such state); whatever ``build`` raises.
+            DevgraphError: the forward changes state a graph freezes (a Python attribute, a list or
+                dict, a tensor it stores or rebinds, a parameter too large to copy written in
+                place), named by path; whatever ``build`` raises.
         """
         fn = self.inputs.fn
         capture_warnings(fn, self.accounts.warned)
-        state = ModuleState(fn)  # what warm-ups and capture change, put back after
+        state = self.state = StateSnapshot(fn, self.device.torch_device)
         try:
             build()
         except BaseException:
@@ -134,24 +148,30 @@ class CaptureLoop:
             drop()
             state.restore()
             raise
-        restored, replaced, changed = state.restore()
-        if replaced or changed:
+        finally:
+            self.state = None
+        changes = state.changes()
+        state.restore()
+        frozen = [c.what for c in changes if not c.replayable]
+        if frozen:
             drop()
-            what = [f"buffer {n!r} (rebound to a new tensor)" for n in replaced]
-            what += [f"attribute {c}" for c in changed]
+            more = f" and {len(frozen) - 8} more" if len(frozen) > 8 else ""
             raise DevgraphError(
-                f"the model's forward changes {', '.join(what)}: a graph freezes such state at capture, so "
-                "replays would not change it as eager calls do (put back to its value before capture). Keep "
-                "per-call state in tensors updated in place (e.g. self.pos.add_(1) on a buffer), or pass it "
-                "as an argument"
+                f"the model's forward changes {', '.join(frozen[:8])}{more}: a graph freezes such state at "
+                "capture, so replays would not change it as eager calls do (put back to its value before "
+                "capture where devgraph kept a copy). Keep per-call state in tensors updated in place "
+                "(e.g. self.pos.add_(1) on a buffer), pass it as an argument, or create state a first call "
+                "builds (a cache) before wrapping"
             )
+        restored = [c.path for c in changes if c.replayable]
         if restored:
             logger.info(
-                "devgraph: warm-ups and capture wrote buffers %s; their values before capture are restored",
+                "devgraph: warm-ups and capture wrote %s; their values before capture are restored",
                 ", ".join(restored[:8]),
             )
         self.inputs.ambient = ambient(self.device.torch_device.type)
         self.inputs.watch.remember(fn)
+        self.guard = AttributeGuard(fn)
 
     def run(
         self,
@@ -186,7 +206,9 @@ class CaptureLoop:
         with gc_frozen(), capture_context(self.config):
             before = device.memory_stats().reserved  # after the collection: dead pools are gone
             if example is not None and self.config.check_padding:
-                inputs.padding_verdict = inputs.check_padding(example, sizes)
+                inputs.padding_verdict = inputs.check_padding(example, sizes, self.state)
+                if self.state is not None:
+                    self.state.restore()  # warm-ups start from the state before capture
             for size in progress(sorted(sizes, reverse=True), desc):
                 inputs.fill_padding()
                 before_run = inputs.buffer_versions()

@@ -26,6 +26,7 @@ from devgraph.runner._calls import (
 )
 from devgraph.runner._config import RunnerConfig
 from devgraph.runner._padding import PaddingVerdict, check_padding
+from devgraph.runner._snapshot import StateSnapshot
 from devgraph.runner._weights import WeightAddresses, WeightWatch
 
 __all__ = ["StaticInputs", "ambient"]
@@ -120,11 +121,13 @@ class StaticInputs:
         tensors.update({f"static argument {n!r}": t for n, t in example.static.items()})
         self.weights.remember(self.fn, tensors)
 
-    def check_padding(self, example: Call, sizes: list[int]) -> PaddingVerdict | None:
+    def check_padding(
+        self, example: Call, sizes: list[int], state: StateSnapshot | None = None
+    ) -> PaddingVerdict | None:
         """Whether calls padded up to the smallest and the largest of ``sizes`` that any call is
         padded to give the real rows what eager gives them (``devgraph.runner._padding``: ``r`` rows,
-        the example's batch kept between the next smaller size and ``size - 1``); sets
-        ``exact_only`` when not."""
+        the example's batch kept between the next smaller size and ``size - 1``), outputs and the
+        model's ``state`` alike; sets ``exact_only`` when not."""
         ordered = sorted(set(sizes))
         below = dict(zip(ordered, [0, *ordered[:-1]]))
         padded = [s for s in ordered if s - 1 > below[s]]
@@ -148,7 +151,7 @@ class StaticInputs:
         for size in reversed(padded):
             r = min(max(example.batch, below[size] + 1), size - 1)
             try:
-                found = check_padding(run, example, size, r, self.config)
+                found = check_padding(run, example, size, r, self.config, state)
             except Exception as exc:
                 found = PaddingVerdict(
                     None,

@@ -1,69 +1,18 @@
-"""What a model's forward may change besides its outputs, put back after warm-ups and capture.
+"""What replay cannot do like eager, warned about at capture: hooks, training-mode layers.
 
-A capture freezes whatever the model's Python code computed. ``ModuleState`` snapshots what
-warm-ups and capture may change (buffer values, Python scalars in module ``__dict__``s) and restores
-it; ``capture_warnings`` names what replay cannot do like eager (hooks, training-mode layers).
+What the forward changes in the model is snapshot and put back by ``StateSnapshot``
+(``_snapshot.py``); ``capture_warnings`` names what no snapshot can fix.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 
 from devgraph._source import user_stacklevel
 
-__all__ = ["ModuleState", "capture_warnings"]
-
-_SCALARS = (int, float, bool, str, type(None))
-
-
-class ModuleState:
-    """What a model's forward may change outside its outputs: buffer values, and Python scalars
-    (``int``, ``float``, ``bool``, ``str``, ``None``) in every submodule's ``__dict__``."""
-
-    def __init__(self, fn: object) -> None:
-        self.fn = fn
-        self.buffers: list[tuple[str, dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
-        self.attrs: list[tuple[str, Any, str, Any]] = []
-        if not isinstance(fn, torch.nn.Module):
-            return
-        for prefix, module in fn.named_modules():
-            dot = f"{prefix}." if prefix else ""
-            for key, buf in module._buffers.items():
-                if buf is not None:
-                    self.buffers.append((dot + key, module._buffers, key, buf, buf.detach().clone()))
-            for key, value in vars(module).items():
-                if type(value) in _SCALARS:
-                    self.attrs.append((dot + key, module, key, value))
-
-    def restore(self) -> tuple[list[str], list[str], list[str]]:
-        """Put back what changed; return ``(buffers restored, buffers replaced, attributes changed)``.
-
-        A buffer written in place gets its values back (the graphs write the same memory, once per
-        replay, as eager does per call). A buffer rebound to another tensor, or a Python attribute
-        changed, is put back too, but the graphs froze it: the caller refuses the capture.
-        """
-        restored, replaced, changed = [], [], []
-        with torch.no_grad():
-            for name, table, key, buf, saved in self.buffers:
-                now = table.get(key)
-                if now is not buf:
-                    table[key] = buf
-                    replaced.append(name)
-                if buf.shape == saved.shape and not torch.equal(buf, saved):
-                    buf.copy_(saved)
-                    restored.append(name)
-        for name, module, key, value in self.attrs:
-            now = vars(module).get(key, _MISSING)
-            if type(now) is not type(value) or now != value:
-                module.__dict__[key] = value
-                changed.append(f"{name} ({value!r} -> {now!r})")
-        return restored, replaced, changed
-
-
-_MISSING = object()
+__all__ = ["capture_warnings"]
 
 
 def capture_warnings(fn: object, warned: set[str]) -> None:

@@ -8,6 +8,13 @@ three eager runs of the model on the example call's rows: exactly ``r`` rows, ``
 the bucket with the pad values, and padded with copies of the first row. Outputs whose real rows
 differ, or that cannot be cut (a flattened ``[B*H]`` output, one list entry per row, a Python value
 that depends on the batch size), make the runner serve only calls whose size is a bucket exactly.
+
+The model's state is compared as its outputs are: each run starts from the state before capture
+(``StateSnapshot``: tensors, random-number generators), and what a padded run writes must equal
+what the exact run writes wherever the exact run writes (``self.n += x.shape[0]`` counts the
+padding rows; a running minimum takes the pad value). Elements only a padded run writes (a KV
+cache's scratch slot that padding rows point at) are allowed when the real rows, run once more on
+top of that state, give what they give on top of the exact run's.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from devgraph.runner._calls import Call
 from devgraph.runner._config import RunnerConfig
+from devgraph.runner._snapshot import StateSnapshot
 
 __all__ = ["PaddingVerdict", "check_padding"]
 
@@ -63,9 +71,11 @@ def check_padding(
     size: int,
     r: int,
     config: RunnerConfig,
+    state: StateSnapshot | None = None,
 ) -> PaddingVerdict:
     """Compare the model's outputs for ``r`` real rows (the example call's, repeated when it has
-    fewer) with those rows padded to ``size`` (``run(batched, host)`` runs the model eagerly).
+    fewer) with those rows padded to ``size`` (``run(batched, host)`` runs the model eagerly), and
+    what each run writes into the model's ``state`` (each run starts from it).
 
     Raises whatever the model raises on such rows.
     """
@@ -89,10 +99,27 @@ def check_padding(
         }
         return tensors, lists
 
-    # Each run gets its own copies: a model may write its inputs.
-    exact = _clone(run({n: x.clone() for n, x in real.items()}, {n: list(v) for n, v in host.items()}))
-    with_pad = _clone(run(*padded(False)))
-    with_copies = _clone(run(*padded(True)))
+    def exact_rows() -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
+        # Each run gets its own copies: a model may write its inputs.
+        return {n: x.clone() for n, x in real.items()}, {n: list(v) for n, v in host.items()}
+
+    def fresh(inputs: tuple[dict[str, torch.Tensor], dict[str, list[Any]]]) -> tuple[Any, Written]:
+        """One run from the state before capture: its outputs and the tensors it wrote."""
+        if state is not None:
+            state.restore()
+        out = _clone(run(*inputs))
+        return out, state.tensor_values() if state is not None else {}
+
+    def then_exact(first: tuple[dict[str, torch.Tensor], dict[str, list[Any]]]) -> Any:
+        """The real rows' outputs when they run right after ``first`` (from the state before capture)."""
+        fresh(first)
+        if state is not None:
+            state.restore_rng()
+        return _clone(run(*exact_rows()))
+
+    exact, wrote = fresh(exact_rows())
+    with_pad, wrote_pad = fresh(padded(False))
+    with_copies, wrote_copies = fresh(padded(True))
     flat_c, spec_c = tree_flatten(exact)
     flat_a, spec_a = tree_flatten(with_pad)
     flat_b, spec_b = tree_flatten(with_copies)
@@ -143,4 +170,61 @@ def check_padding(
                 "Rows must be independent for padding; call model.eval() or make rows independent",
             )
         dims.append(d)
+    if state is not None:
+        for fill, written, first in (
+            ("the pad values", wrote_pad, lambda: padded(False)),
+            ("copies of the first row", wrote_copies, lambda: padded(True)),
+        ):
+            verdict = _state_verdict(wrote, written, f"{r} rows padded to {size} with {fill}", r)
+            if verdict is not None:
+                return verdict
+            extra = _written_beyond(wrote, written)
+            if extra and not _all_close(then_exact(first()), then_exact(exact_rows())):
+                return PaddingVerdict(
+                    None,
+                    f"the padding rows write {', '.join(extra[:4])} where the real rows do not ({r} rows padded "
+                    f"to {size} with {fill}), and the real rows' outputs of the next call differ after it: "
+                    "padded rows must write only where no real row reads (a scratch slot of the cache)",
+                )
     return PaddingVerdict(dims, None)
+
+
+#: Per tensor of the model's state a run wrote: (its values after the run, the mask of elements it changed).
+Written = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _all_close(a: Any, b: Any) -> bool:
+    flat_a, spec_a = tree_flatten(a)
+    flat_b, spec_b = tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    return all(
+        _close(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else _same(x, y)
+        for x, y in zip(flat_a, flat_b)
+    )
+
+
+def _state_verdict(exact: Written, padded: Written, rows: str, r: int) -> PaddingVerdict | None:
+    """Refuse padding when a padded run leaves the model's state other than the exact run does
+    wherever the exact run wrote it."""
+    for path, (values, mask) in exact.items():
+        other = padded.get(path)
+        if other is None or not _close(other[0][mask], values[mask]):
+            return PaddingVerdict(
+                None,
+                f"the model's state {path!r} after {r} rows differs when {rows}: the forward's update of it "
+                "sees the padding rows (a count of x.shape[0], a running statistic over the batch). Count "
+                "and reduce over real rows only (pass the row count as a tensor), or call with batch sizes "
+                "that are buckets",
+            )
+    return None
+
+
+def _written_beyond(exact: Written, padded: Written) -> list[str]:
+    """The state tensors a padded run wrote where the exact run did not."""
+    found = []
+    for path, (_, mask) in padded.items():
+        other = exact.get(path)
+        if other is None or bool((mask & ~other[1]).any()):
+            found.append(repr(path))
+    return found

@@ -17,8 +17,9 @@ One call, top to bottom (``graphed(**batch)``; ``__call__`` and ``serve`` below,
    forward's signature -- in full for the first call of each shape, then by the binding
    remembered for that shape -- and classify them into a ``Call``: batched tensors, static
    tensors, host lists, constants, and the batch size; ``route`` picks the part.
-3. an empty batch falls back; a weight replaced since capture drops the part's graphs
-   (``WeightWatch``); the first call captures every size of the part.
+3. an empty batch falls back; a weight replaced since capture (``WeightWatch``), or a Python value
+   the forward reads changed since capture (``AttributeGuard``: a flag, a training flag, a closure
+   cell), drops the part's graphs; the first call captures every size of the part.
 4. match: ``StaticInputs.match``: the call is like the captured one (shapes but the batch dim,
    dtypes, devices, static tensors' addresses, constants, autocast, default dtype).
 5. bucket: ``choose_bucket``, the smallest captured size holding the batch; with
@@ -314,6 +315,12 @@ class GraphRunner:
                 if replaced is not None:
                     part.drop()  # captured again just below
                     part.accounts.note_recapture(replaced)
+            guard = part.capture_loop.guard
+            if guard is not None:  # a Python value the forward reads set since capture: capture again
+                changed = guard.changed()
+                if changed is not None:
+                    part.drop()
+                    part.accounts.note_changed(changed)
             if not part.captured:
                 part.capture_loop.all_or_nothing(lambda: part.capture(call), part.drop)
             # match

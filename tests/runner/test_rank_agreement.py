@@ -12,6 +12,9 @@ from devgraph.testing.distributed import run_ranks
 
 WORLD = 2
 
+#: what test_capture_context_is_entered_around_every_capture_and_warm_up saw, in order
+_EVENTS: list[str] = []
+
 
 def _row_parallel(rank):
     import torch
@@ -140,11 +143,12 @@ def test_capture_context_is_entered_around_every_capture_and_warm_up():
     import devgraph
     from devgraph.graph import _contract
 
-    events = []
+    events = _EVENTS  # a global, not the model's state (which capture would refuse to change)
+    events.clear()
     model = torch.nn.Linear(4, 4)
 
     def forward(x):
-        events.append("capture" if _contract.current_graph() is not None else "warm-up")
+        _EVENTS.append("capture" if _contract.current_graph() is not None else "warm-up")
         return model(x)
 
     @contextlib.contextmanager

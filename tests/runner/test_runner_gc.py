@@ -10,13 +10,16 @@ import torch
 
 import devgraph
 
+#: per Probe (by id), gc's state at each run: kept outside the model, whose own state capture puts back
+_SEEN: dict[int, list[tuple[bool, int]]] = {}
+
 
 class Probe(torch.nn.Module):
     """Records gc's state each time it runs (warm-ups and capture run inside the capture loop)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[bool, int]] = []
+    @property
+    def seen(self) -> list[tuple[bool, int]]:
+        return _SEEN.setdefault(id(self), [])
 
     def forward(self, x):
         self.seen.append((gc.isenabled(), gc.get_freeze_count()))
