@@ -93,8 +93,8 @@ def tests_torch_floor(session: nox.Session) -> None:
     differ (Dynamo's tracing, torch.compile inside captures, torch.distributed's collective names);
     the backends, devgraph.testing and the plugin tests use nothing that changed between them, and
     are left to ``tests`` to keep this session within CI's time. The environment is built once; a
-    stamp file skips the installation on later runs (delete .nox/tests-torch-floor to rebuild).
-    Posargs replace the test paths.
+    stamp file skips the installation on later runs (delete .nox/tests-torch-floor to rebuild); the first
+    downloads about 3 GB (the wheel's NVIDIA libraries). Posargs replace the test paths.
     """
     floor = _torch_floor()
     constraints = Path(session.virtualenv.location) / "constraints-torch-floor.txt"
