@@ -1,7 +1,9 @@
-"""Sessions: tests (default), tests-hf-newest, lint, typecheck, demo, docs, tests-vllm, tests-sglang, tests-cuda (GPU machines only).
+"""Sessions: tests (default), tests-hf-newest, tests-torch-floor, lint, typecheck, demo, docs, tests-vllm,
+tests-sglang, tests-cuda (GPU machines only).
 
 Test environments pin torch through constraints.txt to the CPU wheel CI installs (2.13.0);
-the package itself supports torch 2.11+.
+the package itself supports torch 2.11+, and tests-torch-floor runs the version-sensitive tests on
+the lowest torch pyproject.toml admits.
 """
 
 from __future__ import annotations
@@ -59,6 +61,60 @@ def tests_hf_newest(session: nox.Session) -> None:
     session.run(
         "pytest", "-n", workers, "-q", "-p", "no:cacheprovider", "tests/adapters/hf", *session.posargs
     )
+
+
+def _torch_floor() -> str:
+    """The lowest torch release pyproject.toml admits (``torch>=2.11`` -> ``2.11.0``)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    for line in nox.project.load_toml("pyproject.toml")["project"]["dependencies"]:
+        requirement = Requirement(line)
+        if requirement.name == "torch":
+            floors = [Version(s.version) for s in requirement.specifier if s.operator == ">="]
+            if len(floors) == 1:
+                release = (*floors[0].release, 0, 0)[:3]
+                return ".".join(map(str, release))
+    raise ValueError("pyproject.toml's dependencies hold no torch>=X.Y requirement for tests-torch-floor")
+
+
+#: What tests-torch-floor runs: where torch's versions differ for devgraph (Dynamo tracing, torch.compile
+#: inside captures, torch.distributed's names, the dispatch-mode recorder, capture and gc handling).
+TORCH_FLOOR_TESTS = ("tests/compile", "tests/runner", "tests/graph")
+
+
+@nox.session(name="tests-torch-floor")
+def tests_torch_floor(session: nox.Session) -> None:
+    """The version-sensitive tests on the oldest torch devgraph supports (the floor of pyproject's torch>=).
+
+    ``tests`` runs everything on constraints.txt's torch (2.13.0); this session installs the floor
+    release (2.11.0: PyPI's wheel, a CUDA build that runs on the CPU) with the other pins of
+    constraints.txt and runs tests/compile, tests/runner and tests/graph, where the two versions
+    differ (Dynamo's tracing, torch.compile inside captures, torch.distributed's collective names);
+    the backends, devgraph.testing and the plugin tests use nothing that changed between them, and
+    are left to ``tests`` to keep this session within CI's time. The environment is built once; a
+    stamp file skips the installation on later runs (delete .nox/tests-torch-floor to rebuild); the first
+    downloads about 3 GB (the wheel's NVIDIA libraries). Posargs replace the test paths.
+    """
+    floor = _torch_floor()
+    constraints = Path(session.virtualenv.location) / "constraints-torch-floor.txt"
+    pins = [
+        line for line in Path("constraints.txt").read_text().splitlines() if not line.startswith("torch==")
+    ]
+    wanted = "\n".join([f"torch=={floor}", *pins]) + "\n"
+    stamp_file = Path(session.virtualenv.location) / ".devgraph-torch-floor-env"
+    if not stamp_file.exists() or stamp_file.read_text() != wanted:
+        constraints.write_text(wanted)
+        session.install("-c", str(constraints), f"torch=={floor}")
+        session.install("-c", str(constraints), "-e", ".[test,hf,progress]")
+        stamp_file.write_text(wanted)
+    else:
+        session.install("--no-deps", "-e", ".")  # picks up entry-point changes; no network needed
+    _install_test_packages(session)
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    workers = os.environ.get("DEVGRAPH_TEST_WORKERS", "2")
+    paths = session.posargs or TORCH_FLOOR_TESTS
+    session.run("pytest", "-n", workers, "-q", "-p", "no:cacheprovider", *paths)
 
 
 @nox.session

@@ -26,16 +26,20 @@ def fresh_plugins():
 
 
 def _device_params():
-    return ["cpu", "npu-sim"]
+    params: list = ["cpu", "npu-sim"]
+    if torch.cuda.is_available():  # a lent GPU (tools/gpu_oneshot.sh runs these with -m cuda)
+        params.append(pytest.param("cuda", marks=pytest.mark.cuda))
+    return params
 
 
 @pytest.fixture(params=_device_params())
 def any_device(request):
-    """Every backend CI can run: the CPU reference and the NPU backend over the torch_npu simulator."""
+    """Every backend CI can run: the CPU reference and the NPU backend over the torch_npu simulator;
+    and CUDA where a GPU is visible (marked ``cuda``)."""
     import devgraph
 
-    if request.param == "cpu":
-        yield devgraph.device("cpu")
+    if request.param in ("cpu", "cuda"):
+        yield devgraph.device(request.param)
         return
     from devgraph_sim.npu import simulated_torch_npu
 

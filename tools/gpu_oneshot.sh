@@ -57,8 +57,8 @@ case $MODE in first) DEADLINE=${DEADLINE:-540} ;; second) DEADLINE=${DEADLINE:-3
 
 # name:limit in seconds, in priority order. The first call: what issue 29 needs most; the second:
 # the rest. env and install open both (a second call may land on a fresh machine).
-FIRST=(env:30 install:120 smoke:60 cuda_tests:210 failed_capture:60 replay_vs_eager:45 paged_attention:90 decode_step:150)
-SECOND=(env:30 install:120 host_overhead:120 piecewise:150 decode_step_compile:200 cpu_subset:240)
+FIRST=(env:30 install:120 smoke:60 cuda_tests:210 failed_capture:60 any_device:180 bisect:60 replay_vs_eager:45 paged_attention:90 decode_step:150)
+SECOND=(env:30 install:120 breakable:90 host_overhead:120 piecewise:150 decode_step_compile:200 cpu_subset:240)
 case $MODE in
     first) STEPS=("${FIRST[@]}") ;;
     second) STEPS=("${SECOND[@]}") ;;
@@ -189,6 +189,35 @@ step_cuda_tests() {
     run_pytest cuda_tests -m cuda -k "not ($FAILED_CAPTURE_TESTS)" "${files[@]}"
 }
 
+# Every test that takes the any_device fixture, on its cuda parameter (tests/conftest.py adds it
+# where a GPU is visible): the breakable capture, the bisect, the runner and the conformance checks
+# on the GPU, the same tests CI runs on the CPU reference and the NPU simulator.
+step_any_device() {
+    local files
+    mapfile -t files < <(grep -rl --include='test_*.py' 'any_device' tests | sort)
+    echo "files taking any_device: ${files[*]}"
+    ONESHOT_WORKERS=${ONESHOT_ANY_WORKERS:-8} run_pytest any_device -m cuda "${files[@]}"
+    local rc=$?
+    # A dry run has no GPU: every test is deselected (pytest's exit 5), which is what it should see.
+    ((DRY && rc == 5)) && return 0
+    return $rc
+}
+
+# `devgraph bisect demo` on the device: the tiny decoder's step served by a padded bucket, against
+# eager now (fp32: does the padded GEMM round a row as the unpadded one does?), report and tensors saved.
+step_bisect() {
+    local rc=0 code batch bucket dir
+    for pair in 1:2 1:8 3:4 5:32; do
+        batch=${pair%%:*} bucket=${pair##*:} dir=$RUN/results/bisect_b${batch}_in_${bucket}
+        echo "== devgraph bisect demo --batch $batch --bucket $bucket"
+        "$PY" -m devgraph bisect demo --device "$DEVICE" --batch "$batch" --bucket "$bucket" --save "$dir"
+        code=$?
+        # 0: no op differs, 1: an op differs (both reports); anything else, or no report, failed.
+        if ((code > 1)) || [[ ! -d $dir ]]; then echo "bisect failed (exit $code)"; rc=1; fi
+    done
+    return $rc
+}
+
 step_failed_capture() {
     ONESHOT_WORKERS=0 run_pytest failed_capture -k "$FAILED_CAPTURE_TESTS or test_cuda_failed_capture" \
         tests/backends/cuda/test_cuda_backend.py tests/backends/cuda/test_cuda_failed_capture.py \
@@ -212,6 +241,12 @@ step_decode_step() {
     # The dry run leaves out llama (importing transformers alone takes seconds; test_benchmarks runs it).
     ((DRY)) && args=(--models paged --batches 1 --quick --iters 2 --warmup 0)
     "$PY" benchmarks/decode_step.py --device "$DEVICE" --no-compile --out "$RUN/results" "${args[@]}"
+}
+
+step_breakable() {
+    local args=()
+    ((DRY)) && args=(--quick --iters 3 --warmup 0)
+    "$PY" benchmarks/breakable.py --device "$DEVICE" --out "$RUN/results" "${args[@]}"
 }
 
 step_host_overhead() {
@@ -247,8 +282,8 @@ step_cpu_subset() {
         tests/compile tests/testing tests/test_plugins.py "${ignore[@]}"
 }
 
-export -f run_pytest step_env step_install step_smoke step_cuda_tests step_failed_capture step_replay_vs_eager \
-    step_paged_attention step_decode_step step_host_overhead step_piecewise step_decode_step_compile step_cpu_subset
+export -f run_pytest step_env step_install step_smoke step_cuda_tests step_failed_capture step_any_device step_bisect \
+    step_replay_vs_eager step_breakable step_paged_attention step_decode_step step_host_overhead step_piecewise step_decode_step_compile step_cpu_subset
 export FAILED_CAPTURE_TESTS
 
 # -- the driver ------------------------------------------------------------------------------------

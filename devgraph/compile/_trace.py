@@ -380,13 +380,25 @@ class Traced:
             _check_guards(self.compiled, set(self.symbols), run_sizes)
 
 
+def _traced_function(call: Callable[..., Any]) -> Callable[..., Any]:
+    def devgraph_traced(*args: Any) -> Any:
+        return call(*args)
+
+    return devgraph_traced
+
+
 def _fresh_function(call: Callable[..., Any]) -> Callable[..., Any]:
-    """A function with a code object of its own: Dynamo caches compiled code per code object, and a
-    shared one would hit its recompile limit after a few models."""
-    namespace: dict[str, Any] = {"_call": call}
-    code = compile("def devgraph_traced(*args):\n    return _call(*args)\n", "<devgraph trace>", "exec")
-    exec(code, namespace)
-    return namespace["devgraph_traced"]
+    """A function calling ``call`` whose code object is its own, defined in this file.
+
+    Dynamo caches compiled code per code object and gives up on one after ``recompile_limit``
+    (8) entries, so a code object shared by every trace would fail the ninth model traced in a
+    process. The copy keeps this file as its source: torch 2.11's ``torch.compile`` routes a
+    function without a source file (``exec``'d code) through one shared wrapper frame of its own
+    (``external_utils.inner``), which would share its cache again.
+    """
+    fn = _traced_function(call)
+    fn.__code__ = fn.__code__.replace()  # replace() always builds a new code object
+    return fn
 
 
 def _pins_a_size(exc: BaseException) -> bool:

@@ -25,6 +25,7 @@ from devgraph.graph import Device, SharedPool
 from devgraph.runner._accounts import Accounts
 from devgraph.runner._calls import Call
 from devgraph.runner._config import RunnerConfig, RunnerStats
+from devgraph.runner._gc_baseline import application_froze_objects
 from devgraph.runner._guard import AttributeGuard
 from devgraph.runner._inputs import StaticInputs, ambient
 from devgraph.runner._model_state import capture_warnings
@@ -58,7 +59,8 @@ def gc_frozen() -> Iterator[None]:
     entry, SGLang freezes for that reason). The application's own state comes back as it was: gc
     enabled or disabled, and the objects it froze itself (vLLM and SGLang ``gc.freeze()`` after
     start-up) stay frozen. ``gc.unfreeze()`` is all or nothing, so when the application has frozen
-    objects already, devgraph freezes nothing more (collection stays disabled while capturing).
+    objects already, devgraph freezes nothing more (collection stays disabled while capturing);
+    objects the interpreter keeps frozen itself (CPython 3.12's immortal ones) do not count.
     Nested and concurrent uses share one entry: the first in saves the state, the last out restores it.
     """
     with _GcState.lock:
@@ -66,7 +68,7 @@ def gc_frozen() -> Iterator[None]:
             _GcState.was_enabled = gc.isenabled()
             gc.disable()
             gc.collect()
-            _GcState.froze = gc.get_freeze_count() == 0
+            _GcState.froze = not application_froze_objects()
             if _GcState.froze:
                 gc.freeze()
         _GcState.depth += 1

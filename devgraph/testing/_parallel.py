@@ -14,9 +14,10 @@ Megatron/vLLM layout on ``world_size`` ranks of one process group:
   concatenates them.
 
 Collectives go through ``torch.distributed`` on the shard's group, in one of two styles that
-engines use: ``"inplace"`` (``dist.all_reduce(t)``, ``dist.all_gather_into_tensor``: vLLM's
-communicator) or ``"functional"`` (``torch.distributed._functional_collectives``: what Dynamo
-traces in-place collectives into, and what torch's own tensor parallelism uses).
+engines use: ``"inplace"`` (``dist.all_reduce(t)``, ``dist.all_gather_single``, named
+``all_gather_into_tensor`` before torch 2.13: vLLM's communicator) or ``"functional"``
+(``torch.distributed._functional_collectives``: what Dynamo traces in-place collectives into, and
+what torch's own tensor parallelism uses).
 """
 
 from __future__ import annotations
@@ -121,12 +122,17 @@ class TensorParallel:
         if self.collectives == "functional":
             from torch.distributed import _functional_collectives as funcol
 
-            stacked = funcol.all_gather_single(x, 0, self._group())
+            # torch 2.13 renamed all_gather_tensor to all_gather_single (the old name warns); 2.11 has
+            # the old name only.
+            gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+            stacked = gather(x, 0, self._group())
         else:
             import torch.distributed as dist
 
             stacked = x.new_empty((self.world_size * x.shape[0], *x.shape[1:]))
-            dist.all_gather_single(stacked, x, group=self._group())
+            # Likewise all_gather_into_tensor (2.11) and all_gather_single (2.13).
+            gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather_into(stacked, x, group=self._group())
         # [n * rows, k] -> [rows, n * k]: rank r's block lands in columns [r * k, (r+1) * k).
         return stacked.reshape(self.world_size, -1, x.shape[-1]).movedim(0, 1).reshape(x.shape[0], -1)
 

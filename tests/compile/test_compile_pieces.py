@@ -203,6 +203,18 @@ def test_graph_breaks_are_a_clear_error():
         graphed(_x(3))
 
 
+def test_more_models_than_dynamos_recompile_limit_are_traced_in_one_process():
+    # Dynamo gives up on a code object after recompile_limit cache entries; each trace must compile
+    # a frame of its own (torch 2.11 funnelled them all through one shared wrapper frame).
+    limit = 2
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        for i in range(2 * limit + 1):
+            model, graphed = _toy(capture_sizes=[2, 4])
+            x = _x(3, seed=i)
+            torch.testing.assert_close(graphed(x)["y"], model(x)["y"])
+            assert graphed.stats.captured_sizes == (2, 4), f"model {i} was not traced and captured"
+
+
 def test_devgraph_backend_works_as_a_plain_torch_compile_backend():
     model = Toy().requires_grad_(False)
     backend = DevgraphCompiler(devgraph.device("cpu"), CompileConfig(splitting_ops=["devgraph::rms_norm"]))
