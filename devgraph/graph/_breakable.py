@@ -184,12 +184,17 @@ class _Run:
             if ptr and ptr not in self.outside:
                 self.made.add(ptr)
 
+    def pool_owns(self, t: Any) -> bool:
+        """Whether the graphs' pool holds ``t``'s memory: made in this capture on the graphs' device (a
+        CPU tensor made inside a device capture is ordinary host memory, which only a reference keeps)."""
+        return t.device.type == self.owner.device.torch_device.type and storage(t) in self.made
+
     def keep(self, value: Any) -> Any:
         """How a break holds a tensor argument: weakly where the pool owns it, else as it is."""
         import torch
 
         if isinstance(value, torch.Tensor):
-            return self.owner.device.weak_ref(value) if storage(value) in self.made else value
+            return self.owner.device.weak_ref(value) if self.pool_owns(value) else value
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
             return type(value)(self.keep(v) for v in value)
         return value
@@ -243,7 +248,7 @@ class _Run:
             if not aliases(leaves[i], inputs):  # a view of an input stays one (the re-run makes it again)
                 buffer.copy_(leaves[i])
                 leaves[i] = buffer
-                outs.append((i, self.owner.device.weak_ref(buffer)))
+                outs.append((i, self.owner.device.weak_ref(buffer) if self.pool_owns(buffer) else buffer))
         if fake is None:
             # No fake impl: its fresh results of capture time are the buffers, held here.
             for i, leaf in enumerate(leaves):

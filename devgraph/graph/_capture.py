@@ -19,6 +19,7 @@ from devgraph._errors import CaptureError
 from devgraph._source import user_source_line
 from devgraph.graph._collectives import is_collective, refuse_collective, refuse_object_collective
 from devgraph.graph._compiled_regions import CompiledRegions, op_recorders
+from devgraph.graph._host_compute import HostCompute
 from devgraph.graph._opnames import has_python_kernel
 from devgraph.graph._tasks import TaskGroup
 
@@ -296,6 +297,8 @@ def _modes() -> tuple[type, type]:
             self.key_name = key
             self.keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
             self.host_guard: HostSyncGuard | None = None  # this capture's guard, set by capturing()
+            # Host ops reading pre-capture CPU tensors: frozen on a device graph (the reference records them).
+            self.host_compute = HostCompute(self.device_type) if self.device_type != "cpu" else None
 
         supports_higher_order_operators = True
 
@@ -309,6 +312,12 @@ def _modes() -> tuple[type, type]:
             kwargs = kwargs or {}
             if isinstance(func, torch._ops.HigherOrderOperator):
                 return self._higher_order(func, args, kwargs)
+            result = self._dispatch(func, args, kwargs)
+            if self.host_compute is not None:
+                self.host_compute.check(func._schema.name, args, kwargs, result)
+            return result
+
+        def _dispatch(self, func, args, kwargs):
             check = op_check.get()
             if check is not None:
                 check(func, args, kwargs)

@@ -216,8 +216,11 @@ def test_against_the_cpu_reference_runs_eager_on_a_cpu_copy(any_device):
     selves.clear()
     report = bisect(graphed, x, bisect_options=BisectOptions(reference="cpu"))
     first = report.first
-    assert first is not None and first.op == "bisect_plant::rowsum"
-    assert first.against == "the call on the CPU" and first.module == "Counted"
+    assert first is not None and first.against == "the call on the CPU"
+    if dev.torch_device.type == "cpu":  # the reference and the simulator compute as the CPU does
+        assert first.op == "bisect_plant::rowsum" and first.module == "Counted"
+    else:  # a GPU's GEMM rounds otherwise than the CPU's, before the planted reduction (H200)
+        assert first.op == "aten::addmm" and first.module == "proj"
     copies = [m for m in selves if m is not model]
     assert len(copies) == 4 and all(m is copies[0] for m in copies)  # eager twice, call and padded
     assert all(p.device.type == "cpu" for p in copies[0].parameters())

@@ -30,8 +30,8 @@ def _pair(dev, mode="breakable", moe=False, **options):
     model = make_decoder(config, seed=1, device=dev.torch_device)
     if moe:
         for a, b in zip(eager.layers, model.layers):
-            a.moe = _MoE(config, seed=3)
-            b.moe = _MoE(config, seed=3)
+            a.moe = _MoE(config, seed=3).to(dev.torch_device)
+            b.moe = _MoE(config, seed=3).to(dev.torch_device)
         eager, model = _MoEDecoder(eager), _MoEDecoder(model)
     options.setdefault("batch_sizes", SIZES)
     return eager, devgraph.wrap(model, device=dev, mode=mode, **options)

@@ -66,6 +66,8 @@ def test_greedy_generation_through_the_runner_equals_eager(any_device):
 def test_decoder_graph_needs_task_update_for_host_lengths(any_device, update):
     """Lengths reach attention as a host list frozen at capture: stale without task update."""
     dev = any_device
+    if dev.name == "cuda" and not update:
+        pytest.skip("CUDA's paged attention reads the lengths from the device tensor (DEVICE_METADATA_OPS)")
     eager, model = (
         make_decoder(_config(dev), seed=1, device=dev.torch_device),
         make_decoder(_config(dev), seed=1, device=dev.torch_device),

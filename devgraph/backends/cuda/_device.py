@@ -64,6 +64,12 @@ _CAPTURE_VIOLATIONS = (
     "cudaErrorStreamCapture",
     # torch's own assertNotCapturing: re-seeding a generator (manual_seed, set_rng_state) and others
     "during CUDA graph capture",
+    # A library's first use inside a capture (plan building, workspace allocation): cuDNN's SDPA on
+    # a shape it has not seen fails with CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED (H200,
+    # torch 2.11). Any library or CUDA error raised while capturing is the capture's to name.
+    "cuDNN error",
+    "CUBLAS_STATUS_",
+    "CUDA error:",
 )
 
 _RNG_REMEDY = (

@@ -1,0 +1,66 @@
+"""Host computation inside a device capture: refused where its result would be frozen.
+
+A device graph (CUDA, NPU) records the work launched on the device. An op whose tensors are all on
+the CPU launches nothing there: it runs once, while capturing, and a replay neither runs it again nor
+sees what it would compute now. When such an op reads a CPU tensor that existed before the capture
+(a model left on the CPU, an input or a counter the caller changes between calls), the graph holds
+the value of capture time and replays it silently. ``HostCompute`` follows one capture's ops and
+refuses that case by name: a host op that reads a pre-capture CPU tensor (more than a scalar) and
+returns no device tensor.
+
+What stays allowed: host ops over tensors made inside the capture (from shapes and constants: the
+same at every call), copies whose result is on the device (a pinned host buffer uploaded each replay;
+pageable uploads are refused earlier, by the capture's host-sync guard), 0-d CPU tensors (kernel
+scalars), and everything on the CPU reference backend, whose graphs record host ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from devgraph._errors import CaptureError
+from devgraph._source import user_source_line
+from devgraph.graph._break_calls import storage, tensors
+
+__all__ = ["HostCompute"]
+
+REMEDY = (
+    "put the tensor on the graph's device before capture (model.to(device), inputs on the device), or "
+    "compute it before capture and pass the result in; a value that changes between calls belongs in a "
+    "device buffer refilled before each replay"
+)
+
+
+class HostCompute:
+    """One capture's record of the CPU tensors it made, and the check of every op it sees."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.made: set[int] = set()  # storages of CPU tensors made inside this capture
+
+    def check(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        """Refuse ``name`` if it computed on the host from a pre-capture CPU tensor; else remember the
+        CPU tensors it made. Called after the op ran (its result tells where it ran)."""
+        outside = None
+        for t in tensors((args, kwargs)):
+            if t.device.type == "cpu" and t.dim() > 0:
+                ptr = storage(t)
+                if ptr and ptr not in self.made:
+                    outside = t
+                    break
+        results = list(tensors(result))
+        if outside is not None and not any(r.device.type == self.device_type for r in results):
+            raise CaptureError(
+                f"{name} computes on the CPU from a CPU tensor {tuple(outside.shape)} made before "
+                f"capture: a {self.device_type} graph records device work only, so this op ran once, "
+                "at capture, and every replay would reuse that result (later values of the tensor "
+                "ignored)",
+                op=name,
+                source=user_source_line(),
+                remedy=REMEDY,
+            )
+        for r in results:
+            if r.device.type == "cpu":
+                ptr = storage(r)
+                if ptr:
+                    self.made.add(ptr)

@@ -1,0 +1,79 @@
+"""Host computation inside a device capture (devgraph.graph._host_compute): refused where frozen.
+
+A device graph records device work only: an op over CPU tensors runs once, at capture, and a replay
+reuses its result. The unit tests drive the check as a device capture's dispatch mode does (the
+``meta`` device stands in for a device here); on a GPU, ``any_device``'s cuda parameter captures the
+real thing (a model left on the CPU, a host counter) and must see the refusal. The CPU reference and
+the NPU simulator compute on the CPU and record it: nothing is refused there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from devgraph import CaptureError
+from devgraph.graph import BreakableGraph
+from devgraph.graph._host_compute import HostCompute
+
+
+def test_a_host_op_over_a_pre_capture_cpu_tensor_is_refused_by_name():
+    check = HostCompute("meta")
+    weight = torch.randn(4, 4)  # made before the capture: the caller may change it
+    x = torch.randn(2, 4)
+    with pytest.raises(CaptureError, match=r"aten::mm computes on the CPU from a CPU tensor \(2, 4\)") as err:
+        check.check("aten::mm", (x, weight), {}, x @ weight)
+    assert "meta graph records device work only" in str(err.value)
+    assert "test_host_compute.py" in (err.value.source or "")
+    assert "model.to(device)" in (err.value.remedy or "")
+
+
+def test_host_ops_over_tensors_made_inside_the_capture_pass():
+    check = HostCompute("meta")
+    made = torch.arange(6)
+    check.check("aten::arange", (6,), {}, made)  # a factory: no pre-capture tensor read
+    doubled = made * 2
+    check.check("aten::mul", (made, 2), {}, doubled)  # reads only what the capture made
+    check.check("aten::view", (doubled, [2, 3]), {}, doubled.view(2, 3))
+
+
+def test_a_result_on_the_device_passes_and_scalars_pass():
+    check = HostCompute("meta")
+    pinned_like = torch.randn(3)  # e.g. a host buffer uploaded each replay: the copy is device work
+    check.check("aten::_to_copy", (pinned_like,), {"device": "meta"}, torch.empty(3, device="meta"))
+    scale = torch.tensor(0.5)  # 0-d: a kernel scalar
+    check.check("aten::mul", (torch.empty(3, device="meta"), scale), {}, torch.empty(3, device="meta"))
+    check.check("aten::add", (scale, 1), {}, scale + 1)
+
+
+def test_an_in_place_update_of_a_host_counter_is_refused():
+    check = HostCompute("meta")
+    counter = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(CaptureError, match="aten::add_"):
+        check.check("aten::add_", (counter, 1), {}, counter.add_(1))
+
+
+def test_the_reference_records_host_ops_and_refuses_nothing(any_device):
+    if any_device.torch_device.type != "cpu":
+        pytest.skip("a device graph: see test_a_model_left_on_the_cpu_is_refused_on_a_device")
+    weight = torch.randn(4, 4)
+    x = torch.randn(2, 4)
+    graph = any_device.graph()
+    with graph.capture():
+        y = x @ weight
+    x.copy_(torch.ones(2, 4))
+    graph.replay()
+    torch.testing.assert_close(y, torch.ones(2, 4) @ weight)
+
+
+def test_a_model_left_on_the_cpu_is_refused_on_a_device(any_device):
+    if any_device.torch_device.type == "cpu":
+        pytest.skip("the CPU reference and the NPU simulator record host ops")
+    weight = torch.randn(4, 4)  # left on the CPU
+    x = torch.randn(2, 4)
+    graph = any_device.graph()
+    with pytest.raises(CaptureError, match="computes on the CPU"), graph.capture():
+        x @ weight
+    bg = BreakableGraph(any_device, breaks=["aten::scaled_dot_product_attention"])
+    with pytest.raises(CaptureError, match="computes on the CPU"), bg.capture():
+        x @ weight
