@@ -60,6 +60,7 @@ def wrap(
             ``host_args`` naming an argument the model does not take (the message lists those it does).
     """
     dev = device if isinstance(device, Device) else _device(device)
+    refuse_host_weights(model, dev.torch_device)
     if _is_hf_model(model):
         from devgraph.adapters.hf import wrap_hf
 
@@ -89,3 +90,22 @@ def wrap(
             "only; add mode=... or drop them"
         )
     return GraphedModule(model, GraphRunner(model, dev, config))
+
+
+def refuse_host_weights(model: Any, target: torch.device) -> None:
+    """Refuse, at wrap time, a module whose parameters or buffers are on the CPU while its graphs are
+    for a device: a device graph records device work only, so CPU layers would run once, at capture,
+    and every replay would reuse their results (the capture would refuse them too, later)."""
+    import torch
+
+    if target.type == "cpu" or not isinstance(model, torch.nn.Module):
+        return
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if tensor.device.type == "cpu":
+                raise DevgraphError(
+                    f"{type(model).__name__}'s {kind} {name!r} is on the CPU, and its graphs would be "
+                    f"captured on {target}: a device graph records device work only, so what reads "
+                    f"it would run once, at capture. Move the model first: model.to({str(target)!r}), "
+                    "then devgraph.wrap(model, ...)"
+                )

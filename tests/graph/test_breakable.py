@@ -72,6 +72,8 @@ def test_breaks_not_rerun_make_the_decoder_test_fail(any_device, monkeypatch):
 
 
 def test_breaks_replayed_with_frozen_lengths_make_the_decoder_test_fail(any_device):
+    if any_device.name == "cuda":
+        pytest.skip("CUDA's paged attention reads the lengths from the device tensor (DEVICE_METADATA_OPS)")
     model, blocks, static = _decoder_case(any_device)
     bg, out = _capture_decoder(any_device, model, static)
     batch = blocks.decode_batch([0, 1, 2, 3], [7, 8, 9, 1])
@@ -86,7 +88,10 @@ def _varlen_case(device, num_layers=2):
     model = VarlenDecoder(num_layers=num_layers).to(device.torch_device)
     if device.name == "npu":
         model = model.to(torch.bfloat16)
-    return model, _on(device, packed_batch([3, 5, 4]))
+    static = _on(device, packed_batch([3, 5, 4]))
+    with torch.no_grad():
+        model(**static)  # warm-up (CUDA: cuBLAS creates its handle on first use, never inside a capture)
+    return model, static
 
 
 def _on(device, batch):
@@ -292,7 +297,7 @@ def test_a_failed_capture_releases_every_segment_graph():
 
 def test_capture_twice_needs_reset(any_device):
     bg = BreakableGraph(any_device)
-    x = torch.ones(2)
+    x = torch.ones(2, device=any_device.torch_device)
     with bg.capture():
         y = x + 1
     with pytest.raises(DevgraphError, match="reset"):
@@ -302,7 +307,7 @@ def test_capture_twice_needs_reset(any_device):
     with bg.capture():
         y = x * 3
     bg.replay()
-    torch.testing.assert_close(y, torch.full((2,), 3.0))
+    torch.testing.assert_close(y, torch.full((2,), 3.0, device=any_device.torch_device))
 
 
 def test_a_break_inside_compiled_code_is_refused_naming_the_compiled_call():

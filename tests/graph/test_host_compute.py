@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from devgraph import CaptureError
+import devgraph
+from devgraph import CaptureError, DevgraphError
 from devgraph.graph import BreakableGraph
 from devgraph.graph._host_compute import HostCompute
 
@@ -77,3 +78,25 @@ def test_a_model_left_on_the_cpu_is_refused_on_a_device(any_device):
     bg = BreakableGraph(any_device, breaks=["aten::scaled_dot_product_attention"])
     with pytest.raises(CaptureError, match="computes on the CPU"), bg.capture():
         x @ weight
+
+
+def test_wrap_refuses_a_model_left_on_the_cpu_for_a_device():
+    from devgraph._wrap import refuse_host_weights
+
+    with pytest.raises(
+        DevgraphError, match=r"Linear's parameter 'weight' is on the CPU.*model\.to\('meta'\)"
+    ):
+        refuse_host_weights(torch.nn.Linear(2, 2), torch.device("meta"))
+    model = torch.nn.Linear(2, 2).to("meta")
+    model.register_buffer("table", torch.zeros(3))  # a buffer left behind
+    with pytest.raises(DevgraphError, match="buffer 'table' is on the CPU"):
+        refuse_host_weights(model, torch.device("meta"))
+    refuse_host_weights(torch.nn.Linear(2, 2), torch.device("cpu"))  # the reference: nothing to refuse
+    refuse_host_weights(torch.nn.Linear(2, 2).to("meta"), torch.device("meta"))
+
+
+def test_wrap_of_a_cpu_model_for_a_device_is_refused_at_wrap(any_device):
+    if any_device.torch_device.type == "cpu":
+        pytest.skip("the CPU reference and the NPU simulator hold models on the CPU")
+    with pytest.raises(DevgraphError, match="is on the CPU"):
+        devgraph.wrap(torch.nn.Linear(4, 4), device=any_device)

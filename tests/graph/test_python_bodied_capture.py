@@ -66,8 +66,9 @@ def test_updatable_op_inside_a_python_bodied_op_is_a_task(any_device):
     any_device.synchronize()
     expected = ops.paged_decode_attention(q, k, v, table, seq, [3, 11])
     torch.testing.assert_close(out, expected)
-    stale = ops.paged_decode_attention(q, k, v, table, seq, [5, 9])
-    assert not torch.allclose(out, stale)
+    if any_device.name != "cuda":  # CUDA's kernel reads the lengths from ``seq`` (DEVICE_METADATA_OPS)
+        stale = ops.paged_decode_attention(q, k, v, table, seq, [5, 9])
+        assert not torch.allclose(out, stale)
 
 
 def test_host_sync_inside_a_python_bodied_op_is_refused(any_device):

@@ -191,12 +191,12 @@ class _HostListModel(nn.Module):
 
 
 def test_an_unmarked_host_list_op_is_refused_and_a_marked_one_is_served(any_device):
-    model = _HostListModel()
+    model = _HostListModel().to(any_device.torch_device)
     refused = devgraph.wrap(
         model, device=any_device, mode="breakable", batch_sizes=[2, 4], host_args=["factors"]
     )
     with torch.no_grad(), pytest.raises(CaptureError, match="mark it as a break") as err:
-        refused(torch.randn(3, 4), [1, 2, 3])
+        refused(torch.randn(3, 4, device=any_device.torch_device), [1, 2, 3])
     assert err.value.op == "devgraph_testing::scale_rows" and "test_breakable_mode.py" in err.value.source
     graphed = devgraph.wrap(
         model,
@@ -209,7 +209,7 @@ def test_an_unmarked_host_list_op_is_refused_and_a_marked_one_is_served(any_devi
     )
     with torch.no_grad():
         for rows, factors in [(3, [1, 2, 3]), (1, [5]), (4, [2, 2, 0, 7])]:
-            x = torch.randn(rows, 4)
+            x = torch.randn(rows, 4, device=any_device.torch_device)
             torch.testing.assert_close(graphed(x, factors), model(x, factors))
     assert graphed.stats.replays == 3 and graphed.stats.breaks == 1
 
