@@ -32,7 +32,7 @@ from devgraph.graph._breaks import (
     marked_breaks,
     unmark_break,
 )
-from devgraph.graph._capture import FUNCTION_SYNCS, SHAPE_REMEDY, raise_refusal
+from devgraph.graph._capture import FUNCTION_SYNCS, SHAPE_REMEDY, raise_refusal, refuse_unrecorded
 from devgraph.graph._collectives import is_collective, refuse_collective
 from devgraph.graph._contract import (
     Device,
@@ -77,6 +77,7 @@ __all__ = [
     "marked_breaks",
     "probe_captures",
     "raise_refusal",
+    "refuse_unrecorded",
     "refuse_collective",
     "unmark_break",
     "weak_ref_tensor",

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # torch is imported when first needed
 
 __all__ = [
     "GuardedGraph",
+    "refuse_unrecorded",
     "capturing",
     "dispatch_refusal",
     "op_check",
@@ -230,6 +231,9 @@ def _modes() -> tuple[type, type]:
         def __init__(self, device_type: str) -> None:
             super().__init__()
             self.device_type = device_type
+            # The capture's dispatch mode, where the backend records what it sees (the CPU
+            # reference): an op whose kernel reaches it with nothing is invisible to the recording.
+            self.recording: Any = None
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -265,6 +269,13 @@ def _modes() -> tuple[type, type]:
             ):
                 # The split points are read on the host (in C++, no op to see below): frozen shapes.
                 _raise_sync("torch.tensor_split", _SPLIT_REMEDY)
+            recording = self.recording
+            if recording is not None and isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+                seen = recording.seen
+                result = func(*args, **kwargs)
+                if recording.seen == seen:
+                    refuse_unrecorded(func, args, kwargs)
+                return result
             result = func(*args, **kwargs)
             if (
                 func in host_data_factories
@@ -297,6 +308,7 @@ def _modes() -> tuple[type, type]:
             self.key_name = key
             self.keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
             self.host_guard: HostSyncGuard | None = None  # this capture's guard, set by capturing()
+            self.seen = 0  # ops this mode saw: what a recording backend records
             # Host ops reading pre-capture CPU tensors: frozen on a device graph (the reference records them).
             self.host_compute = HostCompute(self.device_type) if self.device_type != "cpu" else None
 
@@ -310,6 +322,7 @@ def _modes() -> tuple[type, type]:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            self.seen += 1
             if isinstance(func, torch._ops.HigherOrderOperator):
                 return self._higher_order(func, args, kwargs)
             result = self._dispatch(func, args, kwargs)
@@ -497,4 +510,29 @@ def capturing(graph: GuardedGraph, auto_update_ops: Sequence[str] = ()) -> Itera
         if recorders:
             # Compiled graphs bypass the dispatcher in part (inductor): record each one whole.
             dispatch.regions = stack.enter_context(CompiledRegions(recorders))
+            host_guard.recording = dispatch
         yield
+
+
+def refuse_unrecorded(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse op ``func``, called from Python during a recording capture, whose kernel ran with no op
+    reaching the dispatch mode: a C++ kernel registered as CompositeImplicitAutograd that computes
+    itself (vLLM's CPU kernels), or any kernel writing memory directly. The recording holds nothing
+    of it, so every replay would skip it. An op given no tensor did nothing a replay could miss."""
+    from devgraph.graph._break_calls import tensors
+
+    from devgraph.graph._segment_check import TORCH_NAMESPACES
+
+    name = func._schema.name if hasattr(func, "_schema") else func._qualified_op_name
+    if name.partition("::")[0] in TORCH_NAMESPACES or next(iter(tensors((args, kwargs))), None) is None:
+        return  # torch's own ops reach the dispatcher or return an input as it is
+    raise CaptureError(
+        "its kernel ran without any op reaching PyTorch's dispatcher (a C++ kernel registered as "
+        "CompositeImplicitAutograd that computes by itself, or one writing memory directly): the "
+        "reference backend records what the dispatcher sees, so a replay would skip this op silently",
+        op=name,
+        source=user_source_line(),
+        remedy=f"register its kernel for the device's dispatch key (CPU, CUDA, PrivateUse1) instead of "
+        f"CompositeImplicitAutograd, or call it through a torch.library custom op, or run it eagerly "
+        f"between graphs: mode='breakable' with devgraph.mark_break({name!r})",
+    )

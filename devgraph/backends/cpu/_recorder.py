@@ -52,7 +52,7 @@ from devgraph.backends.cpu._collectives import (
 from devgraph.backends.cpu._held import Held, _External, _Ref, _Strong, describe, materialise
 from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
 from devgraph.backends.cpu._rng import RngWatch, is_random
-from devgraph.graph import has_python_kernel, is_collective, raise_refusal, refuse_collective
+from devgraph.graph import has_python_kernel, is_collective, raise_refusal, refuse_collective, refuse_unrecorded
 
 __all__ = ["Entry", "Recorder", "Segment", "Tape", "finish_deferred", "refuse_collective_in_task"]
 
@@ -286,6 +286,7 @@ class Recorder(TorchDispatchMode):
         self._thread = threading.get_ident()
         self._collectives = 0  # collectives recorded so far
         self.rng = RngWatch()  # refuses generators re-seeded inside the capture
+        self.seen = 0  # ops this recorder saw (a composite that decomposes into none is invisible)
 
     #: higher-order ops reach the recorder only from compiled graphs, while it is paused
     supports_higher_order_operators = True
@@ -300,6 +301,7 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._paused or threading.get_ident() != self._thread:
             return func(*args, **kwargs)  # a compiled graph runs (recorded whole), or a worker thread
+        self.seen += 1
         if is_collective(func._schema.name):
             return self._collective(func, args, kwargs)
         if self._collectives and issued_by_torch_distributed():
@@ -311,9 +313,12 @@ class Recorder(TorchDispatchMode):
         if _is_composite(func):
             # Record what it launches (as grad mode would show it), never the composite whole: under
             # inference_mode ``to``/``reshape``/``contiguous`` arrive here and may copy or alias.
+            seen = self.seen
             with self:
                 result = func.decompose(*args, **kwargs)
             if result is not NotImplemented:
+                if self.seen == seen:
+                    refuse_unrecorded(func, args, kwargs)  # it computed without an op: nothing recorded
                 return result
         # What the capture guard refuses, checked again here: the guard does not see the ops a
         # composite decomposes into (argwhere -> nonzero under inference_mode).
