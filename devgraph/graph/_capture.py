@@ -270,7 +270,9 @@ def _modes() -> tuple[type, type]:
                 # The split points are read on the host (in C++, no op to see below): frozen shapes.
                 _raise_sync("torch.tensor_split", _SPLIT_REMEDY)
             recording = self.recording
-            if recording is not None and isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            if recording is not None and isinstance(
+                func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+            ):
                 seen = recording.seen
                 result = func(*args, **kwargs)
                 if recording.seen == seen:
@@ -520,7 +522,6 @@ def refuse_unrecorded(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     itself (vLLM's CPU kernels), or any kernel writing memory directly. The recording holds nothing
     of it, so every replay would skip it. An op given no tensor did nothing a replay could miss."""
     from devgraph.graph._break_calls import tensors
-
     from devgraph.graph._segment_check import TORCH_NAMESPACES
 
     name = func._schema.name if hasattr(func, "_schema") else func._qualified_op_name

@@ -52,7 +52,13 @@ from devgraph.backends.cpu._collectives import (
 from devgraph.backends.cpu._held import Held, _External, _Ref, _Strong, describe, materialise
 from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
 from devgraph.backends.cpu._rng import RngWatch, is_random
-from devgraph.graph import has_python_kernel, is_collective, raise_refusal, refuse_collective, refuse_unrecorded
+from devgraph.graph import (
+    has_python_kernel,
+    is_collective,
+    raise_refusal,
+    refuse_collective,
+    refuse_unrecorded,
+)
 
 __all__ = ["Entry", "Recorder", "Segment", "Tape", "finish_deferred", "refuse_collective_in_task"]
 

@@ -28,6 +28,8 @@ def _write_directly(cache: torch.Tensor, x: torch.Tensor) -> None:
 
 
 _LIB.impl("write_rows", _write_directly, "CompositeImplicitAutograd")
+
+
 def _write_with_ops(cache: torch.Tensor, x: torch.Tensor) -> None:
     cache[: x.shape[0]].copy_(x)
 
