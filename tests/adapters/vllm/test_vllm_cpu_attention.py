@@ -94,3 +94,30 @@ def test_kv_cache_write_is_recorded_and_replayed_with_padding_sent_to_the_null_b
     k, v = expected.view(BLOCKS, HKV, BLOCK * 2, D).chunk(2, dim=2)
     vllm_ops.cpu_attn_reshape_and_cache(key, value, k, v, torch.tensor([41, 71, 101, 0]), "vec")
     assert torch.equal(kv, expected) and kv.abs().sum() > 0
+
+
+def test_vllm_cpu_kernels_called_directly_in_a_capture_are_refused_by_name():
+    """vLLM's CPU attention kernels are CompositeImplicitAutograd C++ functions that compute by
+    themselves: no dispatch mode sees them, so the reference could not record them (a replay would
+    skip the KV-cache write silently). Called directly inside a capture, they are refused; through
+    devgraph's op (what the adapter calls), the write is recorded and replayed."""
+    _, key_cache, value_cache = _caches()
+    key, value = torch.randn(3, HKV, D), torch.randn(3, HKV, D)
+    slots = torch.tensor([0, 1, 2])
+    graph = devgraph.device("cpu").graph()
+    with pytest.raises(devgraph.CaptureError) as err, graph.capture():
+        vllm_ops.cpu_attn_reshape_and_cache(key * 1, value, key_cache, value_cache, slots, "vec")
+    assert err.value.op == "_C::cpu_attn_reshape_and_cache"
+    assert "test_vllm_cpu_attention.py" in (err.value.source or "") or "_custom_ops.py" in (
+        err.value.source or ""
+    )
+
+    graph = devgraph.device("cpu").graph()
+    with graph.capture():
+        torch.ops.devgraph.vllm_cpu_kv_cache_update(
+            key * 1, value, key_cache, value_cache, slots, "vec", 1.0, 1.0, "auto"
+        )
+    key_cache.zero_()
+    key.fill_(3.0)
+    graph.replay()
+    assert int((key_cache == 3.0).sum()) == key.numel()  # the replay wrote the three tokens' keys
