@@ -108,16 +108,19 @@ class EagerCheck:
         run_eager: Callable[[], Any],
         logits_of: Callable[[Any], Any] | None = None,
         bisect: Callable[[], Any] | None = None,
-        real_rows: int | None = None,
+        *,
+        real_rows: int | None,
     ) -> StepComparison:
         """Run the step eagerly (``run_eager``) and compare it with the replayed output ``graphed``.
 
         ``logits_of(output)`` gives the step's ``[rows, vocab]`` logits (None: the output has none);
         without it, an output that is a 2-D floating tensor is taken as the logits. ``bisect()``
         bisects the step (``devgraph.bisect`` on it): run when a row's flip is not a near-tie.
-        ``real_rows``: the step's real rows (tokens) when it was padded to a captured size; padding rows
-        hold whatever the kernels left there (an engine's eager attention may not write them), so only
-        the first ``real_rows`` rows of each output are compared.
+        ``real_rows`` (required, so that every caller decides): the step's real rows (tokens) when it
+        was padded to a captured size; padding rows hold whatever the kernels left there (an engine's
+        eager attention may not write them: vLLM's FULL steps), so only the first ``real_rows`` rows of
+        each output are compared. None compares every row: for an engine that computes its padding
+        rows the same way eagerly and in the graph (SGLang), or a step that is not padded.
         """
         import torch
 

@@ -37,7 +37,7 @@ def test_a_flipped_row_is_reported_with_its_margins(caplog):
     eager = torch.tensor([[3.0, 0.0], [1.001, 1.0]])
     check.due()
     with caplog.at_level("WARNING", logger="devgraph.debug"):
-        result = check.compare(graphed, lambda: eager)
+        result = check.compare(graphed, lambda: eager, real_rows=None)
     assert result.rows == 2 and [row for row, _ in result.flips] == [1]
     assert result.flips[0][1].near_tie is True
     assert result.max_abs == pytest.approx(0.001, abs=1e-6)
@@ -48,7 +48,7 @@ def test_a_flipped_row_is_reported_with_its_margins(caplog):
 def test_identical_steps_report_no_flips():
     check = eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": "1"})
     out = torch.tensor([[1.0, 2.0]])
-    result = check.compare(out, lambda: out.clone())
+    result = check.compare(out, lambda: out.clone(), real_rows=None)
     assert result.flips == () and result.max_abs == 0
 
 
@@ -97,7 +97,10 @@ def test_a_near_tie_flip_is_not_bisected():
     check = eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": "1"})
     bisected = []
     result = check.compare(
-        torch.tensor([[1.0, 1.001]]), lambda: torch.tensor([[1.001, 1.0]]), bisect=lambda: bisected.append(1)
+        torch.tensor([[1.0, 1.001]]),
+        lambda: torch.tensor([[1.001, 1.0]]),
+        bisect=lambda: bisected.append(1),
+        real_rows=None,
     )
     assert result.flips and result.bisect is None and bisected == []
 
@@ -109,7 +112,9 @@ def test_a_failing_bisect_is_logged_not_raised(caplog):
         raise RuntimeError("no capture here")
 
     with caplog.at_level("WARNING", logger="devgraph"):
-        result = check.compare(torch.tensor([[0.0, 5.0]]), lambda: torch.tensor([[5.0, 0.0]]), bisect=broken)
+        result = check.compare(
+            torch.tensor([[0.0, 5.0]]), lambda: torch.tensor([[5.0, 0.0]]), bisect=broken, real_rows=None
+        )
     assert result.bisect is None and "no capture here" in caplog.text
 
 
@@ -139,3 +144,15 @@ def test_sglang_hook_reruns_the_captured_forward_of_the_shape(monkeypatch):
     finally:
         monkeypatch.delenv("DEVGRAPH_COMPARE_EAGER")
         hook.configure()
+
+
+def test_padding_rows_are_left_out_only_when_the_caller_names_the_real_rows():
+    """Every caller says which rows are real (``real_rows`` has no default): padding rows an eager
+    kernel leaves unwritten would otherwise show as differences (vLLM's FULL steps did)."""
+    check = eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": "1"})
+    graphed = torch.tensor([[0.0, 5.0], [5.0, 0.0], [7.0, 7.0]])  # row 2: padding, garbage
+    eager = torch.tensor([[0.0, 5.0], [5.0, 0.0], [0.0, 0.0]])
+    assert check.compare(graphed, lambda: eager, real_rows=2).max_abs == 0
+    assert check.compare(graphed, lambda: eager, real_rows=None).max_abs == 7
+    with pytest.raises(TypeError, match="real_rows"):
+        check.compare(graphed, lambda: eager)

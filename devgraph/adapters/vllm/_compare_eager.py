@@ -39,7 +39,7 @@ def replayed(wrapper: Any, output: Any, args: tuple[Any, ...], kwargs: dict[str,
         options = BisectOptions(device=wrapper.device)
         return devgraph_bisect(runnable, *args, bisect_options=options, **kwargs)
 
-    check.compare(output, lambda: runnable(*args, **kwargs), compute_logits, bisect, _real_rows())
+    check.compare(output, lambda: runnable(*args, **kwargs), compute_logits, bisect, real_rows=_real_rows())
 
 
 def _real_rows() -> int | None:
