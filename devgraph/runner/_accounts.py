@@ -54,25 +54,27 @@ class Accounts:
 
     def note_recapture(self, replaced: str) -> None:
         """A weight was replaced since capture (the caller dropped its graphs): count it, warn once."""
-        self.stats.recaptures += 1
-        if "recapture" not in self.warned:
-            self.warned.add("recapture")
-            warnings.warn(
-                f"devgraph: {replaced} was replaced since capture; capturing again (stats.recaptures counts "
-                "this). To keep the graphs, load new weights in place: param.copy_(new), or "
-                "load_state_dict(sd) without assign=True",
-                stacklevel=user_stacklevel(),
-            )
+        self._recapture(
+            "recapture",
+            f"devgraph: {replaced} was replaced since capture; capturing again (stats.recaptures counts "
+            "this). To keep the graphs, load new weights in place: param.copy_(new), or "
+            "load_state_dict(sd) without assign=True",
+        )
 
     def note_changed(self, what: str) -> None:
         """A Python value the forward reads changed since capture (the caller dropped its graphs):
         count it as a recapture, warn once naming it."""
-        self.stats.recaptures += 1
-        if "attribute_changed" not in self.warned:
-            self.warned.add("attribute_changed")
-            warnings.warn(
-                f"devgraph: {what} changed since capture, and the graphs froze its value; capturing again "
-                "(stats.recaptures counts this). A value that changes at every call recaptures at every "
-                "call: pass it as an argument, or keep it in a tensor the forward reads",
-                stacklevel=user_stacklevel(),
-            )
+        self._recapture(
+            "attribute_changed",
+            f"devgraph: {what} changed since capture, and the graphs froze its value; capturing again "
+            "(stats.recaptures counts this). A value that changes at every call recaptures at every "
+            "call: pass it as an argument, or keep it in a tensor the forward reads",
+        )
+
+    def _recapture(self, category: str, message: str) -> None:
+        with self.lock:
+            self.stats.recaptures += 1
+            first = category not in self.warned
+            self.warned.add(category)
+        if first:
+            warnings.warn(message, stacklevel=user_stacklevel())
