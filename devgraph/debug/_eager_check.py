@@ -119,8 +119,8 @@ class EagerCheck:
         ``real_rows`` (required, so that every caller decides): the step's real rows (tokens) when it
         was padded to a captured size; padding rows hold whatever the kernels left there (an engine's
         eager attention may not write them: vLLM's FULL steps), so only the first ``real_rows`` rows of
-        each output are compared. None compares every row: for an engine that computes its padding
-        rows the same way eagerly and in the graph (SGLang), or a step that is not padded.
+        each output are compared. None compares every row: for a step that is not padded (devgraph's
+        SGLang decode graphs replay exact sizes).
         """
         import torch
 

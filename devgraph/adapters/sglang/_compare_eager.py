@@ -52,8 +52,8 @@ def replayed(backend: Any, shape_key: Any, output: Any) -> None:
     def bisect() -> Any:
         return devgraph_bisect(forward, bisect_options=BisectOptions(device=backend.device))
 
-    # Every row: SGLang's padding rows are real computations (a fill length and token), the same in
-    # the graph and eagerly (the engine test compares them: 0 difference).
+    # Every row: devgraph's SGLang decode graphs replay exact batch sizes only (no padding rows;
+    # tests/adapters/sglang/test_engine_compare_eager.py compares them: 0 difference).
     result = check.compare(output, forward, _logits, bisect, real_rows=None)
     entry = {"step": result.step, "max_abs": result.max_abs, "rows": result.rows, "flips": len(result.flips)}
     _stats.record(lambda s: s.eager_checks.append(entry))
