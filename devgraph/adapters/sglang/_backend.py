@@ -90,7 +90,56 @@ def _has_tensor(value: Any) -> bool:
     return False
 
 
-class DevgraphGraphBackend(BaseCudaGraphBackend):
+class GraphHolder:
+    """What devgraph's SGLang graph backends share (decode: ``DevgraphGraphBackend``; prefill:
+    ``_prefill.DevgraphBreakableBackend``): the devgraph device, the set of graphs by SGLang
+    ``ShapeKey``, SGLang's capture session, and the session-less replay. devgraph captures on its
+    device's one capture stream (captures are serialised per device), so SGLang's stream is unused."""
+
+    _device: Device
+    _graphs: GraphSet[Any]
+    _in_session: bool = False
+    _inputs_keepalive: dict[Any, Any]
+
+    @property
+    def device(self) -> Device:
+        """The devgraph device the graphs are captured on."""
+        return self._device
+
+    @property
+    def graphs(self) -> Mapping[Any, Graph]:
+        """The captured graphs by SGLang ``ShapeKey`` (read-only view)."""
+        return dict(self._graphs.items())
+
+    def holds_graphs(self) -> bool:
+        """True while any graph of this backend is captured."""
+        return bool(self._graphs)
+
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any) -> Iterator[None]:
+        self._in_session = True
+        try:
+            yield
+        finally:
+            self._in_session = False
+
+    def _require_session(self) -> None:
+        if not self._in_session:
+            raise DevgraphError("capture_one() outside capture_session(): SGLang's runner opens the session")
+
+    def can_run(self, forward_batch: Any, shape_key: Any) -> bool:
+        return shape_key in self._graphs
+
+    @contextlib.contextmanager
+    def replay_session(self) -> Iterator[None]:
+        yield
+
+    def cleanup(self) -> None:
+        self._graphs.reset()
+        self._inputs_keepalive = {}
+
+
+class DevgraphGraphBackend(GraphHolder, BaseCudaGraphBackend):
     """Captures and replays SGLang's decode forward per shape with ``devgraph.Graph``.
 
     Constructed by SGLang (``resolve_decode_backend`` through the platform's
@@ -110,33 +159,7 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
         self._in_session = False
         self._inputs_keepalive: dict[Any, Any] = {}
 
-    # -- introspection ------------------------------------------------------------------------
-
-    @property
-    def device(self) -> Device:
-        """The devgraph device the graphs are captured on."""
-        return self._device
-
-    @property
-    def graphs(self) -> Mapping[Any, Graph]:
-        """The captured graphs by SGLang ``ShapeKey`` (read-only view)."""
-        return dict(self._graphs.items())
-
-    def holds_graphs(self) -> bool:
-        """True while any graph of this backend is captured."""
-        return bool(self._graphs)
-
     # -- BaseCudaGraphBackend -----------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def capture_session(self, stream: Any) -> Iterator[None]:
-        # SGLang's stream is a torch stream of its own device module; devgraph captures on its
-        # device's one capture stream (captures are serialised per device), so it is not used.
-        self._in_session = True
-        try:
-            yield
-        finally:
-            self._in_session = False
 
     def capture_one(
         self,
@@ -145,8 +168,7 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
         capture_inputs: Any = None,
         post_warmup_hook: Callable[[], None] | None = None,
     ) -> None:
-        if not self._in_session:
-            raise DevgraphError("capture_one() outside capture_session(): SGLang's runner opens the session")
+        self._require_session()
         for _ in range(WARMUP_RUNS):
             self._device.synchronize()
             self._barrier()
@@ -176,13 +198,6 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
             time.perf_counter() - start,
             len(graph.tasks),
         )
-
-    def can_run(self, forward_batch: Any, shape_key: Any) -> bool:
-        return shape_key in self._graphs
-
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
 
     def replay(self, shape_key: Any, static_forward_batch: Any, **kwargs: Any) -> Any:
         host_args = self._attention_host_args()
@@ -219,10 +234,6 @@ class DevgraphGraphBackend(BaseCudaGraphBackend):
                 seq_lens = seq_lens.tolist()
             cpu_update_input = [{attr_name: list(seq_lens)}]
         return self._replay(shape_key, cpu_update_input)
-
-    def cleanup(self) -> None:
-        self._graphs.reset()
-        self._inputs_keepalive = {}
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -25,10 +25,9 @@ when the platform is devgraph's and passes every other call through.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import (
@@ -40,12 +39,13 @@ from devgraph.adapters.sglang import _stats
 from devgraph.adapters.sglang._attention import EXTEND_ATTENTION, DevgraphAttentionBackend
 from devgraph.adapters.sglang._backend import (
     WARMUP_RUNS,
+    GraphHolder,
     _weak_outputs,
     devgraph_device_for,
     shared_pool,
     tp_barrier,
 )
-from devgraph.graph import BreakableGraph, Device, Graph, GraphSet
+from devgraph.graph import BreakableGraph, Graph, GraphSet
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 RESOLVE_PREFILL_BACKEND = "sglang.srt.model_executor.runner_backend.utils.resolve_prefill_backend"
 
 
-class DevgraphBreakableBackend(BreakableCudaGraphBackend):
+class DevgraphBreakableBackend(GraphHolder, BreakableCudaGraphBackend):
     """SGLang's prefill graph backend over ``devgraph.BreakableGraph``: one per token bucket.
 
     A ``BreakableCudaGraphBackend`` to SGLang's runner (which checks for that class to capture the
@@ -102,33 +102,13 @@ class DevgraphBreakableBackend(BreakableCudaGraphBackend):
         if debug_eager:
             logger.info("devgraph prefill graphs: --debug-cuda-graph has no effect on devgraph's capture")
 
-    # -- introspection ------------------------------------------------------------------------
-
     @property
-    def device(self) -> Device:
-        """The devgraph device the segments are captured on."""
-        return self._device
-
-    @property
-    def graphs(self) -> Mapping[Any, BreakableGraph]:
+    def graphs(self) -> Mapping[Any, BreakableGraph]:  # type: ignore[override]
         """The breakable graph of every captured ``ShapeKey`` (read-only view)."""
         return {key: graph for key, graph in self._graphs.items()}  # type: ignore[misc]
 
-    def holds_graphs(self) -> bool:
-        """True while any prefill graph of this backend is captured."""
-        return bool(self._graphs)
-
     # -- BaseCudaGraphBackend -----------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def capture_session(self, stream: Any) -> Iterator[None]:
-        # devgraph captures on its device's capture stream (SGLang's is not used), and leaves
-        # SGLang's breakable flag off: attention then reaches the devgraph backend's break op.
-        self._in_session = True
-        try:
-            yield
-        finally:
-            self._in_session = False
+    # (SGLang's own breakable flag stays off: attention then reaches the devgraph backend's break op.)
 
     def capture_one(
         self,
@@ -137,8 +117,7 @@ class DevgraphBreakableBackend(BreakableCudaGraphBackend):
         capture_inputs: Any = None,
         post_warmup_hook: Callable[[], None] | None = None,
     ) -> None:
-        if not self._in_session:
-            raise DevgraphError("capture_one() outside capture_session(): SGLang's runner opens the session")
+        self._require_session()
         start = time.perf_counter()
         self._attention.breakable = True
         try:
@@ -175,13 +154,6 @@ class DevgraphBreakableBackend(BreakableCudaGraphBackend):
             seconds,
         )
 
-    def can_run(self, forward_batch: Any, shape_key: Any) -> bool:
-        return shape_key in self._graphs
-
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
-
     def replay(self, shape_key: Any, static_forward_batch: Any, **kwargs: Any) -> Any:
         # The breaks attend over the batch being replayed (its lengths, prefixes and KV slots).
         self._attention.set_extend_batch(static_forward_batch)
@@ -196,10 +168,6 @@ class DevgraphBreakableBackend(BreakableCudaGraphBackend):
 
         _stats.record(update)
         return output
-
-    def cleanup(self) -> None:
-        self._graphs.reset()
-        self._inputs_keepalive = {}
 
 
 def _is_devgraph_platform() -> bool:
