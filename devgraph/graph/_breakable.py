@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph._source import user_source_line
+from devgraph.graph import _host_compute as host_compute
 from devgraph.graph._break_calls import (
     CapturedBreak,
     aliases,
@@ -408,7 +409,12 @@ class BreakableGraph:
         ok = False
         try:
             # The device's capture lock for the whole capture: no other capture slips in between segments.
-            with self.device.capture_lock(), stream, _checking(run):
+            with (
+                self.device.capture_lock(),
+                stream,
+                _checking(run),
+                host_compute.shared_across(self.device.torch_device.type),
+            ):
                 run.open_segment()
                 try:
                     with _break_mode()(run):

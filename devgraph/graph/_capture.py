@@ -19,7 +19,7 @@ from devgraph._errors import CaptureError
 from devgraph._source import user_source_line
 from devgraph.graph._collectives import is_collective, refuse_collective, refuse_object_collective
 from devgraph.graph._compiled_regions import CompiledRegions, op_recorders
-from devgraph.graph._host_compute import HostCompute
+from devgraph.graph._host_compute import for_capture as host_compute_for
 from devgraph.graph._opnames import has_python_kernel
 from devgraph.graph._tasks import TaskGroup
 
@@ -312,7 +312,7 @@ def _modes() -> tuple[type, type]:
             self.host_guard: HostSyncGuard | None = None  # this capture's guard, set by capturing()
             self.seen = 0  # ops this mode saw: what a recording backend records
             # Host ops reading pre-capture CPU tensors: frozen on a device graph (the reference records them).
-            self.host_compute = HostCompute(self.device_type) if self.device_type != "cpu" else None
+            self.host_compute = host_compute_for(self.device_type)
 
         supports_higher_order_operators = True
 

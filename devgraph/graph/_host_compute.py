@@ -16,13 +16,22 @@ scalars), and everything on the CPU reference backend, whose graphs record host 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 from devgraph._errors import CaptureError
 from devgraph._source import user_source_line
 from devgraph.graph._break_calls import storage, tensors
 
-__all__ = ["HostCompute"]
+__all__ = ["HostCompute", "for_capture", "shared_across"]
+
+#: One record for several captures (a breakable capture's segments: a CPU tensor one segment made
+#: is still made inside the capture when the next reads it).
+_SHARED: contextvars.ContextVar[HostCompute | None] = contextvars.ContextVar(
+    "devgraph_host_compute", default=None
+)
 
 REMEDY = (
     "put the tensor on the graph's device before capture (model.to(device), inputs on the device), or "
@@ -64,3 +73,22 @@ class HostCompute:
                 ptr = storage(r)
                 if ptr:
                     self.made.add(ptr)
+
+
+def for_capture(device_type: str) -> HostCompute | None:
+    """The record a capture on ``device_type`` checks its ops with (None on the CPU, whose graphs
+    record host ops): the one ``shared_across`` opened, else a new one."""
+    if device_type == "cpu":
+        return None
+    shared = _SHARED.get()
+    return shared if shared is not None and shared.device_type == device_type else HostCompute(device_type)
+
+
+@contextlib.contextmanager
+def shared_across(device_type: str) -> Iterator[None]:
+    """Let every capture on ``device_type`` inside the block share one record (see ``_SHARED``)."""
+    token = _SHARED.set(HostCompute(device_type) if device_type != "cpu" else None)
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)

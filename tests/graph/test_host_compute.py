@@ -100,3 +100,16 @@ def test_wrap_of_a_cpu_model_for_a_device_is_refused_at_wrap(any_device):
         pytest.skip("the CPU reference and the NPU simulator hold models on the CPU")
     with pytest.raises(DevgraphError, match="is on the CPU"):
         devgraph.wrap(torch.nn.Linear(4, 4), device=any_device)
+
+
+def test_a_breakable_capture_shares_what_its_segments_made():
+    from devgraph.graph._host_compute import for_capture, shared_across
+
+    assert for_capture("cpu") is None  # the reference records host ops
+    with shared_across("meta"):  # what BreakableGraph.capture opens around its segments
+        first, second = for_capture("meta"), for_capture("meta")
+        assert first is second
+        made = torch.arange(4)
+        first.check("aten::arange", (4,), {}, made)
+        second.check("aten::mul", (made, 2), {}, made * 2)  # made by an earlier segment: allowed
+    assert for_capture("meta") is not for_capture("meta")  # plain captures: one record each
