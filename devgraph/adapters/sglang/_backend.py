@@ -32,7 +32,15 @@ from devgraph.graph import Device, Graph, GraphSet, SharedPool
 
 logger = logging.getLogger(__name__)
 
+#: Eager runs before each capture: SGLang's own two on a device (lazy library initialisation, the
+#: allocator's first blocks); one where the graph records ops while running them (the CPU reference
+#: and the NPU simulator: the capture itself runs the forward), which shortens engine start.
 WARMUP_RUNS = 2
+
+
+def warmup_runs(device: Device) -> int:
+    """How many eager runs precede a capture on ``device`` (see ``WARMUP_RUNS``)."""
+    return 1 if device.torch_device.type == "cpu" else WARMUP_RUNS
 """Eager runs before each capture (SGLang's in-tree backends do two as well)."""
 
 
@@ -169,7 +177,7 @@ class DevgraphGraphBackend(GraphHolder, BaseCudaGraphBackend):
         post_warmup_hook: Callable[[], None] | None = None,
     ) -> None:
         self._require_session()
-        for _ in range(WARMUP_RUNS):
+        for _ in range(warmup_runs(self._device)):
             self._device.synchronize()
             self._barrier()
             forward_fn()

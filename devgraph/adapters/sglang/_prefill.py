@@ -38,12 +38,12 @@ from devgraph._errors import DevgraphError
 from devgraph.adapters.sglang import _stats
 from devgraph.adapters.sglang._attention import EXTEND_ATTENTION, DevgraphAttentionBackend
 from devgraph.adapters.sglang._backend import (
-    WARMUP_RUNS,
     GraphHolder,
     _weak_outputs,
     devgraph_device_for,
     shared_pool,
     tp_barrier,
+    warmup_runs,
 )
 from devgraph.graph import BreakableGraph, Graph, GraphSet
 
@@ -121,7 +121,7 @@ class DevgraphBreakableBackend(GraphHolder, BreakableCudaGraphBackend):
         start = time.perf_counter()
         self._attention.breakable = True
         try:
-            for _ in range(WARMUP_RUNS):
+            for _ in range(warmup_runs(self._device)):
                 self._device.synchronize()
                 tp_barrier()
                 forward_fn()
