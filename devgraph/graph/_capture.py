@@ -329,7 +329,7 @@ def _modes() -> tuple[type, type]:
                 return self._higher_order(func, args, kwargs)
             result = self._dispatch(func, args, kwargs)
             if self.host_compute is not None:
-                self.host_compute.check(func._schema.name, args, kwargs, result)
+                self.host_compute.check(func, args, kwargs, result)
             return result
 
         def _dispatch(self, func, args, kwargs):

@@ -8,10 +8,11 @@ the value of capture time and replays it silently. ``HostCompute`` follows one c
 refuses that case by name: a host op that reads a pre-capture CPU tensor (more than a scalar) and
 returns no device tensor.
 
-What stays allowed: host ops over tensors made inside the capture (from shapes and constants: the
-same at every call), copies whose result is on the device (a pinned host buffer uploaded each replay;
-pageable uploads are refused earlier, by the capture's host-sync guard), 0-d CPU tensors (kernel
-scalars), and everything on the CPU reference backend, whose graphs record host ops.
+What stays allowed: views (they compute nothing: the op that reads them is checked), host ops over
+tensors made inside the capture (from shapes and constants: the same at every call), copies whose
+result is on the device (a pinned host buffer uploaded each replay, a 0-d CPU tensor given to a
+device kernel as a scalar; pageable uploads are refused earlier, by the capture's host-sync guard),
+and everything on the CPU reference backend, whose graphs record host ops.
 """
 
 from __future__ import annotations
@@ -47,18 +48,21 @@ class HostCompute:
         self.device_type = device_type
         self.made: set[int] = set()  # storages of CPU tensors made inside this capture
 
-    def check(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
-        """Refuse ``name`` if it computed on the host from a pre-capture CPU tensor; else remember the
-        CPU tensors it made. Called after the op ran (its result tells where it ran)."""
+    def check(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        """Refuse op ``func`` if it computed on the host from a pre-capture CPU tensor; else remember
+        the CPU tensors it made. Called after the op ran (its result tells where it ran)."""
+        name = func._schema.name
         outside = None
+        inputs: set[int] = set()
         for t in tensors((args, kwargs)):
-            if t.device.type == "cpu" and t.dim() > 0:
-                ptr = storage(t)
-                if ptr and ptr not in self.made:
-                    outside = t
-                    break
+            ptr = storage(t)
+            inputs.add(ptr)
+            if outside is None and t.device.type == "cpu" and ptr and ptr not in self.made:
+                outside = t
         results = list(tensors(result))
-        if outside is not None and not any(r.device.type == self.device_type for r in results):
+        # A view computes nothing (the op that reads it is checked); an op writing an input does.
+        computed = not results or _writes(func) or any(storage(r) not in inputs for r in results)
+        if outside is not None and computed and not any(r.device.type == self.device_type for r in results):
             raise CaptureError(
                 f"{name} computes on the CPU from a CPU tensor {tuple(outside.shape)} made before "
                 f"capture: a {self.device_type} graph records device work only, so this op ran once, "
@@ -71,7 +75,7 @@ class HostCompute:
         for r in results:
             if r.device.type == "cpu":
                 ptr = storage(r)
-                if ptr:
+                if ptr and ptr not in inputs:  # a view of an input is still what the input is
                     self.made.add(ptr)
 
 
@@ -92,3 +96,8 @@ def shared_across(device_type: str) -> Iterator[None]:
         yield
     finally:
         _SHARED.reset(token)
+
+
+def _writes(func: Any) -> bool:
+    """Whether op ``func`` writes one of its arguments (in place, ``out=``)."""
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)

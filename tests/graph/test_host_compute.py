@@ -17,13 +17,15 @@ from devgraph import CaptureError, DevgraphError
 from devgraph.graph import BreakableGraph
 from devgraph.graph._host_compute import HostCompute
 
+aten = torch.ops.aten
+
 
 def test_a_host_op_over_a_pre_capture_cpu_tensor_is_refused_by_name():
     check = HostCompute("meta")
     weight = torch.randn(4, 4)  # made before the capture: the caller may change it
     x = torch.randn(2, 4)
     with pytest.raises(CaptureError, match=r"aten::mm computes on the CPU from a CPU tensor \(2, 4\)") as err:
-        check.check("aten::mm", (x, weight), {}, x @ weight)
+        check.check(aten.mm.default, (x, weight), {}, x @ weight)
     assert "meta graph records device work only" in str(err.value)
     assert "test_host_compute.py" in (err.value.source or "")
     assert "model.to(device)" in (err.value.remedy or "")
@@ -32,26 +34,28 @@ def test_a_host_op_over_a_pre_capture_cpu_tensor_is_refused_by_name():
 def test_host_ops_over_tensors_made_inside_the_capture_pass():
     check = HostCompute("meta")
     made = torch.arange(6)
-    check.check("aten::arange", (6,), {}, made)  # a factory: no pre-capture tensor read
+    check.check(aten.arange.default, (6,), {}, made)  # a factory: no pre-capture tensor read
     doubled = made * 2
-    check.check("aten::mul", (made, 2), {}, doubled)  # reads only what the capture made
-    check.check("aten::view", (doubled, [2, 3]), {}, doubled.view(2, 3))
+    check.check(aten.mul.Tensor, (made, 2), {}, doubled)  # reads only what the capture made
+    check.check(aten.view.default, (doubled, [2, 3]), {}, doubled.view(2, 3))
 
 
-def test_a_result_on_the_device_passes_and_scalars_pass():
+def test_a_result_on_the_device_passes_and_views_pass():
     check = HostCompute("meta")
     pinned_like = torch.randn(3)  # e.g. a host buffer uploaded each replay: the copy is device work
-    check.check("aten::_to_copy", (pinned_like,), {"device": "meta"}, torch.empty(3, device="meta"))
-    scale = torch.tensor(0.5)  # 0-d: a kernel scalar
-    check.check("aten::mul", (torch.empty(3, device="meta"), scale), {}, torch.empty(3, device="meta"))
-    check.check("aten::add", (scale, 1), {}, scale + 1)
+    check.check(aten._to_copy.default, (pinned_like,), {"device": "meta"}, torch.empty(3, device="meta"))
+    scale = torch.tensor(0.5)  # 0-d, given to a device kernel: a kernel scalar
+    check.check(aten.mul.Tensor, (torch.empty(3, device="meta"), scale), {}, torch.empty(3, device="meta"))
+    check.check(aten.select.int, (pinned_like, 0, 1), {}, pinned_like[1])  # a view computes nothing
+    with pytest.raises(CaptureError, match="aten::add"):  # computing on it on the host does
+        check.check(aten.add.Tensor, (scale, 1), {}, scale + 1)
 
 
 def test_an_in_place_update_of_a_host_counter_is_refused():
     check = HostCompute("meta")
     counter = torch.zeros(2, dtype=torch.long)
     with pytest.raises(CaptureError, match="aten::add_"):
-        check.check("aten::add_", (counter, 1), {}, counter.add_(1))
+        check.check(aten.add_.Tensor, (counter, 1), {}, counter.add_(1))
 
 
 def test_the_reference_records_host_ops_and_refuses_nothing(any_device):
@@ -110,6 +114,6 @@ def test_a_breakable_capture_shares_what_its_segments_made():
         first, second = for_capture("meta"), for_capture("meta")
         assert first is second
         made = torch.arange(4)
-        first.check("aten::arange", (4,), {}, made)
-        second.check("aten::mul", (made, 2), {}, made * 2)  # made by an earlier segment: allowed
+        first.check(aten.arange.default, (4,), {}, made)
+        second.check(aten.mul.Tensor, (made, 2), {}, made * 2)  # made by an earlier segment: allowed
     assert for_capture("meta") is not for_capture("meta")  # plain captures: one record each

@@ -268,7 +268,9 @@ def test_shapes_and_dtypes_stay_readable_inside_capture():
     assert text == "(3,) torch.float32 3 3"
 
 
-# -- the guard on CUDA refuses device tensors only -------------------------------------------------
+# -- on CUDA: host syncs are refused for device tensors; host computation over CPU tensors that
+# existed before the capture is refused as frozen (graph/_host_compute.py); views and reads that
+# run no op pass ---------------------------------------------------------------------------------
 
 
 def _cuda_guard():
@@ -293,13 +295,24 @@ CPU_READS = {
     "nonzero": lambda t: torch.nonzero(t),
     "boolean_mask": lambda t: t[t > 0],
 }
+#: The reads that compute on the CPU from the pre-capture tensor (the rest run no op, or a view).
+FROZEN = {"item", "bool", "int", "nonzero", "boolean_mask"}
 
 
 @pytest.mark.parametrize("name", list(CPU_READS))
-def test_a_cuda_capture_lets_the_host_read_cpu_tensors(name):
+def test_a_cuda_capture_refuses_host_computation_over_pre_capture_cpu_tensors(name):
     fn = CPU_READS[name]
     t = torch.tensor([1.0, -2.0, 3.0])
     guard, dispatch = _cuda_guard()
+    if name in FROZEN:
+        with (
+            pytest.raises(devgraph.CaptureError, match="computes on the CPU from a CPU tensor") as err,
+            guard,
+            dispatch,
+        ):
+            fn(t)
+        assert "synchron" not in str(err.value)  # not the device host-sync refusal: no device is involved
+        return
     with guard, dispatch:
         got = fn(t)
     expected = fn(t)
@@ -307,6 +320,13 @@ def test_a_cuda_capture_lets_the_host_read_cpu_tensors(name):
         assert got == expected
     else:
         torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(expected))
+
+
+def test_a_cuda_capture_lets_the_host_compute_on_what_it_made():
+    guard, dispatch = _cuda_guard()
+    with guard, dispatch:
+        made = torch.arange(4.0)
+        assert (made * 2).sum().item() == 12.0
 
 
 # -- metadata a rebuilt pool tensor must keep, layouts the recorder cannot replay ------------------
@@ -471,8 +491,8 @@ def test_a_cuda_capture_refuses_a_pageable_host_to_device_copy(name):
 
 def test_a_cuda_capture_may_move_host_scalars_and_stay_on_the_host():
     guard, dispatch = _cuda_guard()
-    t = torch.randn(4)
     with guard, dispatch:
+        t = torch.randn(4)  # made inside the capture: the host may compute on it
         same = t.to("cpu") + t.to(torch.float64).float()
     torch.testing.assert_close(same, t * 2)
 
