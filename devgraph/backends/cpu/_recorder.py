@@ -49,7 +49,9 @@ from devgraph.backends.cpu._collectives import (
     issued_by_torch_distributed,
     refuse_async_with_work_in_wait,
 )
-from devgraph.backends.cpu._held import Held, _External, _Ref, _Strong, describe, materialise
+from devgraph.backends.cpu._flat import leaves as flat_leaves
+from devgraph.backends.cpu._flat import map_leaves, tensor_leaves
+from devgraph.backends.cpu._held import _External, _Ref, _Strong, describe, materialise
 from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
 from devgraph.backends.cpu._rng import RngWatch, is_random
 from devgraph.graph import (
@@ -81,8 +83,12 @@ class Entry:
     ) -> None:
         self.func = func
         self.name = name
-        self.args = tree_map(lambda x: describe(x, name) if isinstance(x, torch.Tensor) else x, args)
-        self.kwargs = tree_map(lambda x: describe(x, name) if isinstance(x, torch.Tensor) else x, kwargs)
+
+        def held(x: Any) -> Any:
+            return describe(x, name) if isinstance(x, torch.Tensor) else x
+
+        self.args = map_leaves(held, args)
+        self.kwargs = map_leaves(held, kwargs)
         self.outs: list[tuple[int, _Ref]] = []  # (leaf index in the flattened result, destination)
         self.rerun = rerun
         #: called with the result before the outputs are copied (waits for a collective to finish)
@@ -93,13 +99,13 @@ class Entry:
     def run(self) -> Any:
         if not self.rerun:
             return None
-        args = tree_map(materialise, self.args, is_leaf=lambda x: isinstance(x, Held))
-        kwargs = tree_map(materialise, self.kwargs, is_leaf=lambda x: isinstance(x, Held))
+        args = map_leaves(materialise, self.args)
+        kwargs = map_leaves(materialise, self.kwargs)
         result = self.func(*args, **kwargs)
         if self.finish is not None and not self.deferred:
             self.finish(result)
         if self.outs:
-            leaves, _ = tree_flatten(result)
+            leaves = flat_leaves(result)
             for i, ref in self.outs:
                 dst = ref.get()
                 if leaves[i].shape != dst.shape:
@@ -121,8 +127,7 @@ class Entry:
 
     def externals(self) -> list[_External]:
         """The tensors from outside the capture this entry reads and writes."""
-        leaves = tree_flatten((self.args, self.kwargs), is_leaf=lambda x: isinstance(x, Held))[0]
-        return [x for x in leaves if isinstance(x, _External)]
+        return [x for x in flat_leaves((self.args, self.kwargs)) if isinstance(x, _External)]
 
     def __repr__(self) -> str:
         return f"<Entry {self.name}>"
@@ -194,15 +199,15 @@ def _storages(tree: Any) -> set[int]:
     """Data pointers of the storages of the (non-empty) tensors in ``tree``."""
     return {
         t.untyped_storage().data_ptr()
-        for t in tree_flatten(tree)[0]
-        if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().nbytes()
+        for t in tensor_leaves(tree)
+        if t.device.type != "meta" and t.untyped_storage().nbytes()
     }
 
 
 def _refuse_unstrided(func: Any, tree: Any) -> None:
     """Refuse sparse and other non-strided tensors: the recorder places and rebuilds strided memory."""
-    for t in tree_flatten(tree)[0]:
-        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+    for t in tensor_leaves(tree):
+        if t.layout != torch.strided:
             raise CaptureError(
                 f"the CPU reference backend cannot record {t.layout} tensors (it replays strided memory)",
                 op=func._schema.name,
@@ -215,9 +220,7 @@ def refuse_unrecordable_kinds(func: Any, tree: Any) -> None:
     """Refuse quantized and nested tensors: the recorder rebuilds a tensor from its storage, dtype and
     strides, which loses a quantized tensor's quantizer (replay would fail inside torch) and cannot
     describe a nested tensor's ragged parts."""
-    for t in tree_flatten(tree)[0]:
-        if not isinstance(t, torch.Tensor):
-            continue
+    for t in tensor_leaves(tree):
         kind = "quantized" if t.is_quantized else "nested" if t.is_nested else None
         if kind is not None:
             raise CaptureError(
@@ -338,7 +341,7 @@ class Recorder(TorchDispatchMode):
         result = self._run(func, args, kwargs)
         if random:
             self.rng.after(func, args, kwargs, gen)
-        leaves = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        leaves = tensor_leaves(result)
         _refuse_unstrided(func, leaves)
         refuse_unrecordable_kinds(func, leaves)
         if _is_view(func) and all(_aliases(t, inputs) or not tensor_bytes(t) for t in leaves):
