@@ -234,6 +234,7 @@ def _modes() -> tuple[type, type]:
             # The capture's dispatch mode, where the backend records what it sees (the CPU
             # reference): an op whose kernel reaches it with nothing is invisible to the recording.
             self.recording: Any = None
+            self.recorders: list[Any] = []  # the backend's op recorders (their records_whole)
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -270,8 +271,12 @@ def _modes() -> tuple[type, type]:
                 # The split points are read on the host (in C++, no op to see below): frozen shapes.
                 _raise_sync("torch.tensor_split", _SPLIT_REMEDY)
             recording = self.recording
-            if recording is not None and isinstance(
-                func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+            if (
+                recording is not None
+                and isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+                # a compiled graph or an opaque call is recorded whole: its replay runs every
+                # kernel in it, seen or not
+                and not any(getattr(r, "records_whole", False) for r in self.recorders)
             ):
                 seen = recording.seen
                 result = func(*args, **kwargs)
@@ -513,6 +518,7 @@ def capturing(graph: GuardedGraph, auto_update_ops: Sequence[str] = ()) -> Itera
             # Compiled graphs bypass the dispatcher in part (inductor): record each one whole.
             dispatch.regions = stack.enter_context(CompiledRegions(recorders))
             host_guard.recording = dispatch
+            host_guard.recorders = recorders
         yield
 
 

@@ -289,6 +289,7 @@ class Recorder(TorchDispatchMode):
         self.reissue = reissue
         self._reissued = 0
         self._paused = 0
+        self._opaque = 0  # inside record_call: the call is recorded whole
         # The thread that captures. torch hands the dispatch mode stack to threads that run work for
         # it (gloo runs a collective's copies on its worker thread): their ops belong to the
         # collective, which replay re-issues whole, not to the capture.
@@ -382,7 +383,11 @@ class Recorder(TorchDispatchMode):
     def record_call(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
         """Run ``fn(*args)`` (not recorded op by op) and record it as one opaque entry."""
         entry = Entry(fn, name, args, {})
-        result = fn(*args)
+        self._opaque += 1
+        try:
+            result = fn(*args)
+        finally:
+            self._opaque -= 1
         leaves, spec = tree_flatten(result)
         placed = [
             self._place(entry, i, leaf) if isinstance(leaf, torch.Tensor) else leaf
@@ -391,6 +396,12 @@ class Recorder(TorchDispatchMode):
         self.segment.entries.append(entry)
         self.rng.resync()  # what ``fn`` drew (inductor's seeds) is replayed with it
         return tree_unflatten(placed, spec)
+
+    @property
+    def records_whole(self) -> bool:
+        """True while what runs is recorded as one task (a compiled graph, an opaque call), whose replay
+        runs every kernel in it whether the dispatcher saw it or not."""
+        return self._paused > 0 or self._opaque > 0
 
     def pause_recording(self) -> None:
         """Stop recording ops until ``resume_recording`` (a compiled graph runs; it is recorded whole)."""
