@@ -5,8 +5,8 @@ the CPU launches nothing there: it runs once, while capturing, and a replay neit
 sees what it would compute now. When such an op reads a CPU tensor that existed before the capture
 (a model left on the CPU, an input or a counter the caller changes between calls), the graph holds
 the value of capture time and replays it silently. ``HostCompute`` follows one capture's ops and
-refuses that case by name: a host op that reads a pre-capture CPU tensor (more than a scalar) and
-returns no device tensor.
+refuses that case by name: a host op that reads a pre-capture CPU tensor, computes (is not a view),
+and returns no device tensor.
 
 What stays allowed: views (they compute nothing: the op that reads them is checked), host ops over
 tensors made inside the capture (from shapes and constants: the same at every call), copies whose

@@ -316,7 +316,8 @@ class Recorder(TorchDispatchMode):
             return self._collective(func, args, kwargs)
         if self._collectives and issued_by_torch_distributed():
             return func(*args, **kwargs)  # torch.distributed's own work around a collective
-        refuse_unrecordable_kinds(func, (args, kwargs))
+        arg_tensors = tensor_leaves((args, kwargs))  # flattened once for the checks below
+        refuse_unrecordable_kinds(func, arg_tensors)
         if _is_python_bodied(func):
             with self:  # what the body launches comes back here, op by op
                 return func.redispatch(_CPU_KEYS, *args, **kwargs)
@@ -333,10 +334,10 @@ class Recorder(TorchDispatchMode):
         # What the capture guard refuses, checked again here: the guard does not see the ops a
         # composite decomposes into (argwhere -> nonzero under inference_mode).
         raise_refusal(func, args, kwargs)
-        _refuse_unstrided(func, (args, kwargs))
+        _refuse_unstrided(func, arg_tensors)
         name = func._schema.name
         entry = Entry(func, name, args, kwargs, rerun=name not in _UNINITIALISED)
-        inputs = _storages((args, kwargs))
+        inputs = _storages(arg_tensors)
         random = is_random(func)
         gen = self.rng.before(func, args, kwargs) if random else None
         result = self._run(func, args, kwargs)
