@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from devgraph._errors import DevgraphError
 from devgraph.debug._compare import Diff, align, diff_tensors, max_difference
+from devgraph.debug._compiled import COMPILED, descend, truly_eager
 from devgraph.debug._probe import OpProbe, OpRecord, module_names
 from devgraph.debug._report import BisectReport, OpDifference
 from devgraph.debug._subjects import Call, Plan, callable_plan, clone_tensors, served_plan
@@ -46,6 +47,9 @@ class BisectOptions:
         reference: ``"eager"`` (default): the eager side runs on the graph's device. ``"cpu"``: on a CPU
             copy of the model and the call, so the report names the first op where the device's replay
             departs from the CPU's math (kernels round differently across devices: give ``rtol``).
+        compile_mode: the inductor mode the bisect compiles with when it descends into
+            ``torch.compile``'d code (None: torch's default; give the mode the code was compiled
+            with, e.g. SGLang's ``"max-autotune-no-cudagraphs"``).
     """
 
     device: str | Device | None = None
@@ -56,6 +60,7 @@ class BisectOptions:
     atol: float = attrs.field(default=0.0, validator=_non_negative)
     rtol: float = attrs.field(default=0.0, validator=_non_negative)
     reference: str = attrs.field(default="eager")
+    compile_mode: str | None = None
 
     @reference.validator
     def _check_reference(self, attribute: attrs.Attribute[Any], value: str) -> None:
@@ -130,7 +135,8 @@ class _Side:
 
 def _run_eager(call: Call, probe: OpProbe) -> Any:
     args, kwargs = clone_tensors(call.args), clone_tensors(call.kwargs)  # outside the probe
-    with torch.no_grad(), probe:
+    # Eager is eager: a torch.compile'd function runs its original code, op by op.
+    with torch.no_grad(), truly_eager(), probe:
         return call.fn(*args, **kwargs)
 
 
@@ -271,6 +277,14 @@ def _run(plan: Plan, options: BisectOptions) -> BisectReport:
                 hint=_hint(d, g_out, e_out, [s.name for s, _, _ in flagged], len(sides), plan.notes),
             )
         )
+    regions = [i for i, r in enumerate(records) if r.op == COMPILED]
+    output_diff = _output_diff(graph_out, eager_out)
+    inside = None
+    if regions and (output_diff > 0 or found) and (not found or found[0].index > regions[0]):
+        # The difference starts in or after a compiled graph, recorded whole: look inside it.
+        inside = _inside_compiled(eager, records[regions[0]], options)
+        if inside is not None:
+            found.insert(0, inside)
     first = found[0] if found else None
     largest = max(found, key=lambda f: f.max_rel) if found else None
     measured = max((v for s in sides for v in s.noise.values()), default=0.0)
@@ -292,13 +306,63 @@ def _run(plan: Plan, options: BisectOptions) -> BisectReport:
         largest=largest,
         noise=noise,
         tolerance=(float(atol), float(rtol)),
-        output_max_abs=_output_diff(graph_out, eager_out),
+        output_max_abs=output_diff,
         unmatched=tuple(unmatched),
         reproduces=None if plan.served is None else _output_diff(graph_out, plan.served) == 0.0,
         notes=tuple(plan.notes),
     )
     logger.info("%s", report.text())
     return report
+
+
+#: ops that convert a value's dtype (how Dynamo's graphs and aten name them)
+_CONVERSIONS = frozenset(
+    {"Tensor.float", "Tensor.to", "Tensor.half", "Tensor.bfloat16", "Tensor.double", "Tensor.type_as"}
+)
+
+
+def _compiled_hint(op: str) -> str:
+    if op in _CONVERSIONS or op.startswith("aten::_to_copy") or op.startswith("prims::convert_element_type"):
+        return (
+            "inductor fuses a lower-precision intermediate away: the value converted here is the unrounded "
+            "higher-precision one, where eager rounded it first. torch._inductor.config."
+            "emulate_precision_casts = True makes inductor round like eager (slower kernels)"
+        )
+    return (
+        "inductor computes this op unlike eager (it fuses ops and keeps intermediates in higher precision, "
+        "or orders a reduction otherwise): compiled and eager runs round differently here"
+    )
+
+
+def _inside_compiled(call: Call, region: OpRecord, options: BisectOptions) -> OpDifference | None:
+    """The op inside the call's compiled code where its difference from eager starts (``_compiled``)."""
+    found = descend(
+        call.fn,
+        clone_tensors(call.args),
+        clone_tensors(call.kwargs),
+        mode=options.compile_mode,
+        atol=options.atol,
+        rtol=options.rtol,
+    )
+    if found is None:
+        return None
+    return OpDifference(
+        index=region.index,
+        op=found.op,
+        source=found.source,
+        module=found.module,
+        max_abs=found.max_abs,
+        max_rel=found.max_rel,
+        noise_floor=found.noise_floor,
+        against="the call",
+        where=found.where,
+        graph_value=found.compiled_value,
+        eager_value=found.eager_value,
+        hint=_compiled_hint(found.op),
+        inside=f"the {COMPILED}"
+        + (f" called at {region.source}" if region.source else "")
+        + f"; {found.how}; the descent compiles the whole call",
+    )
 
 
 def _output_diff(graph_out: Any, eager_out: Any) -> float:

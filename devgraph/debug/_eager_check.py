@@ -111,7 +111,8 @@ class EagerCheck:
         *,
         real_rows: int | None,
     ) -> StepComparison:
-        """Run the step eagerly (``run_eager``) and compare it with the replayed output ``graphed``.
+        """Run the step eagerly (``run_eager``, with ``torch.compile``'d code run as its original code)
+        and compare it with the replayed output ``graphed``.
 
         ``logits_of(output)`` gives the step's ``[rows, vocab]`` logits (None: the output has none);
         without it, an output that is a 2-D floating tensor is taken as the logits. ``bisect()``
@@ -125,6 +126,7 @@ class EagerCheck:
         import torch
 
         from devgraph.debug._compare import diff_tensors
+        from devgraph.debug._compiled import truly_eager
 
         def cut(t: Any) -> Any:
             if real_rows is None or not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] < real_rows:
@@ -132,7 +134,7 @@ class EagerCheck:
             return t[:real_rows]
 
         graphed_leaves = [cut(t.detach().clone()) for t in _tensor_leaves(graphed)]
-        with torch.no_grad():
+        with torch.no_grad(), truly_eager():  # compiled code runs as its original code
             eager = run_eager()
         eager_leaves = [cut(t) for t in _tensor_leaves(eager)]
         max_abs = 0.0

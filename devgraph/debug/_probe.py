@@ -7,6 +7,11 @@ replayed values. That is what makes the probe backend-neutral: it asks nothing o
 graph contract. Entered around an eager run it keeps the eager values, and it fills the memory of
 ops that return it uninitialised (``empty``) with NaN, so a later read of memory no op wrote shows
 as a difference instead of passing by chance.
+
+Compiled code (``torch.compile``) runs compiled under the probe, as it runs in the graph: a compiled
+graph is recorded whole, as one ``COMPILED`` record holding its outputs (its fused kernels have no
+op to copy; ``devgraph.debug._compiled`` descends into it). An eager run runs it as its original code
+(``truly_eager``), op by op.
 """
 
 from __future__ import annotations
@@ -22,8 +27,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from devgraph._source import is_user_path, render, skip_dirs
+from devgraph.graph import CompiledRegions
 
-__all__ = ["OpRecord", "OpProbe", "module_names"]
+__all__ = ["COMPILED", "OpRecord", "OpProbe", "module_names"]
+
+#: the op name of a compiled graph's record (recorded whole: see the module docstring)
+COMPILED = "torch.compile'd graph"
 
 #: ops whose output memory is uninitialised: nothing to compare, and eager fills them (``poison``)
 UNINITIALISED = frozenset(
@@ -113,9 +122,54 @@ class OpProbe(TorchDispatchMode):
         self.modules = dict(modules or {})
         self.poison = poison
         self._skip = skip_dirs()
+        self._paused = 0  # inside a compiled graph (recorded whole), or copying its outputs
+        self._regions: CompiledRegions | None = None
+        #: how many compiled graphs ran under the probe
+        self.compiled_calls = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Dynamo skips compiled code under any other dispatch mode: the probe would see the eager ops
+        # of code the graph runs compiled, and compare eager with eager.
+        return True
+
+    def __enter__(self) -> OpProbe:
+        super().__enter__()
+        self._regions = CompiledRegions([self])
+        self._regions.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        regions, self._regions = self._regions, None
+        try:
+            if regions is not None:
+                regions.__exit__(*exc)
+        finally:
+            super().__exit__(*exc)
+
+    # -- a compiled graph is recorded whole (CompiledRegions calls these) ----------------------
+
+    def pause_recording(self) -> None:
+        self._paused += 1
+
+    def resume_recording(self) -> None:
+        self._paused -= 1
+
+    def record_compiled(self, fn: Any, args: Any, kwargs: Any, result: Any, name: str) -> None:
+        leaves = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        self._paused += 1  # the copies are captured work, not ops of the run
+        try:
+            copies = [t.detach().clone() for t in leaves]
+        finally:
+            self._paused -= 1
+        self.compiled_calls += 1
+        source = name.partition(" called at ")[2] or None
+        self.records.append(OpRecord(len(self.records), COMPILED, source, None, copies))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
         if not isinstance(func, torch._ops.OpOverload) or _is_view(func):
             return out  # a view computes nothing: its base's op was compared
         name = func._schema.name

@@ -37,6 +37,8 @@ class OpDifference:
         where: the index of the largest difference in the graph's output tensor.
         graph_value / eager_value: the two outputs (graph's as replayed, uncut), for inspection.
         hint: what the kind of difference usually means (empty when nothing specific).
+        inside: for an op inside ``torch.compile``'d code (recorded whole by the graph run), which
+            compiled graph and how the bisect found the op in it (empty for an op of the graph run).
     """
 
     index: int
@@ -51,6 +53,7 @@ class OpDifference:
     graph_value: Any = attrs.field(eq=False, repr=False)
     eager_value: Any = attrs.field(eq=False, repr=False)
     hint: str = ""
+    inside: str = ""
 
     @property
     def location(self) -> str:
@@ -125,6 +128,7 @@ class BisectReport:
                 f"first difference: op {first.index} of the graph run, {first.op}",
                 f"  at     {first.source or '<unknown line>'}",
                 f"  module {first.module or '-'}",
+                *([f"  inside {first.inside}"] if first.inside else []),
                 f"  max |graph - eager| = {_num(first.max_abs)} (relative {_num(first.max_rel)}) at "
                 f"{list(first.where)}, against eager on {first.against}",
                 f"  noise floor {_num(first.noise_floor)}, atol {_num(self.tolerance[0])}, "

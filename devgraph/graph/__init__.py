@@ -34,6 +34,7 @@ from devgraph.graph._breaks import (
 )
 from devgraph.graph._capture import FUNCTION_SYNCS, SHAPE_REMEDY, raise_refusal, refuse_unrecorded
 from devgraph.graph._collectives import is_collective, refuse_collective
+from devgraph.graph._compiled_regions import CompiledRegions
 from devgraph.graph._contract import (
     Device,
     Event,
@@ -53,6 +54,7 @@ __all__ = [
     "ATTENTION_OPS",
     "BreakableGraph",
     "CapturedBreak",
+    "CompiledRegions",
     "FUNCTION_SYNCS",
     "SHAPE_REMEDY",
     "Device",

@@ -65,7 +65,8 @@ def op_recorders() -> list[Any]:
     """The dispatch modes on the current stack that record ops (see the module docstring)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    return [m for m in _get_current_dispatch_mode_stack() if hasattr(m, "record_compiled")]
+    # record_call: a backend's recorder (a bisect's op probe records compiled graphs, not opaque calls)
+    return [m for m in _get_current_dispatch_mode_stack() if hasattr(m, "record_compiled") and hasattr(m, "record_call")]
 
 
 def record_opaque(fn: Any, args: tuple[Any, ...], name: str) -> Any:
@@ -79,6 +80,15 @@ def record_opaque(fn: Any, args: tuple[Any, ...], name: str) -> Any:
 
     with _disable_current_modes():
         return recorders[-1].record_call(fn, args, name)
+
+
+def _on_stack(modes: list[Any]) -> bool:
+    """True when every one of ``modes`` is on the current dispatch mode stack (Dynamo switches the
+    modes off while it compiles: what runs then is not the captured work)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    stack = _get_current_dispatch_mode_stack()
+    return all(any(m is s for s in stack) for m in modes)
 
 
 def _describe(frame: FrameType) -> str:
@@ -96,6 +106,10 @@ def _describe(frame: FrameType) -> str:
 
 class CompiledRegions:
     """Records every Dynamo-compiled graph called in the block whole, through ``recorders``.
+
+    A recorder is a dispatch mode with ``pause_recording()``, ``resume_recording()`` and
+    ``record_compiled(fn, args, kwargs, result, name)`` (the backend's op recorder, or
+    ``devgraph.bisect``'s op probe); a compiled graph is recorded while they are all on the stack.
 
     Use as a context manager around the captured block (the capturing thread only).
 
@@ -174,7 +188,7 @@ class CompiledRegions:
 
     def _begin_region(self, frame: FrameType) -> None:
         local = frame.f_locals
-        if "fn" not in local or not all(m in op_recorders() for m in self.recorders):
+        if "fn" not in local or not _on_stack(self.recorders):
             return  # run by Dynamo itself with the modes switched off (while compiling): not captured work
         self._frame = frame
         self.active = _describe(frame)
@@ -201,7 +215,7 @@ class CompiledRegions:
             recorder.record_compiled(fn, args, kwargs, result, name)
 
     def _refuse_unrecognised(self, frame: FrameType) -> None:
-        if self._problem is None and all(m in op_recorders() for m in self.recorders):
+        if self._problem is None and _on_stack(self.recorders):
             self._problem = CaptureError(
                 "inductor-generated code ran inside the capture outside a compiled graph devgraph "
                 "recognises, so it cannot be recorded whole (the CPU reference backend records "

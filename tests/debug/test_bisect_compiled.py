@@ -1,0 +1,134 @@
+"""Bisect inside ``torch.compile``'d code: the graph runs it compiled, eager runs it as written, and
+the bisect names the op inside the compiled graph where inductor's value departs from eager.
+
+Inductor fuses ``(x * 3.1).to(bf16)`` with what reads it and keeps the product in float32 (it does
+not round it to bf16 between the ops, as eager does): ``y.float()`` on the planted line is where the
+compiled value first departs (inductor's is the unrounded product). That holds on any CPU, so the
+test plants it; ``emulate_precision_casts`` (the hint's remedy) removes the difference.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import devgraph
+from devgraph.debug import BisectOptions, EagerCheck, bisect
+
+
+
+class Rounding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32, dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        y = (h.float() * 3.1).to(torch.bfloat16)
+        z = y.float() * 1.7  # planted: inductor keeps y in float32 here
+        return z.to(torch.bfloat16) + 1
+
+
+class Exact(nn.Module):
+    """Nothing inductor computes otherwise: float32 elementwise ops, no reduction."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 2.0 + 1.0).relu()
+
+
+def _line(fn, text: str) -> int:
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+@pytest.fixture
+def rounding() -> nn.Module:
+    torch.manual_seed(0)
+    return Rounding().eval()
+
+
+def _x() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(8, 32, dtype=torch.bfloat16)
+
+
+def test_compiled_module_names_the_op_inside_the_compiled_graph(rounding):
+    compiled = torch.compile(rounding)
+    x = _x()
+    with torch.no_grad():
+        assert not torch.equal(compiled(x), rounding(x))  # the difference the bisect must explain
+    report = bisect(compiled, x)
+    first = report.first
+    assert first is not None, str(report)
+    assert first.op == "Tensor.float", str(report)
+    assert "emulate_precision_casts" in first.hint
+    assert first.location.endswith(f"test_bisect_compiled.py:{_line(Rounding.forward, 'planted')}"), str(report)
+    assert "torch.compile'd graph" in first.inside and "inductor" in first.inside
+    assert first.max_abs > 0 and first.noise_floor == 0.0
+    assert report.output_max_abs > 0
+    text = str(report)
+    assert "inside" in text and "planted" in text
+
+
+def test_compiled_code_inside_a_graph_capture_is_bisected(rounding):
+    """A Graph target whose capture calls compiled code: the probe records it whole inside the
+    capture (the CPU reference records it whole too), and the bisect descends into it."""
+    compiled = torch.compile(rounding)
+    x = _x()
+    graph = devgraph.device("cpu").graph()
+
+    def step(inp: torch.Tensor) -> torch.Tensor:
+        return compiled(inp) * 2
+
+    report = bisect(graph, step, x)
+    assert report.first is not None, str(report)
+    assert report.first.location.endswith(f":{_line(Rounding.forward, 'planted')}"), str(report)
+    assert report.first.inside
+
+
+def test_the_hints_remedy_removes_the_difference(rounding):
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    try:
+        with inductor_config.patch(emulate_precision_casts=True):
+            report = bisect(torch.compile(rounding), _x())
+    finally:
+        torch._dynamo.reset()
+    assert report.identical and report.output_max_abs == 0.0, str(report)
+
+
+def test_compiled_code_that_agrees_with_eager_reports_no_difference():
+    compiled = torch.compile(Exact())
+    x = torch.randn(4, 16)
+    report = bisect(compiled, x)
+    assert report.identical, str(report)
+    assert report.output_max_abs == 0.0
+
+
+def test_compile_mode_is_passed_to_the_descent(rounding, monkeypatch):
+    from devgraph.debug import _compiled
+
+    modes = []
+    real = _compiled._Cuts.__init__
+
+    def spy(self, gm, inputs, mode):
+        modes.append(mode)
+        real(self, gm, inputs, mode)
+
+    monkeypatch.setattr(_compiled._Cuts, "__init__", spy)
+    bisect(torch.compile(rounding), _x(), bisect_options=BisectOptions(compile_mode="reduce-overhead"))
+    assert modes == ["reduce-overhead"]
+
+
+def test_eager_check_runs_compiled_code_as_written(rounding):
+    """The engines' sampled check compares with eager, not with the compiled code run again."""
+    compiled = torch.compile(rounding)
+    x = _x()
+    with torch.no_grad():
+        graphed = compiled(x)
+    result = EagerCheck("test", 1).compare(graphed, lambda: compiled(x), real_rows=None)
+    assert result.max_abs > 0
