@@ -360,8 +360,8 @@ def _inside_compiled(call: Call, region: OpRecord, options: BisectOptions) -> Op
         eager_value=found.eager_value,
         hint=_compiled_hint(found.op),
         inside=f"the {COMPILED}"
-        + (f" called at {region.source}" if region.source else "")
-        + f"; {found.how}; the descent compiles the whole call",
+        + (f" called at {region.source.split(': ', 1)[0]}" if region.source else "")
+        + f" ({found.how}; the descent compiles the whole call)",
     )
 
 

@@ -42,6 +42,7 @@ __all__ = ["COMPILED", "CompiledFinding", "descend", "truly_eager"]
 
 logger = logging.getLogger("devgraph.debug")
 
+
 @contextlib.contextmanager
 def truly_eager() -> Iterator[None]:
     """Run ``torch.compile``'d functions as their original code (``set_stance("force_eager")``): the
@@ -71,7 +72,9 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
-def trace_graphs(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, list[Any]]]:
+def trace_graphs(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[Any, list[Any]]]:
     """Dynamo's graphs of ``fn(*args, **kwargs)`` in call order, each with copies of its real inputs."""
     graphs: list[tuple[Any, list[Any]]] = []
 
@@ -163,7 +166,9 @@ class _Cuts:
         interpreter = torch.fx.Interpreter(self.gm, garbage_collect_values=False)
         with torch.no_grad():
             interpreter.run(*self._fresh_inputs())
-        return {n: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for n, v in interpreter.env.items()}
+        return {
+            n: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for n, v in interpreter.env.items()
+        }
 
     def live(self, position: int) -> list[torch.fx.Node]:
         """The tensor values after op ``position`` (an index into ``nodes``) that the rest still reads."""
@@ -225,7 +230,11 @@ def _search(cuts: _Cuts, atol: float, rtol: float) -> CompiledFinding | None:
     found = dict(cuts.differing(values, atol, rtol))
     named = node if node in found else next(iter(found), node)
     d = found.get(named)
-    shown = named.args[0] if named.target is operator.getitem and isinstance(named.args[0], torch.fx.Node) else named
+    shown = (
+        named.args[0]
+        if named.target is operator.getitem and isinstance(named.args[0], torch.fx.Node)
+        else named
+    )
     if d is None:  # the cut no longer differs (inductor chose otherwise this time): name the op anyway
         d = diff_tensors(values.get(named, cuts.eager[named]), cuts.eager[named])
     return CompiledFinding(
@@ -269,4 +278,3 @@ def descend(
             logger.info("devgraph: inside compiled code: %s at %s (%s)", found.op, found.source, found.how)
             return found
     return None
-

@@ -20,11 +20,15 @@ import attrs
 from devgraph._errors import DevgraphError
 from devgraph.debug._tokens import NEAR_TIE, TokenComparison, compare_tokens
 
-__all__ = ["ENV", "EagerCheck", "StepComparison", "eager_check_from_env"]
+__all__ = ["BISECT_ENV", "ENV", "EagerCheck", "StepComparison", "eager_check_from_env"]
 
 logger = logging.getLogger("devgraph.debug")
 
 ENV = "DEVGRAPH_COMPARE_EAGER"
+#: when a sampled step is bisected: ``flip`` (default: a row's greedy token flipped and it was not a
+#: near-tie), ``difference`` (any difference from eager), ``never``
+BISECT_ENV = "DEVGRAPH_COMPARE_EAGER_BISECT"
+BISECT_ON = ("flip", "difference", "never")
 
 
 @attrs.frozen
@@ -74,8 +78,15 @@ def eager_check_from_env(engine: str, environ: Mapping[str, str] | None = None) 
     Raises:
         DevgraphError: a value that is not a non-negative integer.
     """
-    every = _every(os.environ if environ is None else environ)
-    return EagerCheck(engine, every) if every else None
+    environ = os.environ if environ is None else environ
+    every = _every(environ)
+    bisect_on = environ.get(BISECT_ENV, "").strip() or "flip"
+    if bisect_on not in BISECT_ON:
+        raise DevgraphError(
+            f"{BISECT_ENV}={bisect_on!r}: give flip (bisect a step where a greedy token flipped and it was "
+            "not a near-tie), difference (any step that differs from eager) or never"
+        )
+    return EagerCheck(engine, every, bisect_on=bisect_on) if every else None
 
 
 def _tensor_leaves(value: Any) -> list[Any]:
@@ -90,7 +101,12 @@ def _tensor_leaves(value: Any) -> list[Any]:
 class EagerCheck:
     """Compare every ``every``-th replayed step of ``engine`` with the same step run eagerly."""
 
-    def __init__(self, engine: str, every: int, *, threshold: float = NEAR_TIE, keep: int = 64) -> None:
+    def __init__(
+        self, engine: str, every: int, *, threshold: float = NEAR_TIE, keep: int = 64, bisect_on: str = "flip"
+    ) -> None:
+        if bisect_on not in BISECT_ON:
+            raise DevgraphError(f"bisect_on must be one of {BISECT_ON}, got {bisect_on!r}")
+        self.bisect_on = bisect_on
         self.engine = engine
         self.every = every
         self.threshold = threshold
@@ -116,7 +132,8 @@ class EagerCheck:
 
         ``logits_of(output)`` gives the step's ``[rows, vocab]`` logits (None: the output has none);
         without it, an output that is a 2-D floating tensor is taken as the logits. ``bisect()``
-        bisects the step (``devgraph.bisect`` on it): run when a row's flip is not a near-tie.
+        bisects the step (``devgraph.bisect`` on it): run when a row's flip is not a near-tie, or as
+        the check's ``bisect_on`` says (``"difference"``: any difference; ``"never"``).
         ``real_rows`` (required, so that every caller decides): the step's real rows (tokens) when it
         was padded to a captured size; padding rows hold whatever the kernels left there (an engine's
         eager attention may not write them: vLLM's FULL steps), so only the first ``real_rows`` rows of
@@ -158,7 +175,12 @@ class EagerCheck:
                 )
                 flips.append((row, c))
         report = None
-        if bisect is not None and any(c.near_tie is False for _, c in flips):
+        due = {
+            "flip": any(c.near_tie is False for _, c in flips),
+            "difference": max_abs > 0,
+            "never": False,
+        }[self.bisect_on]
+        if bisect is not None and due:
             try:
                 report = bisect()
             except Exception as exc:  # a debug aid must not break the step: say why there is no bisect

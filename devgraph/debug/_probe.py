@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from devgraph._source import is_user_path, render, skip_dirs
-from devgraph.graph import CompiledRegions
+from devgraph.graph import CompiledRegions, is_view, written_arguments
 
 __all__ = ["COMPILED", "OpRecord", "OpProbe", "module_names"]
 
@@ -66,20 +66,10 @@ def module_names(target: Any) -> dict[int, str]:
     return {id(m): (name or type(m).__name__) for name, m in named()}
 
 
-def _is_view(func: Any) -> bool:
-    rets = func._schema.returns
-    return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
-
-
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensor arguments ``func`` writes (``Tensor(a!)``), as they are after the op."""
-    written: list[torch.Tensor] = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
-    return written
+    """The tensor arguments ``func`` writes (``Tensor(a!)``, ``out``), as they are after the op."""
+    values = written_arguments(func._schema, args, kwargs)
+    return [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
 
 
 def _where(modules: Mapping[int, str], skip: tuple[str, str]) -> tuple[str | None, str | None]:
@@ -170,7 +160,7 @@ class OpProbe(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self._paused:
             return out
-        if not isinstance(func, torch._ops.OpOverload) or _is_view(func):
+        if not isinstance(func, torch._ops.OpOverload) or is_view(func._schema):
             return out  # a view computes nothing: its base's op was compared
         name = func._schema.name
         leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.device.type != "meta"]

@@ -46,7 +46,7 @@ from devgraph.graph._contract import (
     probe_captures,
 )
 from devgraph.graph._graph_set import GraphSet, SharedPool
-from devgraph.graph._opnames import has_python_kernel, lookup_op
+from devgraph.graph._opnames import has_python_kernel, is_view, lookup_op, writes_arguments, written_arguments
 from devgraph.graph._tasks import TaskGroup, apply_host_args, holds_tensor
 from devgraph.graph._weakref import weak_ref_tensor, weak_ref_tensors
 
@@ -74,6 +74,7 @@ __all__ = [
     "has_python_kernel",
     "holds_tensor",
     "is_collective",
+    "is_view",
     "lookup_op",
     "mark_break",
     "marked_breaks",
@@ -84,4 +85,6 @@ __all__ = [
     "unmark_break",
     "weak_ref_tensor",
     "weak_ref_tensors",
+    "writes_arguments",
+    "written_arguments",
 ]

@@ -66,7 +66,11 @@ def op_recorders() -> list[Any]:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     # record_call: a backend's recorder (a bisect's op probe records compiled graphs, not opaque calls)
-    return [m for m in _get_current_dispatch_mode_stack() if hasattr(m, "record_compiled") and hasattr(m, "record_call")]
+    return [
+        m
+        for m in _get_current_dispatch_mode_stack()
+        if hasattr(m, "record_compiled") and hasattr(m, "record_call")
+    ]
 
 
 def record_opaque(fn: Any, args: tuple[Any, ...], name: str) -> Any:

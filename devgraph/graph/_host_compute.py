@@ -24,7 +24,9 @@ from typing import Any
 
 from devgraph._errors import CaptureError
 from devgraph._source import user_source_line
-from devgraph.graph._break_calls import storage, tensors
+from devgraph.graph._break_calls import storage
+from devgraph.graph._flat import tensor_leaves
+from devgraph.graph._opnames import writes_arguments
 
 __all__ = ["HostCompute", "for_capture", "shared_across"]
 
@@ -54,14 +56,16 @@ class HostCompute:
         name = func._schema.name
         outside = None
         inputs: set[int] = set()
-        for t in tensors((args, kwargs)):
+        for t in tensor_leaves((args, kwargs)):  # an op's arguments: flat by schema
             ptr = storage(t)
             inputs.add(ptr)
             if outside is None and t.device.type == "cpu" and ptr and ptr not in self.made:
                 outside = t
-        results = list(tensors(result))
+        results = tensor_leaves(result)
         # A view computes nothing (the op that reads it is checked); an op writing an input does.
-        computed = not results or _writes(func) or any(storage(r) not in inputs for r in results)
+        computed = (
+            not results or writes_arguments(func._schema) or any(storage(r) not in inputs for r in results)
+        )
         if outside is not None and computed and not any(r.device.type == self.device_type for r in results):
             raise CaptureError(
                 f"{name} computes on the CPU from a CPU tensor {tuple(outside.shape)} made before "
@@ -96,8 +100,3 @@ def shared_across(device_type: str) -> Iterator[None]:
         yield
     finally:
         _SHARED.reset(token)
-
-
-def _writes(func: Any) -> bool:
-    """Whether op ``func`` writes one of its arguments (in place, ``out=``)."""
-    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)

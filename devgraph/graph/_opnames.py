@@ -1,7 +1,10 @@
-"""Qualified op names (``"namespace::op[.overload]"``): checked against ``torch.ops``, one message.
+"""Qualified op names (``"namespace::op[.overload]"``): checked against ``torch.ops``, one message;
+and what an op's schema says it does to its arguments (``is_view``, ``written_arguments``).
 
 The compile layer's splitting ops and ``Graph.capture(auto_update_ops=...)`` both name ops this
-way; both refuse a name that is misspelt or names no registered op, with the same message.
+way; both refuse a name that is misspelt or names no registered op, with the same message. The
+recorder, the host-compute check, the bisect's probe and the fusion passes read an op's schema the
+same way through the two schema helpers.
 """
 
 from __future__ import annotations
@@ -11,7 +14,41 @@ from typing import Any
 
 from devgraph._errors import DevgraphError
 
-__all__ = ["has_python_kernel", "lookup_op", "resolve_auto_update_ops"]
+__all__ = [
+    "has_python_kernel",
+    "is_view",
+    "lookup_op",
+    "resolve_auto_update_ops",
+    "writes_arguments",
+    "written_arguments",
+]
+
+
+def is_view(schema: Any) -> bool:
+    """Whether an op of this schema returns views of its arguments and writes none of them
+    (``view``, ``slice``, ``split``: ``Tensor(a)``, ``Tensor(a)[]``)."""
+    rets = schema.returns
+    return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+
+
+def _writes(arg: Any) -> bool:
+    return (arg.alias_info is not None and arg.alias_info.is_write) or arg.name == "out"
+
+
+def writes_arguments(schema: Any) -> bool:
+    """Whether an op of this schema writes any of its arguments (in place, ``out=``)."""
+    return any(_writes(arg) for arg in schema.arguments)
+
+
+def written_arguments(schema: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The argument values an op of this schema writes (``Tensor(a!)``, or an argument named ``out``),
+    as passed: tensors at run time, fx nodes in a graph. Empty for an op that writes none."""
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if _writes(arg):
+            written.append(args[i] if i < len(args) else kwargs.get(arg.name))
+    return written
+
 
 _AUTO_UPDATE_SPELLING = (
     "spell auto_update_ops 'namespace::op', e.g. 'devgraph::paged_decode_attention'; an engine's custom "

@@ -19,7 +19,6 @@ import devgraph
 from devgraph.debug import BisectOptions, EagerCheck, bisect
 
 
-
 class Rounding(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -65,7 +64,9 @@ def test_compiled_module_names_the_op_inside_the_compiled_graph(rounding):
     assert first is not None, str(report)
     assert first.op == "Tensor.float", str(report)
     assert "emulate_precision_casts" in first.hint
-    assert first.location.endswith(f"test_bisect_compiled.py:{_line(Rounding.forward, 'planted')}"), str(report)
+    assert first.location.endswith(f"test_bisect_compiled.py:{_line(Rounding.forward, 'planted')}"), str(
+        report
+    )
     assert "torch.compile'd graph" in first.inside and "inductor" in first.inside
     assert first.max_abs > 0 and first.noise_floor == 0.0
     assert report.output_max_abs > 0

@@ -105,6 +105,34 @@ def test_a_near_tie_flip_is_not_bisected():
     assert result.flips and result.bisect is None and bisected == []
 
 
+@pytest.mark.parametrize(
+    ("bisect_on", "graphed", "eager", "bisected"),
+    [
+        ("difference", [[1.0, 2.0]], [[1.0, 2.5]], True),  # no flip, but a difference
+        ("difference", [[1.0, 2.0]], [[1.0, 2.0]], False),  # identical: nothing to explain
+        ("flip", [[1.0, 2.0]], [[1.0, 2.5]], False),  # the default: only a flip that is no near-tie
+        ("never", [[0.0, 5.0]], [[5.0, 0.0]], False),
+    ],
+)
+def test_bisect_on_says_which_steps_are_bisected(bisect_on, graphed, eager, bisected):
+    env = {"DEVGRAPH_COMPARE_EAGER": "1", "DEVGRAPH_COMPARE_EAGER_BISECT": bisect_on}
+    check = eager_check_from_env("x", env)
+    calls = []
+    check.compare(
+        torch.tensor(graphed), lambda: torch.tensor(eager), bisect=lambda: calls.append(1), real_rows=None
+    )
+    assert bool(calls) is bisected
+
+
+def test_bad_bisect_on_names_the_variable_and_the_choices():
+    with pytest.raises(
+        DevgraphError, match=r"DEVGRAPH_COMPARE_EAGER_BISECT='sometimes'.*flip.*difference.*never"
+    ):
+        eager_check_from_env(
+            "x", {"DEVGRAPH_COMPARE_EAGER": "1", "DEVGRAPH_COMPARE_EAGER_BISECT": "sometimes"}
+        )
+
+
 def test_a_failing_bisect_is_logged_not_raised(caplog):
     check = eager_check_from_env("x", {"DEVGRAPH_COMPARE_EAGER": "1"})
 
@@ -140,7 +168,14 @@ def test_sglang_hook_reruns_the_captured_forward_of_the_shape(monkeypatch):
         assert result.flips and result.flips[0][1].graphed_token == 1
         from devgraph.adapters.sglang import _stats
 
-        assert _stats.stats().eager_checks[-1] == {"step": 1, "max_abs": 1.0, "rows": 1, "flips": 1}
+        entry = _stats.stats().eager_checks[-1]
+        assert {k: entry[k] for k in ("step", "max_abs", "rows", "flips")} == {
+            "step": 1,
+            "max_abs": 1.0,
+            "rows": 1,
+            "flips": 1,
+        }
+        assert entry["margins"] == [[1.0, 1.0, False]]  # graphed and eager margins, not a near-tie
     finally:
         monkeypatch.delenv("DEVGRAPH_COMPARE_EAGER")
         hook.configure()

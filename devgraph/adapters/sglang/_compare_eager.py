@@ -10,6 +10,7 @@ is counted in the backend's stats (``eager_checks``, mirrored to ``DEVGRAPH_SGLA
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -50,12 +51,27 @@ def replayed(backend: Any, shape_key: Any, output: Any) -> None:
         return
 
     def bisect() -> Any:
-        return devgraph_bisect(forward, bisect_options=BisectOptions(device=backend.device))
+        # With DEVGRAPH_SGLANG_COMPILE=1 the forward is SGLang's torch.compile'd one: the bisect
+        # descends into it compiled as SGLang compiles it.
+        mode = os.environ.get("SGLANG_TORCH_COMPILE_MODE", "max-autotune-no-cudagraphs")
+        return devgraph_bisect(
+            forward, bisect_options=BisectOptions(device=backend.device, compile_mode=mode)
+        )
 
     # Every row: devgraph's SGLang decode graphs replay exact batch sizes only (no padding rows;
     # tests/adapters/sglang/test_engine_compare_eager.py compares them: 0 difference).
     result = check.compare(output, forward, _logits, bisect, real_rows=None)
-    entry = {"step": result.step, "max_abs": result.max_abs, "rows": result.rows, "flips": len(result.flips)}
+    entry = {
+        "step": result.step,
+        "max_abs": result.max_abs,
+        "rows": result.rows,
+        "flips": len(result.flips),
+        "margins": [[c.graphed_margin, c.eager_margin, c.near_tie] for _, c in result.flips],
+    }
+    report = result.bisect
+    if report is not None:
+        entry["bisect"] = report.first.summary() if report.first is not None else "no op differs"
+        entry["bisect_inside"] = report.first.inside if report.first is not None else ""
     _stats.record(lambda s: s.eager_checks.append(entry))
 
 

@@ -4,7 +4,8 @@
 largest first, slicing) with devgraph's backend, for the CPU reference, where a graph step must equal
 the eager step bit for bit. Two things differ from SGLang's runner:
 
-* Nothing is ``torch.compile``'d. On ``cpu`` SGLang captures only with ``enable_torch_compile`` and
+* Nothing is ``torch.compile``'d (unless ``DEVGRAPH_SGLANG_COMPILE=1``: then SGLang compiles the
+  sizes it chose and the capture records each compiled graph whole). On ``cpu`` SGLang captures only with ``enable_torch_compile`` and
   then compiles every captured size's whole forward (it raises ``torch_compile_max_bs`` to the
   largest capture size whatever was passed); inductor's fused kernels round differently from the
   eager ops (near-tied greedy tokens flipped on long outputs), and compiling each size took most of
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections import Counter
 from typing import Any
@@ -41,6 +43,10 @@ from devgraph.adapters.sglang._backend import DevgraphGraphBackend
 from devgraph.graph import Device
 
 logger = logging.getLogger(__name__)
+
+#: Set to 1 to keep SGLang's torch.compile of the decode forward (its --enable-torch-compile, as
+#: SGLang means it): steps are then not eager steps bit for bit (inductor rounds otherwise).
+COMPILE_ENV = "DEVGRAPH_SGLANG_COMPILE"
 
 
 class _UsesDevgraphBackend:
@@ -66,14 +72,23 @@ class _UsesDevgraphBackend:
             )
             self.backend.cleanup()
             self.backend = DevgraphGraphBackend(self)
-        if getattr(self, "compile_bs", None):
-            logger.info(
-                "devgraph: capturing decode sizes %s without torch.compile (SGLang would compile %s): "
-                "graph steps then equal eager steps bit for bit",
-                self.capture_bs,
-                self.compile_bs,
+        if os.environ.get(COMPILE_ENV) == "1":
+            logger.warning(
+                "devgraph: %s=1: SGLang compiles the forward of decode sizes %s with torch.compile "
+                "(inductor) and devgraph records each compiled graph whole: those steps differ from eager "
+                "where inductor rounds otherwise (DEVGRAPH_COMPARE_EAGER explains where)",
+                COMPILE_ENV,
+                getattr(self, "compile_bs", []),
             )
-        self.compile_bs = []
+        else:
+            if getattr(self, "compile_bs", None):
+                logger.info(
+                    "devgraph: capturing decode sizes %s without torch.compile (SGLang would compile %s): "
+                    "graph steps then equal eager steps bit for bit",
+                    self.capture_bs,
+                    self.compile_bs,
+                )
+            self.compile_bs = []
         runner = type(self).__name__
         _stats.record(lambda s: setattr(s, "runner", runner))
         start = time.perf_counter()

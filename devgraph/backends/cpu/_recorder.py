@@ -49,17 +49,19 @@ from devgraph.backends.cpu._collectives import (
     issued_by_torch_distributed,
     refuse_async_with_work_in_wait,
 )
-from devgraph.backends.cpu._flat import leaves as flat_leaves
-from devgraph.backends.cpu._flat import map_leaves, tensor_leaves
+from devgraph.graph._flat import leaves as flat_leaves
+from devgraph.graph._flat import map_leaves, tensor_leaves
 from devgraph.backends.cpu._held import _External, _Ref, _Strong, describe, materialise
 from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
 from devgraph.backends.cpu._rng import RngWatch, is_random
 from devgraph.graph import (
     has_python_kernel,
     is_collective,
+    is_view,
     raise_refusal,
     refuse_collective,
     refuse_unrecorded,
+    written_arguments,
 )
 
 __all__ = ["Entry", "Recorder", "Segment", "Tape", "finish_deferred", "refuse_collective_in_task"]
@@ -168,8 +170,7 @@ def _fresh_returns(func: Any) -> list[bool]:
 
 
 def _is_view(func: Any) -> bool:
-    rets = func._schema.returns
-    return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+    return is_view(func._schema)
 
 
 _COMPOSITE: dict[Any, bool] = {}
@@ -238,12 +239,8 @@ def refuse_unrecordable_kinds(func: Any, tree: Any) -> None:
 
 def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensor arguments ``func`` writes (``Tensor(a!)`` arguments, or ``out``)."""
-    written: list[torch.Tensor] = []
-    for i, arg in enumerate(func._schema.arguments):
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name == "out":
-            written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
-    return written
+    values = written_arguments(func._schema, args, kwargs)
+    return [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
 
 
 def _pairs(

@@ -16,6 +16,8 @@ import attrs
 import torch
 from torch import fx
 
+from devgraph.graph import is_view, written_arguments
+
 __all__ = [
     "RmsMatch",
     "aten",
@@ -181,8 +183,7 @@ def _is_view(node: fx.Node) -> bool:
     """A call whose result aliases its first argument without writing it (``view``, ``slice``...)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    returns = node.target._schema.returns
-    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+    return is_view(node.target._schema)
 
 
 def _alias_root(node: fx.Node) -> fx.Node:
@@ -208,14 +209,7 @@ def _written(node: fx.Node) -> Iterator[fx.Node]:
     """The nodes whose memory ``node`` writes in place (``Tensor(a!)`` arguments of its schema)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return
-    schema = node.target._schema
-    if not schema.is_mutable:
-        return
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        yield from _arg_nodes([value])
+    yield from _arg_nodes(written_arguments(node.target._schema, node.args, dict(node.kwargs)))
 
 
 def _written_between(start: fx.Node, stop: fx.Node, skip: set[fx.Node], inputs: set[fx.Node]) -> bool:

@@ -69,6 +69,7 @@ def engine_kwargs(
     max_bs: int | None = None,
     prefill: bool = False,
     prefill_max_tokens: int | None = None,
+    compile_max_bs: int = 0,
 ) -> dict:
     """The ``sgl.Engine`` arguments of one mode (the graph settings are the only difference).
 
@@ -91,7 +92,7 @@ def engine_kwargs(
     if max_bs is not None:
         kwargs["cuda_graph_max_bs_decode"] = max_bs
     if mode == "graphs":
-        kwargs.update(enable_torch_compile=True, torch_compile_max_bs=0)
+        kwargs.update(enable_torch_compile=True, torch_compile_max_bs=compile_max_bs)
         if capture is not None:
             kwargs["cuda_graph_bs_decode"] = capture
         if prefill:
@@ -103,6 +104,11 @@ def engine_kwargs(
     elif mode != "unset":
         raise SystemExit(f"mode must be graphs, eager or unset, not {mode!r}")
     return kwargs
+
+
+def _top2(output: dict) -> list[list[float]]:
+    """Each generated token's two highest log-probabilities (SGLang's ``output_top_logprobs``)."""
+    return [[lp for lp, _id, *_ in top[:2]] for top in output["meta_info"]["output_top_logprobs"]]
 
 
 def main() -> None:
@@ -120,12 +126,26 @@ def main() -> None:
     parser.add_argument("--max-bs", type=int, default=None, help="cuda_graph_max_bs_decode")
     parser.add_argument("--prefill", action="store_true", help="graphs mode: prefill graphs too (breakable)")
     parser.add_argument("--prefill-max-tokens", type=int, default=None, help="cuda_graph_max_bs_prefill")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="graphs mode: keep SGLang's torch.compile of every captured size (DEVGRAPH_SGLANG_COMPILE=1)",
+    )
+    parser.add_argument(
+        "--logprobs", action="store_true", help="also save each token's top-2 log-probabilities"
+    )
     args = parser.parse_args()
     if os.environ.get("SGLANG_PLATFORM") != "devgraph":
         raise SystemExit("run with SGLANG_PLATFORM=devgraph")
     import sglang as sgl
 
     capture = [int(s) for s in args.capture.split(",")] if args.capture else None
+    compile_max_bs = 0
+    if args.compile:
+        if args.mode != "graphs":
+            raise SystemExit("--compile applies to graphs mode")
+        os.environ["DEVGRAPH_SGLANG_COMPILE"] = "1"  # read by the scheduler process devgraph's runner runs in
+        compile_max_bs = max(capture) if capture else args.max_running
     start = time.perf_counter()
     engine = sgl.Engine(
         model_path=args.model_dir,
@@ -137,6 +157,7 @@ def main() -> None:
             max_bs=args.max_bs,
             prefill=args.prefill,
             prefill_max_tokens=args.prefill_max_tokens,
+            compile_max_bs=compile_max_bs,
         ),
     )
     started = time.perf_counter() - start
@@ -149,13 +170,19 @@ def main() -> None:
                 {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
                 for n in max_new_tokens(args.requests, args.max_new_tokens)
             ],
+            **({"return_logprob": True, "top_logprobs_num": 2} if args.logprobs else {}),
         )
         generated = time.perf_counter() - start
     finally:
         engine.shutdown()
     with open(args.out, "w") as f:
         json.dump(
-            {"output_ids": [o["output_ids"] for o in outputs], "start_s": started, "generate_s": generated},
+            {
+                "output_ids": [o["output_ids"] for o in outputs],
+                "start_s": started,
+                "generate_s": generated,
+                **({"top2": [_top2(o) for o in outputs]} if args.logprobs else {}),
+            },
             f,
         )
 

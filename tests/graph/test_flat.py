@@ -7,7 +7,7 @@ import collections
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from devgraph.backends.cpu._flat import leaves, map_leaves, tensor_leaves
+from devgraph.graph._flat import leaves, map_leaves, tensor_leaves
 
 t1, t2 = torch.ones(2), torch.zeros(3)
 Point = collections.namedtuple("Point", "x y")

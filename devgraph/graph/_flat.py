@@ -1,9 +1,12 @@
-"""Flattening an op's arguments and results, fast: the recorder's per-op hot path.
+"""Flattening an op's arguments and results, fast: the per-op hot path of the CPU reference's
+recorder and of a device capture's host-compute check.
 
 An op's arguments and results are flat by schema (tensors, scalars, lists of them, ``None``; keyword
 arguments a dict), so plain recursion over tuples, lists and dicts visits them in the order
 ``torch.utils._pytree`` does (sequences in order, dicts in insertion order), several times faster: the
 CPU reference spent about a quarter of a capture in pytree (an SGLang engine start, profiled).
+Only for what an op's schema makes flat: a break's or a user's call may hold containers registered
+with pytree, which only ``torch.utils._pytree`` visits (``_break_calls.tensors``).
 """
 
 from __future__ import annotations
