@@ -148,7 +148,9 @@ def _eager_side(
         probe = OpProbe(modules, poison=True)
         outs.append(_run_eager(call, probe))
         runs.append(probe.records)
-    pairs, unmatched = align(graph, runs[0])
+    # Around a compiled graph (one record for many eager ops) op names alone can pair an op after it
+    # with one eager ran inside it: pair by op and source line there.
+    pairs, unmatched = align(graph, runs[0], by_source=any(r.op == COMPILED for r in graph))
     return _Side(name, runs[0], _noise(runs[0], runs[1]), dict(pairs)), outs[0], unmatched
 
 
@@ -282,7 +284,7 @@ def _run(plan: Plan, options: BisectOptions) -> BisectReport:
     inside = None
     if regions and (output_diff > 0 or found) and (not found or found[0].index > regions[0]):
         # The difference starts in or after a compiled graph, recorded whole: look inside it.
-        inside = _inside_compiled(eager, records[regions[0]], options)
+        inside = _inside_compiled(eager, [records[i] for i in regions], options)
         if inside is not None:
             found.insert(0, inside)
     first = found[0] if found else None
@@ -321,12 +323,18 @@ _CONVERSIONS = frozenset(
 )
 
 
-def _compiled_hint(op: str) -> str:
+def _compiled_hint(op: str, dtype: torch.dtype) -> str:
     if op in _CONVERSIONS or op.startswith("aten::_to_copy") or op.startswith("prims::convert_element_type"):
         return (
             "inductor fuses a lower-precision intermediate away: the value converted here is the unrounded "
             "higher-precision one, where eager rounded it first. torch._inductor.config."
             "emulate_precision_casts = True makes inductor round like eager (slower kernels)"
+        )
+    if dtype in (torch.bfloat16, torch.float16):
+        return (
+            f"inductor fuses this op with the ops feeding it and keeps their results in float32, where eager "
+            f"rounds each one to {str(dtype).removeprefix('torch.')} (or it orders a reduction otherwise). "
+            "torch._inductor.config.emulate_precision_casts = True rounds like eager"
         )
     return (
         "inductor computes this op unlike eager (it fuses ops and keeps intermediates in higher precision, "
@@ -334,7 +342,7 @@ def _compiled_hint(op: str) -> str:
     )
 
 
-def _inside_compiled(call: Call, region: OpRecord, options: BisectOptions) -> OpDifference | None:
+def _inside_compiled(call: Call, regions: list[OpRecord], options: BisectOptions) -> OpDifference | None:
     """The op inside the call's compiled code where its difference from eager starts (``_compiled``)."""
     found = descend(
         call.fn,
@@ -346,6 +354,8 @@ def _inside_compiled(call: Call, region: OpRecord, options: BisectOptions) -> Op
     )
     if found is None:
         return None
+    # The probe recorded the call's compiled graphs in the order the descent traced them.
+    region = regions[min(found.graph, len(regions) - 1)]
     return OpDifference(
         index=region.index,
         op=found.op,
@@ -358,10 +368,10 @@ def _inside_compiled(call: Call, region: OpRecord, options: BisectOptions) -> Op
         where=found.where,
         graph_value=found.compiled_value,
         eager_value=found.eager_value,
-        hint=_compiled_hint(found.op),
+        hint=_compiled_hint(found.op, found.eager_value.dtype),
         inside=f"the {COMPILED}"
         + (f" called at {region.source.split(': ', 1)[0]}" if region.source else "")
-        + f" ({found.how}; the descent compiles the whole call)",
+        + f" ({found.how})",
     )
 
 

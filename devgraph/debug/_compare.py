@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -88,14 +89,17 @@ def max_difference(g: OpRecord, e: OpRecord) -> Diff:
     return worst
 
 
-def align(left: Sequence[OpRecord], right: Sequence[OpRecord]) -> tuple[list[tuple[int, int]], list[str]]:
+def align(
+    left: Sequence[OpRecord], right: Sequence[OpRecord], *, by_source: bool = False
+) -> tuple[list[tuple[int, int]], list[str]]:
     """Pairs ``(i, j)`` of the ops the two runs both ran, in order, and the ops only one side ran.
 
     The runs usually issue the same ops; where they do not (code that branches on the batch size,
-    a piecewise graph's lowered ops) the longest common subsequence of op names lines them up.
+    a piecewise graph's lowered ops) the longest common subsequence of op names lines them up
+    (``by_source``: of op names and source lines, where both runs' ops come from the same lines).
     """
-    a = [r.op for r in left]
-    b = [r.op for r in right]
+    a: list[Any] = [(r.op, r.source) if by_source else r.op for r in left]
+    b: list[Any] = [(r.op, r.source) if by_source else r.op for r in right]
     if a == b:
         return [(i, i) for i in range(len(a))], []
     matcher = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
@@ -105,6 +109,6 @@ def align(left: Sequence[OpRecord], right: Sequence[OpRecord]) -> tuple[list[tup
         if tag == "equal":
             pairs.extend(zip(range(i1, i2), range(j1, j2)))
             continue
-        unmatched.extend(f"graph: {op}" for op in a[i1:i2])
-        unmatched.extend(f"eager: {op}" for op in b[j1:j2])
+        unmatched.extend(f"graph: {r.op}" for r in left[i1:i2])
+        unmatched.extend(f"eager: {r.op}" for r in right[j1:j2])
     return pairs, unmatched

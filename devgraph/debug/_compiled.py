@@ -4,10 +4,11 @@ A compiled graph's kernels are fused: the op-by-op probe sees one call (``COMPIL
 as the capture records it) and no op inside it. When a bisect finds a compiled graph where the
 difference starts, it descends:
 
-1. **Trace.** The call runs once more under ``torch.compile`` with a backend that only keeps each
-   graph Dynamo hands it and the graph's real inputs (then runs it eagerly). Dynamo inlines a
-   ``torch.compile``'d function called inside, so the graphs hold the ops of every compiled region,
-   with the user's source line and module path of each op (``stack_trace``, ``nn_module_stack``).
+1. **Trace.** The call runs once more with every ``torch.compile``'d function it reaches compiled by
+   a backend that only keeps each graph Dynamo hands it and the graph's real inputs, then runs it
+   eagerly (``torch.compiler.set_stance(force_backend=...)``): the graphs are the call's compiled
+   regions, op by op, with the user's source line and module path of each op (``stack_trace``,
+   ``nn_module_stack``); what the call runs eagerly stays out of them.
 2. **Cut.** For a cut after op ``k`` the graph's prefix up to ``k`` is compiled by inductor (the
    mode given), with every value the rest of the graph still reads as an output, and run on the
    graph's inputs; ``P(k)``: some output differs from the same values computed eagerly beyond the
@@ -17,8 +18,8 @@ difference starts, it descends:
    everything before it compiled alike. It is an op where a difference *starts* (the cut before it
    agrees), the first one for a difference that, once made, reaches the graph's later values.
 
-The descent compiles the call as a whole: code the call ran eagerly between compiled regions is
-compiled too (the report says so). Nothing in torch is patched; the backend is an ordinary one.
+Each region is compiled afresh with the mode given (``BisectOptions.compile_mode``): give the mode
+the code was compiled with. Nothing in torch is patched; the backend is an ordinary one.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class CompiledFinding:
     eager_value: torch.Tensor = attrs.field(eq=False, repr=False)
     #: how it was found: the graph, its size, the cuts compiled, the mode
     how: str = ""
+    #: which of the call's compiled graphs (0: the first the call ran)
+    graph: int = 0
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -86,9 +89,10 @@ def trace_graphs(
         graphs.append((gm, kept))
         return gm.forward
 
-    traced = torch.compile(fn, backend=keep, dynamic=False)
-    with torch.no_grad():
-        traced(*args, **kwargs)
+    # Every torch.compile'd function the call reaches compiles with `keep` instead of its own backend
+    # (a new backend: Dynamo compiles afresh, and the call's own compiled code is left as it is).
+    with torch.no_grad(), torch.compiler.set_stance("default", force_backend=keep):
+        fn(*args, **kwargs)
     return graphs
 
 
@@ -192,8 +196,8 @@ class _Cuts:
             env[node] = graph.node_copy(node, lambda n: env[n])
         graph.output(tuple(env[n] for n in outputs))
         prefix = torch.fx.GraphModule(self.gm, graph)
-        options = {"mode": self.mode} if self.mode not in (None, "default") else {}
-        run = torch.compile(prefix, backend="inductor", dynamic=False, fullgraph=True, **options)
+        mode = None if self.mode in (None, "default") else self.mode
+        run = torch.compile(prefix, backend="inductor", dynamic=False, fullgraph=True, mode=mode)
         self.compiles += 1
         with torch.no_grad():
             values = run(*self._fresh_inputs())
@@ -248,7 +252,7 @@ def _search(cuts: _Cuts, atol: float, rtol: float) -> CompiledFinding | None:
         compiled_value=values.get(named, cuts.eager[named]).detach().clone(),
         eager_value=cuts.eager[named],
         how=(
-            f"op {cuts.computing.index(position) + 1} of {len(cuts.computing)} in a Dynamo graph of the call; "
+            f"op {cuts.computing.index(position) + 1} of {len(cuts.computing)} of the compiled graph; "
             f"the graph cut after it and compiled by inductor (mode {cuts.mode or 'default'}) differs from "
             f"eager, cut before it agrees ({cuts.compiles} compiles)"
         ),
@@ -273,8 +277,9 @@ def descend(
         cuts = _Cuts(gm, inputs, mode)
         found = _search(cuts, atol, rtol)
         if found is not None:
+            found = attrs.evolve(found, graph=index)
             if len(graphs) > 1:
-                found = attrs.evolve(found, how=f"graph {index + 1} of {len(graphs)}: {found.how}")
+                found = attrs.evolve(found, how=f"compiled graph {index + 1} of {len(graphs)} the call ran: {found.how}")
             logger.info("devgraph: inside compiled code: %s at %s (%s)", found.op, found.source, found.how)
             return found
     return None

@@ -133,3 +133,37 @@ def test_eager_check_runs_compiled_code_as_written(rounding):
         graphed = compiled(x)
     result = EagerCheck("test", 1).compare(graphed, lambda: compiled(x), real_rows=None)
     assert result.max_abs > 0
+
+
+@torch.compiler.disable
+def _between(x: torch.Tensor) -> torch.Tensor:
+    return x * 1.0  # runs eagerly between the compiled graphs
+
+
+class TwoRegions(nn.Module):
+    """Two compiled graphs (Dynamo breaks at ``_between``), as SGLang's compiled forward breaks
+    around its attention."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(_between(self.inner(x)))
+
+
+def test_each_compiled_graph_is_one_record_and_eager_ops_between_pair_by_line(rounding):
+    """The op run eagerly between two compiled graphs is compared with the same op of eager (paired
+    by op and line: by name alone it paired with a ``mul`` eager ran inside the first graph), and the
+    descent traces the compiled graphs only, in the order they ran."""
+    forward = torch.compile(torch.no_grad()(TwoRegions(rounding).forward))
+    x = _x()
+    forward(x)  # compiled before the bisect, as an engine compiles at start
+
+    report = bisect(lambda inp: forward(inp), x)
+    first = report.first
+    assert first is not None and first.location.endswith(f":{_line(Rounding.forward, 'planted')}"), str(report)
+    assert "compiled graph 1 of 2 the call ran" in first.inside, str(report)
+    between = _line(_between, "runs eagerly")
+    assert report.largest is not None and report.largest.location.endswith(f":{between}"), str(report)
+    assert report.largest.max_rel < 0.05  # its input differs by the first graph's rounding, no more

@@ -49,8 +49,6 @@ from devgraph.backends.cpu._collectives import (
     issued_by_torch_distributed,
     refuse_async_with_work_in_wait,
 )
-from devgraph.graph._flat import leaves as flat_leaves
-from devgraph.graph._flat import map_leaves, tensor_leaves
 from devgraph.backends.cpu._held import _External, _Ref, _Strong, describe, materialise
 from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
 from devgraph.backends.cpu._rng import RngWatch, is_random
@@ -63,6 +61,8 @@ from devgraph.graph import (
     refuse_unrecorded,
     written_arguments,
 )
+from devgraph.graph._flat import leaves as flat_leaves
+from devgraph.graph._flat import map_leaves, tensor_leaves
 
 __all__ = ["Entry", "Recorder", "Segment", "Tape", "finish_deferred", "refuse_collective_in_task"]
 
