@@ -40,10 +40,22 @@ def _install(session: nox.Session, extras: str, *, test_packages: bool = True) -
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole test suite on the CPU reference backend and the torch_npu simulator."""
+    """The test suite on the CPU reference backend and the torch_npu simulator, but for the tests that
+    start processes (marked ``processes``: ``nox -s tests-processes``). Posargs replace the selection."""
     _install(session, "test,hf,progress")
     workers = os.environ.get("DEVGRAPH_TEST_WORKERS", "2")
-    session.run("pytest", "-n", workers, "-q", "-p", "no:cacheprovider", *session.posargs)
+    selection = session.posargs or ["-m", "not processes"]
+    session.run("pytest", "-n", workers, "-q", "-p", "no:cacheprovider", *selection)
+
+
+@nox.session(name="tests-processes")
+def tests_processes(session: nox.Session) -> None:
+    """The tests that start processes: ranks over gloo (collectives, rank agreement, the two-rank
+    demo), the GPU one-shot script's dry run and the benchmark scripts (marked ``processes`` by
+    tests/conftest.py)."""
+    _install(session, "test,hf,progress")
+    workers = os.environ.get("DEVGRAPH_TEST_WORKERS", "2")
+    session.run("pytest", "-n", workers, "-q", "-p", "no:cacheprovider", "-m", "processes", *session.posargs)
 
 
 @nox.session(name="tests-hf-newest")

@@ -15,6 +15,28 @@ import torch  # noqa: E402  (after the env var above)
 torch.set_num_threads(int(os.environ.get("DEVGRAPH_TEST_THREADS", "1")))
 
 
+#: Test files whose tests start processes (ranks over gloo, the GPU one-shot script's dry run, the
+#: benchmark scripts): marked ``processes``; ``nox -s tests`` leaves them to ``nox -s tests-processes``
+#: to stay within 10 minutes on 2 cores.
+PROCESS_TEST_FILES = frozenset(
+    {
+        "test_gpu_oneshot.py",
+        "test_benchmarks.py",
+        "test_distributed.py",
+        "test_rank_agreement.py",
+        "test_distributed_harness.py",
+        "test_breakable_collectives.py",
+        "test_collectives_capture.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in PROCESS_TEST_FILES:
+            item.add_marker(pytest.mark.processes)
+
+
 @pytest.fixture
 def fresh_plugins():
     """Forget loaded plugins before and after a test that changes what is installed."""

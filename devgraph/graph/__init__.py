@@ -45,6 +45,8 @@ from devgraph.graph._contract import (
     current_graph,
     probe_captures,
 )
+from devgraph.graph._flat import leaves as flat_leaves
+from devgraph.graph._flat import map_leaves, tensor_leaves
 from devgraph.graph._graph_set import GraphSet, SharedPool
 from devgraph.graph._opnames import has_python_kernel, is_view, lookup_op, writes_arguments, written_arguments
 from devgraph.graph._tasks import TaskGroup, apply_host_args, holds_tensor
@@ -71,17 +73,20 @@ __all__ = [
     "break_names",
     "break_ops",
     "current_graph",
+    "flat_leaves",
     "has_python_kernel",
     "holds_tensor",
     "is_collective",
     "is_view",
     "lookup_op",
+    "map_leaves",
     "mark_break",
     "marked_breaks",
     "probe_captures",
     "raise_refusal",
     "refuse_unrecorded",
     "refuse_collective",
+    "tensor_leaves",
     "unmark_break",
     "weak_ref_tensor",
     "weak_ref_tensors",

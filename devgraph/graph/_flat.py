@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 __all__ = ["leaves", "map_leaves", "tensor_leaves"]
 
 
@@ -43,9 +41,18 @@ def _collect(tree: Any, out: list[Any]) -> None:
         out.append(tree)
 
 
-def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+_tensor: Any = None  # torch.Tensor, imported on first use (`import devgraph` imports no torch)
+
+
+def tensor_leaves(tree: Any) -> list[Any]:
     """The tensors among ``tree``'s leaves, in pytree order."""
-    return [x for x in leaves(tree) if isinstance(x, torch.Tensor)]
+    global _tensor
+    if _tensor is None:
+        import torch
+
+        _tensor = torch.Tensor
+    tensor = _tensor
+    return [x for x in leaves(tree) if isinstance(x, tensor)]
 
 
 def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:

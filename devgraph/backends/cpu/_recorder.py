@@ -53,16 +53,17 @@ from devgraph.backends.cpu._held import _External, _Ref, _Strong, describe, mate
 from devgraph.backends.cpu._pool import BlockPool, tensor_bytes
 from devgraph.backends.cpu._rng import RngWatch, is_random
 from devgraph.graph import (
+    flat_leaves,
     has_python_kernel,
     is_collective,
     is_view,
+    map_leaves,
     raise_refusal,
     refuse_collective,
     refuse_unrecorded,
+    tensor_leaves,
     written_arguments,
 )
-from devgraph.graph._flat import leaves as flat_leaves
-from devgraph.graph._flat import map_leaves, tensor_leaves
 
 __all__ = ["Entry", "Recorder", "Segment", "Tape", "finish_deferred", "refuse_collective_in_task"]
 
