@@ -114,8 +114,6 @@ class OpProbe(TorchDispatchMode):
         self._skip = skip_dirs()
         self._paused = 0  # inside a compiled graph (recorded whole), or copying its outputs
         self._regions: CompiledRegions | None = None
-        #: how many compiled graphs ran under the probe
-        self.compiled_calls = 0
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -152,7 +150,6 @@ class OpProbe(TorchDispatchMode):
             copies = [t.detach().clone() for t in leaves]
         finally:
             self._paused -= 1
-        self.compiled_calls += 1
         source = name.partition(" called at ")[2] or None
         self.records.append(OpRecord(len(self.records), COMPILED, source, None, copies))
 

@@ -49,7 +49,6 @@ class HostCompute:
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
         self.made: set[int] = set()  # storages of CPU tensors made inside this capture
-        
 
     def check(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
         """Refuse op ``func`` if it computed on the host from a pre-capture CPU tensor; else remember

@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch import nn
 
-import devgraph
 from devgraph.debug import BisectOptions, EagerCheck, bisect
 
 
@@ -74,12 +73,13 @@ def test_compiled_module_names_the_op_inside_the_compiled_graph(rounding):
     assert "inside" in text and "planted" in text
 
 
-def test_compiled_code_inside_a_graph_capture_is_bisected(rounding):
+def test_compiled_code_inside_a_graph_capture_is_bisected(rounding, any_device):
     """A Graph target whose capture calls compiled code: the probe records it whole inside the
-    capture (the CPU reference records it whole too), and the bisect descends into it."""
-    compiled = torch.compile(rounding)
-    x = _x()
-    graph = devgraph.device("cpu").graph()
+    capture (the CPU reference and the simulator's recorder record it whole too; a stream capture
+    records its kernels), and the bisect descends into it."""
+    compiled = torch.compile(rounding.to(any_device.torch_device))
+    x = _x().to(any_device.torch_device)
+    graph = any_device.graph()
 
     def step(inp: torch.Tensor) -> torch.Tensor:
         return compiled(inp) * 2
