@@ -354,24 +354,15 @@ def _inside_compiled(call: Call, regions: list[OpRecord], options: BisectOptions
     )
     if found is None:
         return None
+    graph, diff = found
     # The probe recorded the call's compiled graphs in the order the descent traced them.
-    region = regions[min(found.graph, len(regions) - 1)]
-    return OpDifference(
+    region = regions[min(graph, len(regions) - 1)]
+    called = f" called at {region.source.split(': ', 1)[0]}" if region.source else ""
+    return attrs.evolve(
+        diff,
         index=region.index,
-        op=found.op,
-        source=found.source,
-        module=found.module,
-        max_abs=found.max_abs,
-        max_rel=found.max_rel,
-        noise_floor=found.noise_floor,
-        against="the call",
-        where=found.where,
-        graph_value=found.compiled_value,
-        eager_value=found.eager_value,
-        hint=_compiled_hint(found.op, found.eager_value.dtype),
-        inside=f"the {COMPILED}"
-        + (f" called at {region.source.split(': ', 1)[0]}" if region.source else "")
-        + f" ({found.how})",
+        hint=_compiled_hint(diff.op, diff.eager_value.dtype),
+        inside=f"the {COMPILED}{called} ({diff.inside})",
     )
 
 

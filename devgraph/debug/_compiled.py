@@ -38,8 +38,9 @@ from torch.utils._pytree import tree_flatten
 
 from devgraph.debug._compare import diff_tensors
 from devgraph.debug._probe import COMPILED
+from devgraph.debug._report import OpDifference
 
-__all__ = ["COMPILED", "CompiledFinding", "descend", "truly_eager"]
+__all__ = ["COMPILED", "descend", "truly_eager"]
 
 logger = logging.getLogger("devgraph.debug")
 
@@ -50,25 +51,6 @@ def truly_eager() -> Iterator[None]:
     eager side of a comparison must not run compiled code, or it compares compiled with compiled."""
     with torch.compiler.set_stance("force_eager"):
         yield
-
-
-@attrs.frozen
-class CompiledFinding:
-    """The op inside compiled code where a difference starts (see the module docstring)."""
-
-    op: str
-    source: str | None
-    module: str | None
-    max_abs: float
-    max_rel: float
-    noise_floor: float
-    where: tuple[int, ...]
-    compiled_value: torch.Tensor = attrs.field(eq=False, repr=False)
-    eager_value: torch.Tensor = attrs.field(eq=False, repr=False)
-    #: how it was found: the graph, its size, the cuts compiled, the mode
-    how: str = ""
-    #: which of the call's compiled graphs (0: the first the call ran)
-    graph: int = 0
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -159,6 +141,7 @@ class _Cuts:
                 d = diff_tensors(value, other)
                 self.noise[node] = d.max_abs if d.comparable else 0.0
         self.compiles = 0
+        self._compiled: dict[int, dict[torch.fx.Node, torch.Tensor]] = {}
 
     def _fresh_inputs(self) -> list[Any]:
         return [
@@ -186,7 +169,13 @@ class _Cuts:
         return out
 
     def compiled(self, position: int) -> dict[torch.fx.Node, torch.Tensor]:
-        """Inductor's values of ``live(position)``, the prefix up to ``position`` compiled as one."""
+        """Inductor's values of ``live(position)``, the prefix up to ``position`` compiled as one
+        (each cut compiled once: the search reads the one it found again)."""
+        if position not in self._compiled:
+            self._compiled[position] = self._compile(position)
+        return self._compiled[position]
+
+    def _compile(self, position: int) -> dict[torch.fx.Node, torch.Tensor]:
         outputs = self.live(position)
         if not outputs:
             return {}
@@ -214,7 +203,7 @@ class _Cuts:
         return found
 
 
-def _search(cuts: _Cuts, atol: float, rtol: float) -> CompiledFinding | None:
+def _search(cuts: _Cuts, atol: float, rtol: float) -> OpDifference | None:
     positions = cuts.computing
     if not positions:
         return None
@@ -233,25 +222,25 @@ def _search(cuts: _Cuts, atol: float, rtol: float) -> CompiledFinding | None:
     values = cuts.compiled(position)
     found = dict(cuts.differing(values, atol, rtol))
     named = node if node in found else next(iter(found), node)
-    d = found.get(named)
+    d = found[named] if named in found else diff_tensors(values[named], cuts.eager[named])
     shown = (
         named.args[0]
         if named.target is operator.getitem and isinstance(named.args[0], torch.fx.Node)
         else named
     )
-    if d is None:  # the cut no longer differs (inductor chose otherwise this time): name the op anyway
-        d = diff_tensors(values.get(named, cuts.eager[named]), cuts.eager[named])
-    return CompiledFinding(
+    return OpDifference(
+        index=0,  # the caller places it in the graph run
         op=_op_name(shown),  # a tuple's item: its producer is the op
         source=_source(shown),
         module=_module(shown),
         max_abs=d.max_abs,
         max_rel=d.max_rel,
         noise_floor=cuts.noise.get(named, 0.0),
+        against="the call",
         where=d.where,
-        compiled_value=values.get(named, cuts.eager[named]).detach().clone(),
+        graph_value=values[named].detach().clone(),
         eager_value=cuts.eager[named],
-        how=(
+        inside=(
             f"op {cuts.computing.index(position) + 1} of {len(cuts.computing)} of the compiled graph; "
             f"the graph cut after it and compiled by inductor (mode {cuts.mode or 'default'}) differs from "
             f"eager, cut before it agrees ({cuts.compiles} compiles)"
@@ -267,8 +256,10 @@ def descend(
     mode: str | None = None,
     atol: float = 0.0,
     rtol: float = 0.0,
-) -> CompiledFinding | None:
-    """The op inside compiled code where a difference from eager starts (None: each graph agrees).
+) -> tuple[int, OpDifference] | None:
+    """The op inside compiled code where a difference from eager starts, and which of the call's
+    compiled graphs holds it (0: the first the call ran); None when each graph agrees with eager.
+    The difference's ``inside`` says how it was found; ``graph_value`` is inductor's value.
 
     ``fn(*args, **kwargs)`` is the call (its tensors are not changed: each run gets copies);
     ``mode`` the inductor mode to compile with (None: torch's default)."""
@@ -277,9 +268,9 @@ def descend(
         cuts = _Cuts(gm, inputs, mode)
         found = _search(cuts, atol, rtol)
         if found is not None:
-            found = attrs.evolve(found, graph=index)
             if len(graphs) > 1:
-                found = attrs.evolve(found, how=f"compiled graph {index + 1} of {len(graphs)} the call ran: {found.how}")
-            logger.info("devgraph: inside compiled code: %s at %s (%s)", found.op, found.source, found.how)
-            return found
+                where = f"compiled graph {index + 1} of {len(graphs)} the call ran: {found.inside}"
+                found = attrs.evolve(found, inside=where)
+            logger.info("devgraph: inside compiled code: %s at %s (%s)", found.op, found.source, found.inside)
+            return index, found
     return None
