@@ -233,6 +233,8 @@ def _run(plan: Plan, options: BisectOptions) -> BisectReport:
     records, graph_out = plan.run_graph()
     sides = []
     eager, padded_call, modules, where = plan.eager, plan.padded() if plan.padded else None, plan.modules, ""
+    # What the graph's compiled regions ran on: its device, the call as the graph replayed it (padded).
+    replayed = padded_call if padded_call is not None else eager
     if options.reference == "cpu":
         fn = _cpu_copy(eager.fn)
         modules = module_names(fn)
@@ -281,12 +283,17 @@ def _run(plan: Plan, options: BisectOptions) -> BisectReport:
         )
     regions = [i for i, r in enumerate(records) if r.op == COMPILED]
     output_diff = _output_diff(graph_out, eager_out)
-    inside = None
+    notes = list(plan.notes)
     if regions and (output_diff > 0 or found) and (not found or found[0].index > regions[0]):
         # The difference starts in or after a compiled graph, recorded whole: look inside it.
-        inside = _inside_compiled(eager, [records[i] for i in regions], options)
+        try:
+            inside = _inside_compiled(replayed, [records[i] for i in regions], options, notes)
+        except Exception as exc:  # the op-level report stands; say why there is no descent
+            notes.append(f"the bisect could not look inside the compiled code ({type(exc).__name__}: {exc})")
+            inside = None
         if inside is not None:
-            found.insert(0, inside)
+            found.append(inside)
+            found.sort(key=lambda f: f.index)  # stable: at one index the op-level record stays first
     first = found[0] if found else None
     largest = max(found, key=lambda f: f.max_rel) if found else None
     measured = max((v for s in sides for v in s.noise.values()), default=0.0)
@@ -311,7 +318,7 @@ def _run(plan: Plan, options: BisectOptions) -> BisectReport:
         output_max_abs=output_diff,
         unmatched=tuple(unmatched),
         reproduces=None if plan.served is None else _output_diff(graph_out, plan.served) == 0.0,
-        notes=tuple(plan.notes),
+        notes=tuple(notes),
     )
     logger.info("%s", report.text())
     return report
@@ -342,8 +349,11 @@ def _compiled_hint(op: str, dtype: torch.dtype) -> str:
     )
 
 
-def _inside_compiled(call: Call, regions: list[OpRecord], options: BisectOptions) -> OpDifference | None:
-    """The op inside the call's compiled code where its difference from eager starts (``_compiled``)."""
+def _inside_compiled(
+    call: Call, regions: list[OpRecord], options: BisectOptions, notes: list[str]
+) -> OpDifference | None:
+    """The op inside the call's compiled code where its difference from eager starts (``_compiled``);
+    ``call`` as the graph replayed it, on the graph's device."""
     found = descend(
         call.fn,
         clone_tensors(call.args),
@@ -353,9 +363,18 @@ def _inside_compiled(call: Call, regions: list[OpRecord], options: BisectOptions
         rtol=options.rtol,
     )
     if found is None:
+        notes.append(
+            f"the {len(regions)} {COMPILED} call(s) of the graph run were looked into: each, compiled "
+            f"afresh by inductor (mode {options.compile_mode or 'default'}), agrees with eager"
+        )
         return None
     graph, diff = found
-    # The probe recorded the call's compiled graphs in the order the descent traced them.
+    # The probe recorded the call's compiled graph calls in the order the descent saw them.
+    if graph >= len(regions):
+        notes.append(
+            f"the descent saw {graph + 1}+ compiled graph calls, the graph run {len(regions)}: the call "
+            "ran other compiled code the second time; the op is placed at the last compiled record"
+        )
     region = regions[min(graph, len(regions) - 1)]
     called = f" called at {region.source.split(': ', 1)[0]}" if region.source else ""
     return attrs.evolve(

@@ -9,14 +9,16 @@ difference starts, it descends:
    eagerly (``torch.compiler.set_stance(force_backend=...)``): the graphs are the call's compiled
    regions, op by op, with the user's source line and module path of each op (``stack_trace``,
    ``nn_module_stack``); what the call runs eagerly stays out of them.
-2. **Cut.** For a cut after op ``k`` the graph's prefix up to ``k`` is compiled by inductor (the
-   mode given), with every value the rest of the graph still reads as an output, and run on the
-   graph's inputs; ``P(k)``: some output differs from the same values computed eagerly beyond the
-   noise floor (eager run twice). ``P`` of the whole graph is true when its output differs.
+2. **Cut.** For a cut after op ``k`` the graph's prefix up to ``k``, with every value the rest of
+   the graph still reads as an output, is compiled by inductor (the mode given) and run eagerly, both
+   on copies of the graph's inputs (so each value is as it is at the cut, in-place writes included);
+   ``P(k)``: some output differs between the two beyond the noise floor (the prefix run eagerly
+   twice). ``P`` of the whole graph is true when its output differs.
 3. **Bisect.** Binary search between a cut that agrees and one that differs, a handful of compiles:
-   the op ``k`` where ``P`` turns true is the op whose compiled value departs from eager with
-   everything before it compiled alike. It is an op where a difference *starts* (the cut before it
-   agrees), the first one for a difference that, once made, reaches the graph's later values.
+   it ends at an op ``k`` where ``P`` turns true, the cut before it agreeing and the cut after it
+   differing: a place where a difference *starts*. Inductor fuses each cut on its own, and a
+   difference can die out (rounded back, or never read), so it is the first such place only for a
+   difference that, once made, reaches the graph's later values (the usual case).
 
 Each region is compiled afresh with the mode given (``BisectOptions.compile_mode``): give the mode
 the code was compiled with. Nothing in torch is patched; the backend is an ordinary one.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -36,6 +39,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
+from devgraph._source import is_user_path, skip_dirs
 from devgraph.debug._compare import diff_tensors
 from devgraph.debug._probe import COMPILED
 from devgraph.debug._report import OpDifference
@@ -57,24 +61,45 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
+#: where the graph-keeping backend puts what it sees (set by trace_graphs for one call)
+_SINK: list[tuple[Any, list[Any]]] | None = None
+
+
+def _keeping_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """A Dynamo backend that runs each graph eagerly and, while ``trace_graphs`` listens, keeps the
+    graph and copies of its real inputs at every call. One backend for the process: Dynamo compiles a
+    function for it once, not once per bisect (its recompile limit would end the descent)."""
+
+    def run(*inputs: Any) -> Any:
+        sink = _SINK
+        if sink is not None:
+            kept = [
+                x.detach().clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x
+                for x in inputs
+            ]
+            sink.append((gm, kept))
+        return gm.forward(*inputs)
+
+    return run
+
+
 def trace_graphs(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[tuple[Any, list[Any]]]:
-    """Dynamo's graphs of ``fn(*args, **kwargs)`` in call order, each with copies of its real inputs."""
+    """Dynamo's graphs of the compiled code ``fn(*args, **kwargs)`` runs, one entry per call of a
+    compiled graph in the order the call ran them (the probe's compiled records' order), each with
+    copies of its real inputs; code the call runs eagerly is not in them."""
+    global _SINK
     graphs: list[tuple[Any, list[Any]]] = []
-
-    def keep(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
-        kept = [
-            x.detach().clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x
-            for x in inputs
-        ]
-        graphs.append((gm, kept))
-        return gm.forward
-
-    # Every torch.compile'd function the call reaches compiles with `keep` instead of its own backend
-    # (a new backend: Dynamo compiles afresh, and the call's own compiled code is left as it is).
-    with torch.no_grad(), torch.compiler.set_stance("default", force_backend=keep):
-        fn(*args, **kwargs)
+    previous, _SINK = _SINK, graphs
+    try:
+        # Every torch.compile'd function the call reaches runs as compiled for the keeping backend
+        # instead of its own (compiled once per function and shape; the call's own compiled code is
+        # left as it is).
+        with torch.no_grad(), torch.compiler.set_stance("default", force_backend=_keeping_backend):
+            fn(*args, **kwargs)
+    finally:
+        _SINK = previous
     return graphs
 
 
@@ -104,13 +129,15 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
 
 
 def _source(node: torch.fx.Node) -> str | None:
-    """``file:LINE: code`` of the innermost frame of the node's stack trace (the op's own line)."""
+    """``file:LINE: code`` of the innermost user frame of the node's stack trace (the op's own line,
+    not torch's: an ``nn.Linear``'s op is named at the line calling the layer)."""
     trace = node.meta.get("stack_trace") or ""
     frames = _FRAME.findall(trace)
-    if not frames:
-        return None
-    path, line, code = frames[-1]
-    return f"{path}:{line}: {code.strip()}"
+    skip = skip_dirs()
+    for path, line, code in reversed(frames):
+        if is_user_path(os.path.abspath(path), skip):
+            return f"{path}:{line}: {code.strip()}"
+    return None
 
 
 def _module(node: torch.fx.Node) -> str | None:
@@ -132,16 +159,10 @@ class _Cuts:
         self.gm, self.inputs, self.mode = gm, inputs, mode
         self.nodes = list(gm.graph.nodes)
         self.computing = [i for i, n in enumerate(self.nodes) if n.op in _COMPUTES]
-        runs = [self._eager_values() for _ in range(2)]
-        self.eager = runs[0]
-        self.noise = {}
-        for node, value in runs[0].items():
-            other = runs[1].get(node)
-            if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor):
-                d = diff_tensors(value, other)
-                self.noise[node] = d.max_abs if d.comparable else 0.0
+        self.tensors = self._tensor_nodes()
         self.compiles = 0
-        self._compiled: dict[int, dict[torch.fx.Node, torch.Tensor]] = {}
+        #: per cut: inductor's values, eager's values of the same prefix, eager's noise on each
+        self._cuts: dict[int, tuple[dict[Any, Any], dict[Any, Any], dict[Any, float]]] = {}
 
     def _fresh_inputs(self) -> list[Any]:
         return [
@@ -149,80 +170,83 @@ class _Cuts:
             for x in self.inputs
         ]
 
-    def _eager_values(self) -> dict[torch.fx.Node, Any]:
+    def _tensor_nodes(self) -> set[torch.fx.Node]:
         interpreter = torch.fx.Interpreter(self.gm, garbage_collect_values=False)
         with torch.no_grad():
             interpreter.run(*self._fresh_inputs())
-        return {
-            n: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for n, v in interpreter.env.items()
-        }
+        return {n for n, v in interpreter.env.items() if isinstance(v, torch.Tensor)}
 
     def live(self, position: int) -> list[torch.fx.Node]:
         """The tensor values after op ``position`` (an index into ``nodes``) that the rest still reads."""
         kept = set(self.nodes[: position + 1])
         out = []
         for node in self.nodes[: position + 1]:
-            if not isinstance(self.eager.get(node), torch.Tensor) or node.op == "placeholder":
+            if node not in self.tensors or node.op == "placeholder":
                 continue
             if node is self.nodes[position] or any(u not in kept for u in node.users):
                 out.append(node)
         return out
 
-    def compiled(self, position: int) -> dict[torch.fx.Node, torch.Tensor]:
-        """Inductor's values of ``live(position)``, the prefix up to ``position`` compiled as one
-        (each cut compiled once: the search reads the one it found again)."""
-        if position not in self._compiled:
-            self._compiled[position] = self._compile(position)
-        return self._compiled[position]
+    def cut(self, position: int) -> tuple[dict[Any, Any], dict[Any, Any], dict[Any, float]]:
+        """The prefix up to ``position`` with ``live(position)`` as its outputs: inductor's values, the
+        same prefix's eager values (each value as it is at the cut, in-place writes before it
+        included), and the difference of two eager runs per value (the noise floor). Each cut is
+        built once: the search reads the one it found again."""
+        if position not in self._cuts:
+            self._cuts[position] = self._cut(position)
+        return self._cuts[position]
 
-    def _compile(self, position: int) -> dict[torch.fx.Node, torch.Tensor]:
+    def _cut(self, position: int) -> tuple[dict[Any, Any], dict[Any, Any], dict[Any, float]]:
         outputs = self.live(position)
         if not outputs:
-            return {}
+            return {}, {}, {}
         graph = torch.fx.Graph()
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         for node in self.nodes[: position + 1]:
             env[node] = graph.node_copy(node, lambda n: env[n])
         graph.output(tuple(env[n] for n in outputs))
         prefix = torch.fx.GraphModule(self.gm, graph)
+        with torch.no_grad():
+            eager = [prefix(*self._fresh_inputs()) for _ in range(2)]
         mode = None if self.mode in (None, "default") else self.mode
         run = torch.compile(prefix, backend="inductor", dynamic=False, fullgraph=True, mode=mode)
         self.compiles += 1
         with torch.no_grad():
             values = run(*self._fresh_inputs())
-        return dict(zip(outputs, values))
+        noise = {}
+        for node, a, b in zip(outputs, eager[0], eager[1]):
+            d = diff_tensors(a, b)
+            noise[node] = d.max_abs if d.comparable else 0.0
+        return dict(zip(outputs, values)), dict(zip(outputs, eager[0])), noise
 
-    def differing(
-        self, values: dict[torch.fx.Node, torch.Tensor], atol: float, rtol: float
-    ) -> list[tuple[torch.fx.Node, Any]]:
+    def differing(self, position: int, atol: float, rtol: float) -> list[tuple[torch.fx.Node, Any]]:
+        """The values of the cut after ``position`` whose compiled value differs from eager's."""
+        values, eager, noise = self.cut(position)
         found = []
         for node, value in values.items():
-            d = diff_tensors(value, self.eager[node])
-            if d.comparable and d.max_abs > self.noise.get(node, 0.0) + atol + rtol * d.scale:
+            d = diff_tensors(value, eager[node])
+            if d.comparable and d.max_abs > noise[node] + atol + rtol * d.scale:
                 found.append((node, d))
         return found
 
 
 def _search(cuts: _Cuts, atol: float, rtol: float) -> OpDifference | None:
     positions = cuts.computing
-    if not positions:
-        return None
-    last = positions[-1]
-    if not cuts.differing(cuts.compiled(last), atol, rtol):
+    if not positions or not cuts.differing(positions[-1], atol, rtol):
         return None  # this graph compiled as a whole agrees with eager
     lo, hi = -1, len(positions) - 1  # cut lo agrees (-1: nothing computed), cut hi differs
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if cuts.differing(cuts.compiled(positions[mid]), atol, rtol):
+        if cuts.differing(positions[mid], atol, rtol):
             hi = mid
         else:
             lo = mid
     position = positions[hi]
     node = cuts.nodes[position]
-    values = cuts.compiled(position)
-    found = dict(cuts.differing(values, atol, rtol))
-    named = node if node in found else next(iter(found), node)
-    d = found[named] if named in found else diff_tensors(values[named], cuts.eager[named])
+    found = dict(cuts.differing(position, atol, rtol))
+    named = node if node in found else next(iter(found))  # the cut's own op, else a value it changed
+    d = found[named]
+    values, eager, noise = cuts.cut(position)
     shown = (
         named.args[0]
         if named.target is operator.getitem and isinstance(named.args[0], torch.fx.Node)
@@ -235,15 +259,15 @@ def _search(cuts: _Cuts, atol: float, rtol: float) -> OpDifference | None:
         module=_module(shown),
         max_abs=d.max_abs,
         max_rel=d.max_rel,
-        noise_floor=cuts.noise.get(named, 0.0),
+        noise_floor=noise[named],
         against="the call",
         where=d.where,
         graph_value=values[named].detach().clone(),
-        eager_value=cuts.eager[named],
+        eager_value=eager[named],
         inside=(
-            f"op {cuts.computing.index(position) + 1} of {len(cuts.computing)} of the compiled graph; "
-            f"the graph cut after it and compiled by inductor (mode {cuts.mode or 'default'}) differs from "
-            f"eager, cut before it agrees ({cuts.compiles} compiles)"
+            f"the cut after op {hi + 1} of {len(positions)} of the compiled graph, compiled by inductor "
+            f"(mode {cuts.mode or 'default'}), differs from the same ops run eagerly, the cut before it "
+            f"agrees ({cuts.compiles} compiles)"
         ),
     )
 

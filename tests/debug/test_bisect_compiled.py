@@ -167,3 +167,58 @@ def test_each_compiled_graph_is_one_record_and_eager_ops_between_pair_by_line(ro
     between = _line(_between, "runs eagerly")
     assert report.largest is not None and report.largest.location.endswith(f":{between}"), str(report)
     assert report.largest.max_rel < 0.05  # its input differs by the first graph's rounding, no more
+
+
+class WritesInPlace(nn.Module):
+    """An in-place write after the value is made: the eager value at a cut is the value then, not the
+    graph's final one (comparing with the final one named the exact ``x * 2``, off by the ``+ 1``).
+    Inductor fuses ``x * 2`` and ``add_(1)`` without rounding the product to bf16: ``y.float()`` reads
+    the unrounded sum, where the difference starts."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        y.add_(1)
+        h = (y.float() * 3.1).to(torch.bfloat16)  # planted: the fused-away rounding shows here
+        return h.float() * 1.7
+
+
+def test_a_value_written_in_place_is_compared_as_it_is_at_the_cut():
+    x = _x()
+    report = bisect(torch.compile(WritesInPlace()), x)
+    assert report.first is not None, str(report)
+    assert report.first.location.endswith(f":{_line(WritesInPlace.forward, 'planted')}"), str(report)
+    assert report.first.op == "Tensor.float" and report.first.max_abs < 0.1  # rounding, not the + 1
+
+
+def test_the_descent_works_every_time_on_the_same_compiled_function(rounding):
+    """One graph-keeping backend for the process: a backend per bisect made Dynamo recompile each
+    time, and past its recompile limit (8) the descent traced nothing and found nothing."""
+    from devgraph.debug._compiled import descend
+
+    compiled = torch.compile(rounding)
+    x = _x()
+    for _ in range(10):
+        found = descend(lambda inp: compiled(inp), (x,), {})
+        assert found is not None and found[1].op == "Tensor.float"
+
+
+def test_every_call_of_a_compiled_graph_is_traced_in_call_order(rounding):
+    from devgraph.debug._compiled import trace_graphs
+
+    compiled = torch.compile(rounding)
+    x = _x()
+    graphs = trace_graphs(lambda inp: compiled(compiled(inp)), (x,), {})
+    assert len(graphs) == 2 and graphs[0][0] is graphs[1][0]  # one graph, called twice
+    assert not torch.equal(graphs[0][1][-1], graphs[1][1][-1])  # each call's own inputs
+
+
+def test_a_descent_that_fails_leaves_the_op_level_report_with_a_note(rounding, monkeypatch):
+    from devgraph.debug import _bisect
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor cannot compile this prefix")
+
+    monkeypatch.setattr(_bisect, "descend", broken)
+    report = bisect(torch.compile(rounding), _x())
+    assert report.output_max_abs > 0
+    assert any("could not look inside the compiled code" in n and "inductor cannot" in n for n in report.notes)
