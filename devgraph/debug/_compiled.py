@@ -27,6 +27,7 @@ the code was compiled with. Nothing in torch is patched; the backend is an ordin
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import operator
 import os
@@ -37,7 +38,6 @@ from typing import Any
 import attrs
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
 
 from devgraph._source import is_user_path, skip_dirs
 from devgraph.debug._compare import diff_tensors
@@ -57,12 +57,19 @@ def truly_eager() -> Iterator[None]:
         yield
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+def _copies(inputs: Sequence[Any]) -> list[Any]:
+    """A graph's inputs with every tensor but a parameter copied (a graph may write its inputs)."""
+    return [
+        x.detach().clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x
+        for x in inputs
+    ]
 
 
-#: where the graph-keeping backend puts what it sees (set by trace_graphs for one call)
-_SINK: list[tuple[Any, list[Any]]] | None = None
+#: where the graph-keeping backend puts what it sees: set by trace_graphs for its call, per thread
+#: and task (a bisect on another thread keeps its own)
+_SINK: contextvars.ContextVar[list[tuple[Any, list[Any]]] | None] = contextvars.ContextVar(
+    "devgraph_descent_sink", default=None
+)
 
 
 def _keeping_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -71,13 +78,9 @@ def _keeping_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) ->
     function for it once, not once per bisect (its recompile limit would end the descent)."""
 
     def run(*inputs: Any) -> Any:
-        sink = _SINK
+        sink = _SINK.get()
         if sink is not None:
-            kept = [
-                x.detach().clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x
-                for x in inputs
-            ]
-            sink.append((gm, kept))
+            sink.append((gm, _copies(inputs)))
         return gm.forward(*inputs)
 
     return run
@@ -89,9 +92,8 @@ def trace_graphs(
     """Dynamo's graphs of the compiled code ``fn(*args, **kwargs)`` runs, one entry per call of a
     compiled graph in the order the call ran them (the probe's compiled records' order), each with
     copies of its real inputs; code the call runs eagerly is not in them."""
-    global _SINK
     graphs: list[tuple[Any, list[Any]]] = []
-    previous, _SINK = _SINK, graphs
+    token = _SINK.set(graphs)
     try:
         # Every torch.compile'd function the call reaches runs as compiled for the keeping backend
         # instead of its own (compiled once per function and shape; the call's own compiled code is
@@ -99,7 +101,7 @@ def trace_graphs(
         with torch.no_grad(), torch.compiler.set_stance("default", force_backend=_keeping_backend):
             fn(*args, **kwargs)
     finally:
-        _SINK = previous
+        _SINK.reset(token)
     return graphs
 
 
@@ -165,10 +167,7 @@ class _Cuts:
         self._cuts: dict[int, tuple[dict[Any, Any], dict[Any, Any], dict[Any, float]]] = {}
 
     def _fresh_inputs(self) -> list[Any]:
-        return [
-            x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x
-            for x in self.inputs
-        ]
+        return _copies(self.inputs)
 
     def _tensor_nodes(self) -> set[torch.fx.Node]:
         interpreter = torch.fx.Interpreter(self.gm, garbage_collect_values=False)

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from devgraph._source import is_user_path, render, skip_dirs
-from devgraph.graph import CompiledRegions, is_view, written_arguments
+from devgraph.graph import CompiledRegions, is_view, written_tensors
 
 __all__ = ["COMPILED", "OpRecord", "OpProbe", "module_names"]
 
@@ -64,12 +64,6 @@ def module_names(target: Any) -> dict[int, str]:
     if named is None:
         return {}
     return {id(m): (name or type(m).__name__) for name, m in named()}
-
-
-def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensor arguments ``func`` writes (``Tensor(a!)``, ``out``), as they are after the op."""
-    values = written_arguments(func._schema, args, kwargs)
-    return [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
 
 
 def _where(modules: Mapping[int, str], skip: tuple[str, str]) -> tuple[str | None, str | None]:
@@ -162,7 +156,7 @@ class OpProbe(TorchDispatchMode):
         name = func._schema.name
         leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.device.type != "meta"]
         if not leaves:  # an op that writes its arguments and returns nothing (a kernel given ``out``)
-            leaves = _written(func, args, kwargs or {})
+            leaves = written_tensors(func, args, kwargs or {})
         if not leaves:
             return out
         if name in UNINITIALISED:

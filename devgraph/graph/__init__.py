@@ -48,7 +48,14 @@ from devgraph.graph._contract import (
 from devgraph.graph._flat import leaves as flat_leaves
 from devgraph.graph._flat import map_leaves, tensor_leaves
 from devgraph.graph._graph_set import GraphSet, SharedPool
-from devgraph.graph._opnames import has_python_kernel, is_view, lookup_op, writes_arguments, written_arguments
+from devgraph.graph._opnames import (
+    has_python_kernel,
+    is_view,
+    lookup_op,
+    writes_arguments,
+    written_arguments,
+    written_tensors,
+)
 from devgraph.graph._tasks import TaskGroup, apply_host_args, holds_tensor
 from devgraph.graph._weakref import weak_ref_tensor, weak_ref_tensors
 
@@ -92,4 +99,5 @@ __all__ = [
     "weak_ref_tensors",
     "writes_arguments",
     "written_arguments",
+    "written_tensors",
 ]

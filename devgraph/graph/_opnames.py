@@ -21,6 +21,7 @@ __all__ = [
     "resolve_auto_update_ops",
     "writes_arguments",
     "written_arguments",
+    "written_tensors",
 ]
 
 
@@ -29,6 +30,14 @@ def is_view(schema: Any) -> bool:
     (``view``, ``slice``, ``split``: ``Tensor(a)``, ``Tensor(a)[]``)."""
     rets = schema.returns
     return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+
+
+def written_tensors(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The tensors op ``func`` writes among its arguments (``written_arguments``, flattened: an op's
+    arguments are flat by schema)."""
+    from devgraph.graph._flat import tensor_leaves
+
+    return tensor_leaves(written_arguments(func._schema, args, kwargs))
 
 
 def _writes(arg: Any) -> bool:

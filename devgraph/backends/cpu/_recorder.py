@@ -62,7 +62,7 @@ from devgraph.graph import (
     refuse_collective,
     refuse_unrecorded,
     tensor_leaves,
-    written_arguments,
+    written_tensors,
 )
 
 __all__ = ["Entry", "Recorder", "Segment", "Tape", "finish_deferred", "refuse_collective_in_task"]
@@ -236,12 +236,6 @@ def refuse_unrecordable_kinds(func: Any, tree: Any) -> None:
                     else "pad nested tensors to a dense tensor before capture (to_padded_tensor) and pass that in"
                 ),
             )
-
-
-def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensor arguments ``func`` writes (``Tensor(a!)`` arguments, or ``out``)."""
-    values = written_arguments(func._schema, args, kwargs)
-    return [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
 
 
 def _pairs(
