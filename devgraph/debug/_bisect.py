@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,11 @@ from devgraph.graph import Device, Graph
 __all__ = ["BisectOptions", "bisect"]
 
 logger = logging.getLogger("devgraph.debug")
+
+#: Bisects run one at a time: an eager side's ``set_stance("force_eager")`` is process-wide, and
+#: would make another thread's graph side run its compiled code eagerly (two concurrent bisects of a
+#: compiled model: one reported no difference).
+_ONE_AT_A_TIME = threading.RLock()
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -207,12 +213,13 @@ def bisect(
     options = bisect_options or BisectOptions()
     if not isinstance(options, BisectOptions):
         raise DevgraphError(f"bisect_options must be a devgraph.BisectOptions, got {type(options).__name__}")
-    plan = _plan(target, args, dict(kwargs), options)
-    try:
-        return _run(plan, options)
-    finally:
-        for done in plan.cleanup:
-            done()
+    with _ONE_AT_A_TIME:
+        plan = _plan(target, args, dict(kwargs), options)
+        try:
+            return _run(plan, options)
+        finally:
+            for done in plan.cleanup:
+                done()
 
 
 def _on_cpu(call: Call, fn: Callable[..., Any]) -> Call:

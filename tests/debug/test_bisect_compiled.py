@@ -222,3 +222,25 @@ def test_a_descent_that_fails_leaves_the_op_level_report_with_a_note(rounding, m
     report = bisect(torch.compile(rounding), _x())
     assert report.output_max_abs > 0
     assert any("could not look inside the compiled code" in n and "inductor cannot" in n for n in report.notes)
+
+
+def test_bisects_from_two_threads_both_find_the_difference(rounding):
+    """An eager side's force_eager stance is process-wide: run concurrently, one bisect's graph side
+    ran its compiled code eagerly and reported no difference. Bisects now run one at a time."""
+    import threading
+
+    compiled = torch.compile(rounding)
+    x = _x()
+    reports = {}
+
+    def run(i):
+        reports[i] = bisect(compiled, x)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(reports) == [0, 1]
+    for report in reports.values():
+        assert report.first is not None and report.first.op == "Tensor.float", str(report)
