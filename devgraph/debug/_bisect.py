@@ -295,6 +295,8 @@ def _run(plan: Plan, options: BisectOptions) -> BisectReport:
         # The difference starts in or after a compiled graph, recorded whole: look inside it.
         try:
             inside = _inside_compiled(replayed, [records[i] for i in regions], options, notes)
+            if inside is not None and padded_call is not None:
+                inside = attrs.evolve(inside, against="the padded batch")  # what the descent ran
         except Exception as exc:  # the op-level report stands; say why there is no descent
             notes.append(f"the bisect could not look inside the compiled code ({type(exc).__name__}: {exc})")
             inside = None

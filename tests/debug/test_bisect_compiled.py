@@ -244,3 +244,15 @@ def test_bisects_from_two_threads_both_find_the_difference(rounding):
     assert sorted(reports) == [0, 1]
     for report in reports.values():
         assert report.first is not None and report.first.op == "Tensor.float", str(report)
+
+
+def test_a_wrapped_compiled_model_padded_to_its_bucket_is_descended_on_the_padded_batch(rounding):
+    """3 rows served by the graph of 4: the compiled code ran on the padded batch, and the descent
+    runs what the graph replayed (and says so)."""
+    import devgraph
+
+    wrapped = devgraph.wrap(torch.compile(rounding), device="cpu", batch_sizes=[4])
+    x = _x()[:3]
+    report = bisect(wrapped, x)
+    assert report.first is not None and report.first.inside, str(report)
+    assert report.first.against == "the padded batch"
