@@ -94,6 +94,37 @@ def test_readme_keeps_the_commands_ci_runs():
     assert len(readme.splitlines()) <= 150
 
 
+#: Pages that cite result files: the manuals, the README, the benchmarks' README, the GPU runs' notes.
+RESULT_PAGES = [
+    *PAGES,
+    ROOT / "benchmarks" / "README.md",
+    *sorted((ROOT / "benchmarks" / "results" / "gpu").glob("*/README.md")),
+]
+_GPU_RESULT_PATH = re.compile(r"`(benchmarks/results/gpu/[^`\s]+)`")
+
+
+def test_every_gpu_result_file_a_page_cites_is_in_the_repository():
+    """A GPU number is traced to its run's file: the file a page names (a glob at most) is committed."""
+    cited = [(_rel(p), path) for p in RESULT_PAGES for path in _GPU_RESULT_PATH.findall(p.read_text())]
+    assert cited
+    missing = [(page, path) for page, path in cited if not any(ROOT.glob(path.rstrip("/")))]
+    assert not missing, missing
+
+
+def test_every_gpu_row_of_the_verified_page_names_its_file():
+    """A row of a CUDA-numbers table, or a row whose cuda cell names a GPU, cites a run's file."""
+    section, bare = "", []
+    for line in (ROOT / "docs" / "verified.md").read_text().splitlines():
+        if line.startswith("## "):
+            section = line
+        if not line.startswith("| ") or line.startswith(("| ---", "| what |")):
+            continue
+        gpu_row = section.startswith("## CUDA numbers") or re.search(r"H[12]00", line.split(" | ")[-1])
+        if gpu_row and "`benchmarks/results/gpu/" not in line:
+            bare.append(line[:80])
+    assert not bare, bare
+
+
 def test_vllm_recipe_block_is_where_tests_vllm_reads_it():
     text = (ROOT / "docs" / "vllm.md").read_text()
     recipe = re.search(r"```python\n(.*?)```", text[text.index("<!-- recipe.py") :], re.S).group(1)
