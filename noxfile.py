@@ -58,6 +58,31 @@ def tests_processes(session: nox.Session) -> None:
     session.run("pytest", "-n", workers, "-q", "-p", "no:cacheprovider", "-m", "processes", *session.posargs)
 
 
+#: The tests whose expectations a CPU's kernel choice could change: the planted differences the bisect
+#: names, the padding check's report, and the documentation's examples (tests-machines).
+MACHINE_SENSITIVE_TESTS = ("tests/debug", "tests/runner/test_padding.py", "tests/test_docs.py")
+
+#: The machines tests-machines reproduces here (tests/_machines.py): AVX2 kernels on an AVX-512
+#: CPU, and float32 GEMMs that round by row count (as oneDNN does on an AMD EPYC, cuBLAS on GPUs).
+OTHER_MACHINES = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
+    "row-variant-gemm": {"DEVGRAPH_TEST_ROW_VARIANT_GEMM": "1"},
+}
+
+
+@nox.session(name="tests-machines")
+def tests_machines(session: nox.Session) -> None:
+    """The machine-sensitive tests as other CPUs run them: with AVX2 kernels, and with float32 GEMMs
+    that round by row count; ``tests`` runs them as this CPU does. Green here and there means green
+    on AVX-512 and AVX2 machines, and on one whose GEMMs are batch-variant. Posargs replace the paths."""
+    _install(session, "test,hf,progress")
+    workers = os.environ.get("DEVGRAPH_TEST_WORKERS", "2")
+    paths = session.posargs or MACHINE_SENSITIVE_TESTS
+    for name, env in OTHER_MACHINES.items():
+        session.log(f"as a machine with {name}: {env}")
+        session.run("pytest", "-n", workers, "-q", "-p", "no:cacheprovider", *paths, env=env)
+
+
 @nox.session(name="tests-hf-newest")
 def tests_hf_newest(session: nox.Session) -> None:
     """The Hugging Face tests, slow ones included, on the newest transformers the hf extra admits.

@@ -10,6 +10,15 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch  # noqa: E402  (after the env var above)
 
+from _machines import ROW_VARIANT_GEMM, inductor_cache_dir, install_row_variant_gemm  # noqa: E402
+
+# Inductor's cache does not tell kernels compiled for one CPU capability from another's: each
+# ATEN_CPU_CAPABILITY gets its own (tests/_machines.py). Set before anything compiles; inherited by
+# the processes tests start.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+if ROW_VARIANT_GEMM:
+    install_row_variant_gemm()
+
 # One intra-op thread per xdist worker: with -n 2 on 2 cores, torch's default of one thread per
 # core oversubscribes the machine and makes small ops ~10x slower.
 torch.set_num_threads(int(os.environ.get("DEVGRAPH_TEST_THREADS", "1")))

@@ -130,11 +130,15 @@ def _rank_main(
         # One intra-op thread per rank: several ranks share few cores in tests.
         torch.set_num_threads(int(os.environ.get("DEVGRAPH_TEST_THREADS", "1")))
         store = dist.FileStore(store_path, world_size)
-        _wait_for_every_rank(store, rank, world_size, start_timeout)
+        _wait_for_every_rank(store, rank, world_size, start_timeout, "started")
         store.set_timeout(timedelta(seconds=pg_timeout))
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
         )
+        # A rank that returned from fn and destroyed its group while a slower peer was still
+        # connecting closed that peer's connection under it (gloo's connectFullMesh, on a loaded
+        # machine): fn starts once every rank's group is connected.
+        _wait_for_every_rank(store, rank, world_size, start_timeout, "connected")
         try:
             result = ("ok", fn(rank, world_size, *args))
         finally:
@@ -150,18 +154,22 @@ def _rank_main(
     os.replace(out + ".tmp", out)
 
 
-def _wait_for_every_rank(store: Any, rank: int, world_size: int, timeout: float) -> None:
-    """Return once every rank has started (imported torch), or raise after ``timeout`` seconds.
+def _wait_for_every_rank(store: Any, rank: int, world_size: int, timeout: float, stage: str) -> None:
+    """Return once every rank has reached ``stage`` ("started": imported torch; "connected": made its
+    process group), or raise after ``timeout`` seconds.
 
     On a loaded machine starting a rank alone (spawn, ``import torch``) can take longer than the
     group's timeout, which should bound collectives, not start-up: the group is made only once
     every rank is here.
     """
+    previous = store.timeout
     store.set_timeout(timedelta(seconds=timeout))
-    started = store.add("devgraph/started", 1)
+    key = f"devgraph/{stage}"
+    arrived = store.add(key, 1)
     deadline = time.monotonic() + timeout
-    while started < world_size:
+    while arrived < world_size:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {rank}: {started} of {world_size} ranks started within {timeout:g}s")
+            raise TimeoutError(f"rank {rank}: {arrived} of {world_size} ranks {stage} within {timeout:g}s")
         time.sleep(0.02)
-        started = store.add("devgraph/started", 0)
+        arrived = store.add(key, 0)
+    store.set_timeout(previous)
