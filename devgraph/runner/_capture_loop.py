@@ -253,9 +253,8 @@ class CaptureLoop:
                 stats.pool_bytes / 2**20,
                 tail,
             )
-        verdict = inputs.padding_verdict
-        # what padded calls that replay meet (none replay where padding changes the result)
-        found = verdict.rounding if verdict is not None and inputs.exact_only is None else ()
+        verdict = inputs.padding_verdict  # a refusal carries no rounding: padded calls run eagerly
+        found = verdict.rounding if verdict is not None else ()
         self.accounts.note_rounding(found, str(device), self.size_options.split("/")[0])
 
 
