@@ -4,7 +4,8 @@ The models round by row count by construction (``+ 1 - 1`` from 4 rows up drops 
 kernel chosen by the row count rounds otherwise), so the tests do not depend on which kernels this
 CPU picks (they pass with and without ``ATEN_CPU_CAPABILITY=avx2``). Each fails for a deliberately
 broken version: the report dropped or logged at every capture, ``stats`` not kept, the rounding
-counted as a padding refusal, one fill measured only, a refused model's rounding reported.
+counted as a padding refusal, one fill measured only, a tolerance in place of bit for bit, NaN on
+both sides counted as a difference (and, with tests/test_docs.py, the report's promise reworded).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 import devgraph
 from devgraph.runner import RowCountRounding
-from devgraph.runner._rounding import PROMISE
+from devgraph.runner._rounding import PROMISE, measure
 
 
 class RoundsByRowCount(torch.nn.Module):
@@ -110,3 +111,13 @@ def test_a_model_whose_padding_changes_the_result_runs_padded_calls_eagerly_and_
         graphed(_rows(3))
     assert graphed.stats.fallbacks == {"padding_changes_result": 1}
     assert graphed.stats.row_count_rounding == () and _reports(caplog) == []
+
+
+def test_measure_counts_nan_on_both_sides_and_equal_infinities_as_equal_in_the_outputs_dtype():
+    row = torch.tensor([[float("nan"), float("inf"), 1.0]], dtype=torch.bfloat16)
+    pad = torch.cat([row, torch.zeros(1, 3, dtype=torch.bfloat16)])
+    assert measure([row], ([pad], [torch.cat([row, row])]), [0], 1, 2) is None
+    moved = pad.clone()
+    moved[0, 2] = 1.0078125  # one bfloat16 step above 1
+    found = measure([row, 7], ([moved, 7], [pad, 7]), [0, None], 1, 2)
+    assert found == RowCountRounding(1, 2, 0.0078125, 0, 0.0078125)
