@@ -255,3 +255,11 @@ def test_options_page_lists_every_option_field():
     page = (ROOT / "docs" / "options.md").read_text()
     fields = {f.name for cls in (RunnerConfig, CompileConfig, HFOptions) for f in attrs.fields(cls)}
     assert not sorted(f for f in fields if f"| `{f}` |" not in page)
+
+
+def test_the_promise_reads_the_same_in_the_readme_wrap_page_and_the_rounding_report():
+    # The report's words (tests/runner/test_row_count_rounding.py checks the report says them).
+    from devgraph.runner._rounding import PROMISE
+
+    for page in (ROOT / "README.md", ROOT / "docs" / "wrap.md"):
+        assert PROMISE in " ".join(page.read_text().split()), _rel(page)

@@ -14,6 +14,7 @@ from devgraph.runner._calls import Call, Unsupported, signature_of
 from devgraph.runner._config import RunnerConfig, RunnerStats, make_config, positive_ints
 from devgraph.runner._graphed import GraphedModule
 from devgraph.runner._pieces import Pieces, PiecewiseStats
+from devgraph.runner._rounding import RowCountRounding
 from devgraph.runner._runner import GraphRunner, Part, piecewise_runner
 from devgraph.runner._whole import WholeGraphs
 
@@ -26,6 +27,7 @@ __all__ = [
     "Part",
     "Pieces",
     "PiecewiseStats",
+    "RowCountRounding",
     "RunnerConfig",
     "RunnerStats",
     "Unsupported",

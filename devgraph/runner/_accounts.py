@@ -1,17 +1,23 @@
 """``Accounts``: what a runner counts in its ``stats`` and warns about once (eager calls by reason,
-recaptures)."""
+recaptures), and the row-count rounding its padding check measured (logged once)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
+from collections.abc import Sequence
 
+from devgraph._console import announce
 from devgraph._errors import DevgraphError
 from devgraph._fallback_fixes import with_fix
 from devgraph._source import user_stacklevel
 from devgraph.runner._config import RunnerConfig, RunnerStats
+from devgraph.runner._rounding import RowCountRounding, report
 
 __all__ = ["Accounts"]
+
+logger = logging.getLogger("devgraph")
 
 
 class Accounts:
@@ -70,6 +76,19 @@ class Accounts:
             "(stats.recaptures counts this). A value that changes at every call recaptures at every "
             "call: pass it as an argument, or keep it in a tensor the forward reads",
         )
+
+    def note_rounding(self, found: Sequence[RowCountRounding], device: str, option: str) -> None:
+        """Keep the padding check's row-count rounding (``found``; empty: bit for bit) in
+        ``stats.row_count_rounding``; the first time any is found, log it (``_rounding.report``: an
+        INFO record of the ``devgraph`` logger, on stderr by default like the capture summary).
+        Not a fallback: padded calls still replay."""
+        with self.lock:
+            self.stats.row_count_rounding = tuple(found)
+            first = bool(found) and "row_count_rounding" not in self.warned
+            if first:
+                self.warned.add("row_count_rounding")
+        if first:
+            announce(logger, "%s", report(found, device, option))
 
     def _recapture(self, category: str, message: str) -> None:
         with self.lock:

@@ -123,6 +123,7 @@ class CaptureLoop:
     def clear(self) -> None:
         """Forget the capture's stats (a runner's reset; the counters stay)."""
         self.stats.captured_sizes = ()
+        self.stats.row_count_rounding = ()
         self.guard = None
         self.stats.pool_bytes = 0
         self.stats.capture_seconds = 0.0
@@ -193,7 +194,8 @@ class CaptureLoop:
         ``CaptureError`` gains the size and ``remedy``. With an ``example``, first the padding check
         (``StaticInputs.check_padding``; after the ranks agreed on ``sizes``, so every rank runs the
         model as often) sets ``inputs.padding_verdict``. Sets the capture stats and logs one line:
-        ``summary`` (``{sizes}`` filled in), device, seconds, pool growth, ``tail``. Runs inside
+        ``summary`` (``{sizes}`` filled in), device, seconds, pool growth, ``tail``; then the row-count
+        rounding the padding check found (``Accounts.note_rounding``: once per part). Runs inside
         ``all_or_nothing``, which drops everything when a size fails.
         """
         inputs, device = self.inputs, self.device
@@ -251,6 +253,9 @@ class CaptureLoop:
                 stats.pool_bytes / 2**20,
                 tail,
             )
+        verdict = inputs.padding_verdict  # a refusal carries no rounding: padded calls run eagerly
+        found = verdict.rounding if verdict is not None else ()
+        self.accounts.note_rounding(found, str(device), self.size_options.split("/")[0])
 
 
 def part_core(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 import attrs
 
 from devgraph._errors import DevgraphError
+from devgraph.runner._rounding import RowCountRounding
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -226,6 +227,9 @@ class RunnerStats:
     captured_sizes: tuple[int, ...] = ()
     #: captures dropped because a weight, buffer or submodule was replaced since (then captured again)
     recaptures: int = 0
+    #: where eager on a call's own rows differs from eager on them padded to a bucket, as measured at
+    #: capture on this device (``RowCountRounding``: rows, bucket, largest difference); () where equal
+    row_count_rounding: tuple[RowCountRounding, ...] = ()
 
 
 class _Config(Protocol):

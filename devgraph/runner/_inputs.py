@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 
 from devgraph.graph import Device
@@ -26,6 +27,7 @@ from devgraph.runner._calls import (
 )
 from devgraph.runner._config import RunnerConfig
 from devgraph.runner._padding import PaddingVerdict, check_padding
+from devgraph.runner._rounding import RowCountRounding
 from devgraph.runner._snapshot import StateSnapshot
 from devgraph.runner._weights import WeightAddresses, WeightWatch
 
@@ -127,7 +129,8 @@ class StaticInputs:
         """Whether calls padded up to the smallest and the largest of ``sizes`` that any call is
         padded to give the real rows what eager gives them (``devgraph.runner._padding``: ``r`` rows,
         the example's batch kept between the next smaller size and ``size - 1``), outputs and the
-        model's ``state`` alike; sets ``exact_only`` when not."""
+        model's ``state`` alike; sets ``exact_only`` when not. Where padding is safe, the verdict
+        carries the row-count rounding of every size checked."""
         ordered = sorted(set(sizes))
         below = dict(zip(ordered, [0, *ordered[:-1]]))
         padded = [s for s in ordered if s - 1 > below[s]]
@@ -148,6 +151,7 @@ class StaticInputs:
             return out
 
         verdict = None
+        rounding: list[RowCountRounding] = []
         for size in reversed(padded):
             r = min(max(example.batch, below[size] + 1), size - 1)
             try:
@@ -162,7 +166,8 @@ class StaticInputs:
                 self.exact_only = found.exact_only
                 return found
             verdict = verdict or found
-        return verdict
+            rounding[:0] = found.rounding  # smallest size first
+        return None if verdict is None else attrs.evolve(verdict, rounding=tuple(rounding))
 
     # -- a call --------------------------------------------------------------------------------
 

@@ -15,6 +15,10 @@ what the exact run writes wherever the exact run writes (``self.n += x.shape[0]`
 padding rows; a running minimum takes the pad value). Elements only a padded run writes (a KV
 cache's scratch slot that padding rows point at) are allowed when the real rows, run once more on
 top of that state, give what they give on top of the exact run's.
+
+Outputs within the tolerance but not bit for bit equal are the device's row-count rounding (a
+kernel chosen by the row count rounds otherwise), not a refusal: the verdict carries it
+(``devgraph.runner._rounding``) and the runner reports it once.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from devgraph.runner._calls import Call
 from devgraph.runner._config import RunnerConfig
+from devgraph.runner._rounding import RowCountRounding, measure
 from devgraph.runner._snapshot import StateSnapshot
 
 __all__ = ["PaddingVerdict", "check_padding"]
@@ -39,10 +44,13 @@ CATEGORY = "padding_changes_result"
 @attrs.frozen
 class PaddingVerdict:
     """``out_dims``: per output leaf, the dim cut to the real rows (None: returned whole);
-    ``exact_only``: why padded calls must run eagerly (None: padding is safe)."""
+    ``exact_only``: why padded calls must run eagerly (None: padding is safe); ``rounding``: the
+    row-count rounding the check's runs show (``devgraph.runner._rounding``)."""
 
     out_dims: list[int | None] | None
     exact_only: str | None
+    #: eager on the real rows against eager on them padded, where not bit for bit (padding safe only)
+    rounding: tuple[RowCountRounding, ...] = ()
 
 
 def _clone(out: Any) -> Any:
@@ -65,6 +73,64 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+class _Runs:
+    """The padding check's eager runs of ``r`` real rows (the example call's, repeated when it has
+    fewer), exactly and padded to ``size``, each from the model's ``state`` before capture."""
+
+    def __init__(
+        self,
+        run: Callable[[dict[str, torch.Tensor], dict[str, list[Any]]], Any],
+        example: Call,
+        size: int,
+        r: int,
+        config: RunnerConfig,
+        state: StateSnapshot | None,
+    ) -> None:
+        self.run, self.size, self.r, self.config, self.state = run, size, r, config, state
+        pick = torch.arange(r) % example.batch
+        self.real = {
+            n: x.index_select(config.batch_dim(n), pick.to(x.device)) for n, x in example.batched.items()
+        }
+        self.host = {n: [v[i] for i in pick.tolist()] for n, v in example.host.items()}
+
+    def padded(self, copy_first: bool) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
+        """The real rows padded to ``size`` with the pad values, or with copies of the first row."""
+        tensors = {}
+        for n, x in self.real.items():
+            d = self.config.batch_dim(n)
+            shape = list(x.shape)
+            shape[d] = self.size - self.r
+            if copy_first:
+                fill = x.narrow(d, 0, 1).expand(shape)
+            else:
+                fill = torch.full(shape, self.config.pad_value(n), dtype=x.dtype, device=x.device)
+            tensors[n] = torch.cat([x, fill], d)
+        extra = self.size - self.r
+        lists = {
+            n: v + ([v[0]] if copy_first else [self.config.pad_value(n)]) * extra
+            for n, v in self.host.items()
+        }
+        return tensors, lists
+
+    def exact_rows(self) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
+        # Each run gets its own copies: a model may write its inputs.
+        return {n: x.clone() for n, x in self.real.items()}, {n: list(v) for n, v in self.host.items()}
+
+    def fresh(self, inputs: tuple[dict[str, torch.Tensor], dict[str, list[Any]]]) -> tuple[Any, Written]:
+        """One run from the state before capture: its outputs and the tensors it wrote."""
+        if self.state is not None:
+            self.state.restore()
+        out = _clone(self.run(*inputs))
+        return out, self.state.tensor_values() if self.state is not None else {}
+
+    def then_exact(self, first: tuple[dict[str, torch.Tensor], dict[str, list[Any]]]) -> Any:
+        """The real rows' outputs when they run right after ``first`` (from the state before capture)."""
+        self.fresh(first)
+        if self.state is not None:
+            self.state.restore_rng()
+        return _clone(self.run(*self.exact_rows()))
+
+
 def check_padding(
     run: Callable[[dict[str, torch.Tensor], dict[str, list[Any]]], Any],
     example: Call,
@@ -75,55 +141,18 @@ def check_padding(
 ) -> PaddingVerdict:
     """Compare the model's outputs for ``r`` real rows (the example call's, repeated when it has
     fewer) with those rows padded to ``size`` (``run(batched, host)`` runs the model eagerly), and
-    what each run writes into the model's ``state`` (each run starts from it).
+    what each run writes into the model's ``state`` (each run starts from it). Where padding is
+    safe, the verdict carries the row-count rounding those runs show (``_rounding.measure``).
 
     Raises whatever the model raises on such rows.
     """
-    pick = torch.arange(r) % example.batch
-    real = {n: x.index_select(config.batch_dim(n), pick.to(x.device)) for n, x in example.batched.items()}
-    host = {n: [v[i] for i in pick.tolist()] for n, v in example.host.items()}
-
-    def padded(copy_first: bool) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
-        tensors = {}
-        for n, x in real.items():
-            d = config.batch_dim(n)
-            shape = list(x.shape)
-            shape[d] = size - r
-            if copy_first:
-                fill = x.narrow(d, 0, 1).expand(shape)
-            else:
-                fill = torch.full(shape, config.pad_value(n), dtype=x.dtype, device=x.device)
-            tensors[n] = torch.cat([x, fill], d)
-        lists = {
-            n: v + ([v[0]] if copy_first else [config.pad_value(n)]) * (size - r) for n, v in host.items()
-        }
-        return tensors, lists
-
-    def exact_rows() -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
-        # Each run gets its own copies: a model may write its inputs.
-        return {n: x.clone() for n, x in real.items()}, {n: list(v) for n, v in host.items()}
-
-    def fresh(inputs: tuple[dict[str, torch.Tensor], dict[str, list[Any]]]) -> tuple[Any, Written]:
-        """One run from the state before capture: its outputs and the tensors it wrote."""
-        if state is not None:
-            state.restore()
-        out = _clone(run(*inputs))
-        return out, state.tensor_values() if state is not None else {}
-
-    def then_exact(first: tuple[dict[str, torch.Tensor], dict[str, list[Any]]]) -> Any:
-        """The real rows' outputs when they run right after ``first`` (from the state before capture)."""
-        fresh(first)
-        if state is not None:
-            state.restore_rng()
-        return _clone(run(*exact_rows()))
-
-    exact, wrote = fresh(exact_rows())
-    with_pad, wrote_pad = fresh(padded(False))
-    with_copies, wrote_copies = fresh(padded(True))
+    runs = _Runs(run, example, size, r, config, state)
+    exact, wrote = runs.fresh(runs.exact_rows())
+    with_pad, wrote_pad = runs.fresh(runs.padded(False))
+    with_copies, wrote_copies = runs.fresh(runs.padded(True))
     flat_c, spec_c = tree_flatten(exact)
     flat_a, spec_a = tree_flatten(with_pad)
     flat_b, spec_b = tree_flatten(with_copies)
-    rows = f"{r} rows padded to {size}"
     if spec_a != spec_c or spec_b != spec_c:
         return PaddingVerdict(
             None,
@@ -131,6 +160,38 @@ def check_padding(
             f"{len(flat_a)} for {size}): an output with one entry per row cannot be cut to the real rows. "
             "Return batched tensors ([batch, ...])",
         )
+    dims = _cut_dims(flat_a, flat_b, flat_c, size, r)
+    if isinstance(dims, PaddingVerdict):
+        return dims
+    if state is not None:
+        for fill, written, copy_first in (
+            ("the pad values", wrote_pad, False),
+            ("copies of the first row", wrote_copies, True),
+        ):
+            verdict = _state_verdict(wrote, written, f"{r} rows padded to {size} with {fill}", r)
+            if verdict is not None:
+                return verdict
+            extra = _written_beyond(wrote, written)
+            if extra and not _all_close(
+                runs.then_exact(runs.padded(copy_first)), runs.then_exact(runs.exact_rows())
+            ):
+                return PaddingVerdict(
+                    None,
+                    f"the padding rows write {', '.join(extra[:4])} where the real rows do not ({r} rows padded "
+                    f"to {size} with {fill}), and the real rows' outputs of the next call differ after it: "
+                    "padded rows must write only where no real row reads (a scratch slot of the cache)",
+                )
+    found = measure(flat_c, (flat_a, flat_b), dims, r, size)
+    return PaddingVerdict(dims, None, () if found is None else (found,))
+
+
+def _cut_dims(
+    flat_a: list[Any], flat_b: list[Any], flat_c: list[Any], size: int, r: int
+) -> list[int | None] | PaddingVerdict:
+    """Per output leaf, the dim cut to the real rows (None: returned whole), or the refusal: a leaf
+    that cannot be cut, or whose real rows differ beyond rounding when padded (``flat_a``: padded
+    with the pad values, ``flat_b``: with copies of the first row, ``flat_c``: the ``r`` rows alone)."""
+    rows = f"{r} rows padded to {size}"
     dims: list[int | None] = []
     for i, (a, b, c) in enumerate(zip(flat_a, flat_b, flat_c)):
         what = f"output leaf {i}"
@@ -170,23 +231,7 @@ def check_padding(
                 "Rows must be independent for padding; call model.eval() or make rows independent",
             )
         dims.append(d)
-    if state is not None:
-        for fill, written, first in (
-            ("the pad values", wrote_pad, lambda: padded(False)),
-            ("copies of the first row", wrote_copies, lambda: padded(True)),
-        ):
-            verdict = _state_verdict(wrote, written, f"{r} rows padded to {size} with {fill}", r)
-            if verdict is not None:
-                return verdict
-            extra = _written_beyond(wrote, written)
-            if extra and not _all_close(then_exact(first()), then_exact(exact_rows())):
-                return PaddingVerdict(
-                    None,
-                    f"the padding rows write {', '.join(extra[:4])} where the real rows do not ({r} rows padded "
-                    f"to {size} with {fill}), and the real rows' outputs of the next call differ after it: "
-                    "padded rows must write only where no real row reads (a scratch slot of the cache)",
-                )
-    return PaddingVerdict(dims, None)
+    return dims
 
 
 #: Per tensor of the model's state a run wrote: (its values after the run, the mask of elements it changed).
