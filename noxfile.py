@@ -60,7 +60,13 @@ def tests_processes(session: nox.Session) -> None:
 
 #: The tests whose expectations a CPU's kernel choice could change: the planted differences the bisect
 #: names, the padding check's report, and the documentation's examples (tests-machines).
-MACHINE_SENSITIVE_TESTS = ("tests/debug", "tests/runner/test_padding.py", "tests/test_docs.py")
+MACHINE_SENSITIVE_TESTS = (
+    "tests/debug",
+    "tests/runner/test_padding.py",
+    "tests/runner/test_padding_checks.py",
+    "tests/runner/test_row_count_rounding.py",
+    "tests/test_docs.py",
+)
 
 #: The machines tests-machines reproduces here (tests/_machines.py): AVX2 kernels on an AVX-512
 #: CPU, and float32 GEMMs that round by row count (as oneDNN does on an AMD EPYC, cuBLAS on GPUs).

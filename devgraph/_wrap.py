@@ -61,6 +61,21 @@ def wrap(
     """
     dev = device if isinstance(device, Device) else _device(device)
     refuse_host_weights(model, dev.torch_device)
+    frontend = options.pop("frontend", "raw")
+    if frontend == "dynamo":
+        if _is_hf_model(model):
+            raise DevgraphError(
+                "frontend='dynamo' serves a plain model's forward; a Hugging Face causal LM is wrapped "
+                "without it for now (devgraph.wrap(model) graphs its generate() steps)"
+            )
+        from devgraph._dynamo import wrap_traced
+
+        return wrap_traced(model, dev, options)  # type: ignore[return-value]
+    if frontend != "raw":
+        raise DevgraphError(
+            f"frontend must be 'dynamo' (Dynamo traces the forward, devgraph captures its graphs) or 'raw' "
+            f"(the forward captured as it runs, untraced), got {frontend!r}"
+        )
     if _is_hf_model(model):
         from devgraph.adapters.hf import wrap_hf
 

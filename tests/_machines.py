@@ -49,7 +49,9 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alph
     if _variant(a):
         product = torch.bmm(a.double()[None], b.double()[None])[0]
         return (product * alpha + bias.double() * beta).float()
-    return torch.baddbmm(bias.expand(a.shape[0], b.shape[1])[None], a[None], b[None], beta=beta, alpha=alpha)[0]
+    return torch.baddbmm(bias.expand(a.shape[0], b.shape[1])[None], a[None], b[None], beta=beta, alpha=alpha)[
+        0
+    ]
 
 
 _LIBRARY = None

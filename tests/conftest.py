@@ -9,7 +9,6 @@ pytest_plugins = ["devgraph_sim.pytest_plugin"]
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch  # noqa: E402  (after the env var above)
-
 from _machines import ROW_VARIANT_GEMM, inductor_cache_dir, install_row_variant_gemm  # noqa: E402
 
 # Inductor's cache does not tell kernels compiled for one CPU capability from another's: each

@@ -171,10 +171,12 @@ _MAY_IMPORT = {
 }
 
 #: The upward reaches DESIGN.md allows, made when called (or named for types only): wrap() builds
-#: runners and hands Hugging Face models to their adapter, and ``devgraph.GraphedModule`` loads the
-#: runner on first use (so ``import devgraph`` stays cheap).
+#: runners and hands Hugging Face models to their adapter, ``devgraph.GraphedModule`` loads the
+#: runner on first use (so ``import devgraph`` stays cheap), and the compile backend (``_dynamo``,
+#: the front door with ``_wrap``) builds a runner per graph Dynamo hands it.
 _LAZY_REACH = {
     ("devgraph", "devgraph.runner"),
+    ("devgraph._dynamo", "devgraph.runner"),
     ("devgraph._wrap", "devgraph.runner"),
     ("devgraph._wrap", "devgraph.compile"),
     ("devgraph._wrap", "devgraph.adapters.hf"),

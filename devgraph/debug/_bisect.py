@@ -17,7 +17,7 @@ from devgraph.debug._compare import Diff, align, diff_tensors, max_difference
 from devgraph.debug._compiled import COMPILED, descend, truly_eager
 from devgraph.debug._probe import OpProbe, OpRecord, module_names
 from devgraph.debug._report import BisectReport, OpDifference
-from devgraph.debug._subjects import Call, Plan, callable_plan, clone_tensors, served_plan
+from devgraph.debug._subjects import Call, Plan, callable_plan, clone_tensors, served_plan, traced_plans
 from devgraph.graph import Device, Graph
 
 __all__ = ["BisectOptions", "bisect"]
@@ -81,12 +81,7 @@ def _plan(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], options: B
     from devgraph.runner import GraphedModule
 
     if isinstance(target, GraphedModule):
-        given = [n for n in ("device", "capture_args", "capture_kwargs") if getattr(options, n) is not None]
-        if given:
-            raise DevgraphError(
-                f"BisectOptions {given} apply to a callable or a Graph; a wrapped model's graph is captured "
-                "on its own device as its runner captures it. Drop them, or bisect graphed.module with them"
-            )
+        _refuse_capture_options(options)
         return served_plan(target, args, kwargs)
     if isinstance(target, Graph):
         if not args or not callable(args[0]):
@@ -214,12 +209,44 @@ def bisect(
     if not isinstance(options, BisectOptions):
         raise DevgraphError(f"bisect_options must be a devgraph.BisectOptions, got {type(options).__name__}")
     with _ONE_AT_A_TIME:
+        from devgraph._dynamo import TracedModule
+
+        if isinstance(target, TracedModule):
+            _refuse_capture_options(options)
+            return _first_differing(traced_plans(target, args, dict(kwargs)), options)
         plan = _plan(target, args, dict(kwargs), options)
         try:
             return _run(plan, options)
         finally:
             for done in plan.cleanup:
                 done()
+
+
+def _first_differing(plans: list[Plan], options: BisectOptions) -> BisectReport:
+    """Bisect each graph a call ran, in order; the report of the first that differs (else the last)."""
+    report = None
+    for k, plan in enumerate(plans):
+        try:
+            report = _run(plan, options)
+        finally:
+            for done in plan.cleanup:
+                done()
+        if report.first is not None or report.output_max_abs > 0:
+            for rest in plans[k + 1 :]:
+                for done in rest.cleanup:
+                    done()
+            return report
+    assert report is not None
+    return report
+
+
+def _refuse_capture_options(options: BisectOptions) -> None:
+    given = [n for n in ("device", "capture_args", "capture_kwargs") if getattr(options, n) is not None]
+    if given:
+        raise DevgraphError(
+            f"BisectOptions {given} apply to a callable or a Graph; a wrapped model's graph is captured "
+            "on its own device as its runner captures it. Drop them, or bisect graphed.module with them"
+        )
 
 
 def _on_cpu(call: Call, fn: Callable[..., Any]) -> Call:

@@ -30,8 +30,6 @@ import contextlib
 import contextvars
 import logging
 import operator
-import os
-import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -39,9 +37,8 @@ import attrs
 import torch
 import torch.fx
 
-from devgraph._source import is_user_path, skip_dirs
 from devgraph.debug._compare import diff_tensors
-from devgraph.debug._probe import COMPILED
+from devgraph.debug._probe import COMPILED, meta_module, meta_source
 from devgraph.debug._report import OpDifference
 
 __all__ = ["COMPILED", "descend", "truly_eager"]
@@ -125,33 +122,6 @@ def _op_name(node: torch.fx.Node) -> str:
     if module in ("_operator", "operator"):
         return f"operator.{name}"
     return f"torch.{name}" if module.startswith("torch._C") else f"{module}.{name}".lstrip(".")
-
-
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
-
-
-def _source(node: torch.fx.Node) -> str | None:
-    """``file:LINE: code`` of the innermost user frame of the node's stack trace (the op's own line,
-    not torch's: an ``nn.Linear``'s op is named at the line calling the layer)."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = _FRAME.findall(trace)
-    skip = skip_dirs()
-    for path, line, code in reversed(frames):
-        if is_user_path(os.path.abspath(path), skip):
-            return f"{path}:{line}: {code.strip()}"
-    return None
-
-
-def _module(node: torch.fx.Node) -> str | None:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return None
-    path, cls = list(stack.values())[-1]
-    # Dynamo names modules by how it reached them (L['self'].layers[0], G['model']._orig_mod.x):
-    # keep the attribute path under the traced root.
-    path = re.sub(r"^[LG]\['[^']*'\]", "", str(path))
-    path = path.replace("._orig_mod", "").lstrip(".")
-    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".") or getattr(cls, "__name__", None)
 
 
 class _Cuts:
@@ -254,8 +224,8 @@ def _search(cuts: _Cuts, atol: float, rtol: float) -> OpDifference | None:
     return OpDifference(
         index=0,  # the caller places it in the graph run
         op=_op_name(shown),  # a tuple's item: its producer is the op
-        source=_source(shown),
-        module=_module(shown),
+        source=meta_source(shown.meta),
+        module=meta_module(shown.meta),
         max_abs=d.max_abs,
         max_rel=d.max_rel,
         noise_floor=noise[named],

@@ -17,6 +17,7 @@ op to copy; ``devgraph.debug._compiled`` descends into it). An eager run runs it
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -66,8 +67,50 @@ def module_names(target: Any) -> dict[int, str]:
     return {id(m): (name or type(m).__name__) for name, m in named()}
 
 
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
+
+
+def meta_source(meta: Mapping[str, Any]) -> str | None:
+    """``file:LINE: code`` of the innermost user frame of an FX node's ``stack_trace`` (the op's own
+    line, not torch's: an ``nn.Linear``'s op is named at the line calling the layer)."""
+    frames = _FRAME.findall(meta.get("stack_trace") or "")
+    skip = skip_dirs()
+    for path, line, code in reversed(frames):
+        if is_user_path(os.path.abspath(path), skip):
+            return f"{path}:{line}: {code.strip()}"
+    return None
+
+
+def meta_module(meta: Mapping[str, Any]) -> str | None:
+    """The module path of an FX node's ``nn_module_stack``, under the traced root."""
+    stack = meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    path, cls = list(stack.values())[-1]
+    # Dynamo names modules by how it reached them (L['self'].layers[0], G['model']._orig_mod.x):
+    # keep the attribute path under the traced root.
+    path = re.sub(r"^[LG]\['[^']*'\]", "", str(path))
+    path = path.replace("._orig_mod", "").lstrip(".")
+    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".") or getattr(cls, "__name__", None)
+
+
+def _fx_node_meta() -> Mapping[str, Any] | None:
+    """The meta of the FX node an interpreter is running (Dynamo's graphs run node by node in a
+    bisect, so each op is named at the user's line the node came from), or None."""
+    from torch.fx import traceback as fx_traceback
+
+    if not fx_traceback.has_preserved_node_meta():
+        return None
+    meta = fx_traceback.get_current_meta()
+    return meta if meta and meta.get("stack_trace") else None
+
+
 def _where(modules: Mapping[int, str], skip: tuple[str, str]) -> tuple[str | None, str | None]:
-    """The user's source line and the innermost ``nn.Module`` of ``modules`` on the current stack."""
+    """The user's source line and the innermost ``nn.Module`` of ``modules`` on the current stack
+    (of the FX node being interpreted, for a graph Dynamo traced)."""
+    meta = _fx_node_meta()
+    if meta is not None:
+        return meta_source(meta), meta_module(meta)
     source = module = None
     frame = sys._getframe(2)
     while frame is not None and (source is None or (modules and module is None)):

@@ -11,6 +11,7 @@ runners: redirect it when they change).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,7 +24,7 @@ from devgraph._errors import DevgraphError
 from devgraph.debug._probe import OpProbe, OpRecord, module_names
 from devgraph.graph import BreakableGraph, Device, probe_captures
 
-__all__ = ["Call", "Plan", "callable_plan", "probed", "served_plan"]
+__all__ = ["Call", "Plan", "callable_plan", "probed", "served_plan", "traced_plans"]
 
 
 @attrs.frozen
@@ -205,6 +206,41 @@ def served_plan(graphed: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         raise DevgraphError(f"bisect does not know the part {type(part).__name__}; bisect graphed.module")
     plan.served = served
     return plan
+
+
+def traced_plans(traced: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Plan]:
+    """The graphs that served this call of a ``devgraph.wrap(..., frontend="dynamo")`` model, one plan
+    each, in call order: the call is made once with the graphs' replays logged (the arguments Dynamo
+    gave each graph), then each graph's bucket is captured again with the probe and replayed as its
+    runner replays it (``_full_plan``), against the graph Dynamo traced run eagerly, node by node (each
+    op named at the user's line the node came from). The graphs served are the graphs bisected: a
+    graph Dynamo's guards no longer pick is never looked at."""
+    graphs = traced.graphs
+    with graphs.recording() as log, torch.no_grad():
+        traced(*args, **kwargs)
+    if not log:
+        raise DevgraphError(
+            "this call is not served from a graph (Dynamo or devgraph ran it eagerly: see graphed.stats); "
+            "nothing to bisect. Bisect the model itself, devgraph.bisect(graphed.module, ...), to capture "
+            "this call for the purpose"
+        )
+    plans = []
+    for k, served in enumerate(log):
+        graph, runner = served.graph, served.runner
+        graph.interpret = True
+        plan = _full_plan(runner.full, tuple(served.arguments), {})
+        plan.cleanup.append(functools.partial(setattr, graph, "interpret", False))
+        plan.served = tuple(served.outputs)
+        which = (
+            f"graph {k + 1} of {len(log)} Dynamo traced for the call"
+            if len(log) > 1
+            else "the graph Dynamo traced"
+        )
+        plan.subject = (
+            f"{_describe(traced.module)} through Dynamo, {which}: {plan.subject.split(' wrapped, ', 1)[1]}"
+        )
+        plans.append(plan)
+    return plans
 
 
 def _full_plan(
