@@ -59,6 +59,46 @@ def time_calls(
     return samples
 
 
+def time_interleaved(
+    dev: devgraph.Device,
+    calls: dict[str, Callable[[], Any]],
+    iters: int,
+    warmup: int,
+    prepare: Callable[[], Any] | None = None,
+) -> dict[str, dict[str, list[float]]]:
+    """``time_calls`` for several ways of doing the same call, interleaved: each round runs every one
+    once, the order rotating from round to round, so that all of them see the same machine state
+    (clocks, other processes, the allocator) and none always follows the same neighbour.
+
+    Returns, per name, ``"device_ms"`` (between the device timing events around the call) and
+    ``"host_us"`` (the calling thread's wall time inside the call: launches, Python; the device is
+    waited for only after). ``prepare`` runs before every call, outside both.
+    """
+    prepare = prepare or (lambda: None)
+    names = list(calls)
+    for _ in range(warmup):
+        for name in names:
+            prepare()
+            calls[name]()
+    dev.synchronize()
+    start, end = dev.event(enable_timing=True), dev.event(enable_timing=True)
+    out: dict[str, dict[str, list[float]]] = {n: {"device_ms": [], "host_us": []} for n in names}
+    for i in range(iters):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            call = calls[name]
+            prepare()
+            start.record()
+            t0 = time.perf_counter_ns()
+            call()
+            t1 = time.perf_counter_ns()
+            end.record()
+            end.synchronize()
+            out[name]["device_ms"].append(start.elapsed_time(end))
+            out[name]["host_us"].append((t1 - t0) / 1e3)
+    return out
+
+
 def summarise(samples: list[float], unit: str = "ms") -> dict[str, float]:
     """Median, p10, p90, mean and min of ``samples``; ``unit`` (theirs) suffixes the keys."""
     ordered = sorted(samples)

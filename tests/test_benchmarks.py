@@ -27,6 +27,8 @@ RUNS = {
     "host_overhead": (["--device", "cpu", "--quick"], "host_overhead_quick.json"),
     "npu_update_order": (["--layers", "2", "--iters", "3"], "npu_update_order.json"),  # the simulator
     "breakable": (["--device", "cpu", "--quick"], "breakable_cpu_quick.json"),
+    "hf_generate": (["--device", "cpu", "--quick", "--archs", "llama", "qwen3"], "hf_generate_cpu_quick.json"),
+    "call_overhead": (["--device", "cpu", "--quick"], "call_overhead_cpu_quick.json"),
 }
 
 
