@@ -340,8 +340,11 @@ class HandGraph:
 def capture_by_hand(dev: devgraph.Device, wl: Workload, b: int, *, own_inputs: bool) -> HandGraph:
     """Capture ``wl.step`` at batch ``b`` by hand: with ``torch.cuda.graph`` on CUDA (three warm-ups
     first, as torch's docs do), elsewhere a devgraph ``Graph`` captured directly (two warm-ups; no
-    runner, no buckets). ``own_inputs``: on clones of the batch's tensors, which ``step()`` copies
-    the batch into; else on the batch's tensors themselves (``step()`` copies nothing)."""
+    runner, no buckets) whose updatable ops (the paged attention) are tasks replayed with the
+    batch's host arguments, as the runner's graphs are (the CPU reference re-issues them at every
+    replay, a cost devgraph's graph pays too; on CUDA the kernel reads device lengths and nothing is
+    re-issued). ``own_inputs``: on clones of the batch's tensors, which ``step()`` copies the batch
+    into; else on the batch's tensors themselves (``step()`` copies nothing)."""
     kwargs = wl.inputs[b]
     prepare = functools.partial(wl.prepare, b)
     static = {k: v.clone() if own_inputs and isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
@@ -350,12 +353,16 @@ def capture_by_hand(dev: devgraph.Device, wl: Workload, b: int, *, own_inputs: b
     if dev.name == "cuda":
         graph, out, capture_s = cuda_graph_capture(call, before=prepare)
         return HandGraph(graph.replay, out, copies, capture_s, graph.pool(), graph.reset)
+    # What the runner's graph of bucket b replays with: {op argument: the batch's host values}.
+    host = wl.runner.padded_host_args(kwargs, b) if wl.runner is not None else {}
     for _ in range(2):
         prepare()
         call()
     prepare()
     graph = dev.graph()
     start = time.perf_counter()
-    with graph.capture():
+    with graph.capture(auto_update_ops=tuple(getattr(dev, "updatable_ops", ())) if host else ()):
         out = call()
-    return HandGraph(graph.replay, out, copies, time.perf_counter() - start, None, graph.reset)
+    capture_s = time.perf_counter() - start
+    replay = functools.partial(graph.replay, host) if host else graph.replay
+    return HandGraph(replay, out, copies, capture_s, None, graph.reset)
