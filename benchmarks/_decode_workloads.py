@@ -359,10 +359,10 @@ def capture_by_hand(dev: devgraph.Device, wl: Workload, b: int, *, own_inputs: b
         prepare()
         call()
     prepare()
-    graph = dev.graph()
+    ours = dev.graph()
     start = time.perf_counter()
-    with graph.capture(auto_update_ops=tuple(getattr(dev, "updatable_ops", ())) if host else ()):
+    with ours.capture(auto_update_ops=tuple(getattr(dev, "updatable_ops", ())) if host else ()):
         out = call()
     capture_s = time.perf_counter() - start
-    replay = functools.partial(graph.replay, host) if host else graph.replay
-    return HandGraph(replay, out, copies, capture_s, None, graph.reset)
+    replay = functools.partial(ours.replay, host) if host else ours.replay
+    return HandGraph(replay, out, copies, capture_s, None, ours.reset)
