@@ -2,12 +2,14 @@
 
 The scripts run as ``python benchmarks/<name>.py``, so this folder is on ``sys.path`` and they
 ``from _common import ...`` first: that import also lets them ``import devgraph`` from a source
-checkout that was never pip-installed.
+checkout that was never pip-installed. Every JSON a script writes (``write_json``) records the
+commit it was measured on and whether the tree was clean (``checkout``: ``tools/_provenance.py``).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import logging
 import os
@@ -28,6 +30,28 @@ except ImportError:  # a source checkout that was never pip-installed
     import devgraph
 
 logger = logging.getLogger("devgraph.benchmarks")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _provenance() -> Any:
+    """``tools/_provenance.py``, the one reader of the commit and the tree's state (the GPU
+    one-shot's summary uses it too), loaded by path: ``tools/`` is no package."""
+    module = sys.modules.get("_provenance")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("_provenance", ROOT / "tools" / "_provenance.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["_provenance"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def checkout() -> dict[str, Any]:
+    """The commit this checkout is at and whether its tree was clean (git, or on a copy of the tree
+    without ``.git`` a matching stamp: ``tools/_provenance.py``), read once per process."""
+    return dict(_provenance().checkout(ROOT))
+
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 CPU_NOTE = "cpu reference simulator: correctness backend, not a speed path"
@@ -57,6 +81,46 @@ def time_calls(
         end.synchronize()
         samples.append(start.elapsed_time(end))
     return samples
+
+
+def time_interleaved(
+    dev: devgraph.Device,
+    calls: dict[str, Callable[[], Any]],
+    iters: int,
+    warmup: int,
+    prepare: Callable[[], Any] | None = None,
+) -> dict[str, dict[str, list[float]]]:
+    """``time_calls`` for several ways of doing the same call, interleaved: each round runs every one
+    once, the order rotating from round to round, so that all of them see the same machine state
+    (clocks, other processes, the allocator) and none always follows the same neighbour.
+
+    Returns, per name, ``"device_ms"`` (between the device timing events around the call) and
+    ``"host_us"`` (the calling thread's wall time inside the call: launches, Python; the device is
+    waited for only after). ``prepare`` runs before every call, outside both.
+    """
+    prepare = prepare or (lambda: None)
+    names = list(calls)
+    for _ in range(warmup):
+        for name in names:
+            prepare()
+            calls[name]()
+    dev.synchronize()
+    start, end = dev.event(enable_timing=True), dev.event(enable_timing=True)
+    out: dict[str, dict[str, list[float]]] = {n: {"device_ms": [], "host_us": []} for n in names}
+    for i in range(iters):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            call = calls[name]
+            prepare()
+            start.record()
+            t0 = time.perf_counter_ns()
+            call()
+            t1 = time.perf_counter_ns()
+            end.record()
+            end.synchronize()
+            out[name]["device_ms"].append(start.elapsed_time(end))
+            out[name]["host_us"].append((t1 - t0) / 1e3)
+    return out
 
 
 def summarise(samples: list[float], unit: str = "ms") -> dict[str, float]:
@@ -93,15 +157,17 @@ def report_header(dev: devgraph.Device, benchmark: str, note: str = CPU_NOTE) ->
     }
 
 
-def write_json(report: dict[str, Any], path: Path) -> Path:
-    """``report`` as indented JSON at ``path`` (its folder created); returns ``path``.
+def write_json(report: dict[str, Any], path: Path, indent: int = 2) -> Path:
+    """``report`` as indented JSON at ``path`` (its folder created), with ``"checkout"``: the commit
+    and whether the tree was clean (``checkout()``); returns ``path``.
 
     The file is replaced whole (written beside it, then renamed): a run killed while writing leaves
     the previous version, never half a file.
     """
+    report = {**report, "checkout": report.get("checkout") or checkout()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.write_text(json.dumps(report, indent=indent) + "\n")
     os.replace(tmp, path)
     return path
 

@@ -1,16 +1,22 @@
-"""The two decode workloads of ``decode_step.py``: each model built, its inputs per batch, and its
-devgraph wrapper captured (twice: the largest bucket alone for the pool bytes, then every bucket).
+"""The decode workloads of ``decode_step.py`` and ``call_overhead.py``: each model built, its inputs
+per batch, and its devgraph wrapper captured (twice: the largest bucket alone for the pool bytes, then
+every bucket; ``args.pool_check = False`` skips the first); and the step captured by hand.
 
 * ``llama``: a transformers ``LlamaForCausalLM`` (random bf16) stepped by the Hugging Face adapter's
   own decode step over its shared static KV cache;
 * ``paged``: ``devgraph.testing.models.PagedDecoder`` (random bf16) with a paged KV cache of
   ``BLOCK_SIZE``-token blocks, batches built by ``KVBlockManager``.
+
+``hf_causal_lm`` builds the transformers models (of ``HF_ARCHITECTURES``, random weights, from a
+shape; ``hf_generate.py`` uses it too); ``capture_by_hand`` captures a workload's step without
+devgraph's runner (``torch.cuda.graph`` on CUDA), the baseline a devgraph call is compared with.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import math
 import time
@@ -19,11 +25,26 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _common import logger
+from _common import cuda_graph_capture, logger
 
 import devgraph
 
 BLOCK_SIZE = 16
+#: The decoders' size on a GPU (``decode_step.py``'s default) and in smoke runs (``--quick``).
+FULL_SHAPE = dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816, vocab=32000)
+QUICK_SHAPE = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256)
+
+#: transformers causal LMs ``hf_causal_lm`` builds in code: name -> (config class, model class,
+#: config fields besides the shape's). Six architectures whose configs take the same shape fields.
+HF_ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    # Phi-3's default pad id (32000) is past a small vocabulary
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+}
 
 
 class Skip(Exception):
@@ -97,18 +118,19 @@ def runner_pool(dev: devgraph.Device, runner: Any) -> dict[str, Any]:
 
 
 def capture_devgraph(
-    dev: devgraph.Device, largest_alone: Callable[[], Any], all_buckets: Callable[[], Any]
+    dev: devgraph.Device, largest_alone: Callable[[], Any] | None, all_buckets: Callable[[], Any]
 ) -> tuple[Any, dict[str, Any]]:
-    """Capture the largest bucket alone (pool bytes, then dropped), then every bucket (kept)."""
+    """Capture the largest bucket alone (pool bytes, then dropped; None: skipped), then every bucket (kept)."""
     info: dict[str, Any] = {}
-    alone, err = attempt("devgraph capture of the largest bucket alone", largest_alone)
-    if err:
-        info["largest_alone_error"] = err
-    else:
-        info["largest_alone"] = runner_pool(dev, alone.runner)
-        alone.runner.reset()
-        del alone
-    release_memory(dev)
+    if largest_alone is not None:
+        alone, err = attempt("devgraph capture of the largest bucket alone", largest_alone)
+        if err:
+            info["largest_alone_error"] = err
+        else:
+            info["largest_alone"] = runner_pool(dev, alone.runner)
+            alone.runner.reset()
+            del alone
+        release_memory(dev)
     start = time.perf_counter()
     graphed, err = attempt("devgraph capture of all buckets", all_buckets)
     if err:
@@ -120,6 +142,57 @@ def capture_devgraph(
         both = info["all_buckets"][key], info.get("largest_alone", {}).get(key)
         info[f"ratio_{key}"] = both[0] / both[1] if both[0] is not None and both[1] else None
     return graphed, info
+
+
+def _largest_alone(args: argparse.Namespace, capture: Callable[[], Any]) -> Callable[[], Any] | None:
+    return capture if getattr(args, "pool_check", True) else None
+
+
+# -- transformers models -----------------------------------------------------------------------------
+
+
+def hf_causal_lm(
+    arch: str,
+    shape: dict[str, int],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+    max_positions: int = 2048,
+) -> Any:
+    """A transformers causal LM of ``HF_ARCHITECTURES[arch]`` with random weights (seeded), built in
+    code (nothing downloaded), ``sdpa`` attention, cast to ``dtype``, in eval mode without grad.
+
+    ``shape``: ``hidden``, ``layers``, ``heads``, ``kv_heads``, ``intermediate``, ``vocab``. No
+    end-of-sequence token: greedy generation runs ``max_new_tokens`` steps on every row.
+
+    Raises:
+        Skip: transformers is not importable, or this release lacks the architecture.
+    """
+    try:
+        import transformers
+    except ImportError as exc:
+        raise Skip(f"transformers is not importable ({exc}); pip install 'transformers>=5'") from None
+    config_name, model_name, extra = HF_ARCHITECTURES[arch]
+    if not hasattr(transformers, model_name):
+        raise Skip(f"transformers {transformers.__version__} has no {model_name}")
+    config = getattr(transformers, config_name)(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["hidden"] // shape["heads"],
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        attn_implementation="sdpa",
+        **extra,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = getattr(transformers, model_name)(config)
+    return model.to(dtype).eval().requires_grad_(False)
 
 
 # -- the two models ----------------------------------------------------------------------------------
@@ -134,28 +207,15 @@ def build_llama(dev: devgraph.Device, args: argparse.Namespace) -> Workload:
     except ImportError as exc:
         raise Skip(f"transformers is not importable ({exc}); pip install 'transformers>=5'") from None
     s, tdev, cache_len, largest = args.shape, dev.torch_device, args.cache_len, max(args.batches)
-    config = transformers.LlamaConfig(
-        vocab_size=s["vocab"],
-        hidden_size=s["hidden"],
-        intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        head_dim=s["hidden"] // s["heads"],
-        max_position_embeddings=max(2048, cache_len),
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(args.seed)
-    with torch.device(tdev):
-        model = transformers.LlamaForCausalLM(config)
-    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    model = hf_causal_lm("llama", s, torch.bfloat16, tdev, args.seed, max(2048, cache_len))
 
     # wrap_hf's checks run here: a model the adapter refuses is an error of the whole model.
     graphed = wrap_hf(model, dev, max_batch_size=largest, max_cache_len=cache_len)
     runner, info = capture_devgraph(
         dev,
-        lambda: wrap_hf(model, dev, batch_sizes=[largest], max_cache_len=cache_len).capture(),
+        _largest_alone(
+            args, lambda: wrap_hf(model, dev, batch_sizes=[largest], max_cache_len=cache_len).capture()
+        ),
         graphed.capture,  # allocates the shared static cache, then captures every bucket
     )
     step = graphed._step  # the module the runner captured: eager, hand-written graph and compile run it
@@ -229,7 +289,7 @@ def build_paged(dev: devgraph.Device, args: argparse.Namespace) -> Workload:
     example = inputs[min(args.batches)]
     graphed, info = capture_devgraph(
         dev,
-        lambda: devgraph.wrap(model, dev, batch_sizes=[largest]).capture(**example),
+        _largest_alone(args, lambda: devgraph.wrap(model, dev, batch_sizes=[largest]).capture(**example)),
         lambda: devgraph.wrap(model, dev, max_batch_size=largest).capture(**example),
     )
     torch.manual_seed(args.seed + 2)
@@ -253,3 +313,56 @@ def build_paged(dev: devgraph.Device, args: argparse.Namespace) -> Workload:
 
 
 BUILDERS = {"llama": build_llama, "paged": build_paged}
+
+
+# -- the step captured by hand -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class HandGraph:
+    """A workload's step captured by hand, without devgraph's runner: ``replay()`` alone, or ``step()``:
+    the call's tensors copied into the graph's static inputs, then the replay (what an engine's own
+    graph runner does, and what a devgraph call does for you)."""
+
+    replay: Callable[[], Any]
+    output: Any  # what the capture returned: each replay overwrites it
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (static input, the call's tensor)
+    capture_s: float
+    pool: Any  # the torch graph pool on CUDA (for its segments' bytes), else None
+    reset: Callable[[], None]
+
+    def step(self) -> None:
+        for static, value in self.copies:
+            static.copy_(value)
+        self.replay()
+
+
+def capture_by_hand(dev: devgraph.Device, wl: Workload, b: int, *, own_inputs: bool) -> HandGraph:
+    """Capture ``wl.step`` at batch ``b`` by hand: with ``torch.cuda.graph`` on CUDA (three warm-ups
+    first, as torch's docs do), elsewhere a devgraph ``Graph`` captured directly (two warm-ups; no
+    runner, no buckets) whose updatable ops (the paged attention) are tasks replayed with the
+    batch's host arguments, as the runner's graphs are (the CPU reference re-issues them at every
+    replay, a cost devgraph's graph pays too; on CUDA the kernel reads device lengths and nothing is
+    re-issued). ``own_inputs``: on clones of the batch's tensors, which ``step()`` copies the batch
+    into; else on the batch's tensors themselves (``step()`` copies nothing)."""
+    kwargs = wl.inputs[b]
+    prepare = functools.partial(wl.prepare, b)
+    static = {k: v.clone() if own_inputs and isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    copies = [(static[k], v) for k, v in kwargs.items() if own_inputs and isinstance(v, torch.Tensor)]
+    call = functools.partial(wl.step, **static)
+    if dev.name == "cuda":
+        graph, out, capture_s = cuda_graph_capture(call, before=prepare)
+        return HandGraph(graph.replay, out, copies, capture_s, graph.pool(), graph.reset)
+    # What the runner's graph of bucket b replays with: {op argument: the batch's host values}.
+    host = wl.runner.padded_host_args(kwargs, b) if wl.runner is not None else {}
+    for _ in range(2):
+        prepare()
+        call()
+    prepare()
+    ours = dev.graph()
+    start = time.perf_counter()
+    with ours.capture(auto_update_ops=tuple(getattr(dev, "updatable_ops", ())) if host else ()):
+        out = call()
+    capture_s = time.perf_counter() - start
+    replay = functools.partial(ours.replay, host) if host else ours.replay
+    return HandGraph(replay, out, copies, capture_s, None, ours.reset)

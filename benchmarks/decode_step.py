@@ -64,17 +64,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import (
-    DEFAULT_OUT,
-    PartialReport,
-    cuda_graph_capture,
-    logger,
-    pyplot,
-    report_header,
-    summarise,
-    time_calls,
+from _common import DEFAULT_OUT, PartialReport, logger, pyplot, report_header, summarise, time_calls
+from _decode_workloads import (
+    BUILDERS,
+    FULL_SHAPE,
+    QUICK_SHAPE,
+    Skip,
+    Workload,
+    attempt,
+    capture_by_hand,
+    pool_segment_bytes,
+    release_memory,
 )
-from _decode_workloads import BUILDERS, Skip, Workload, attempt, pool_segment_bytes, release_memory
 
 import devgraph
 from devgraph.runner import choose_bucket, default_batch_sizes
@@ -99,8 +100,6 @@ TOLERANCE = {
     "torch_compile": 5e-2,
 }
 TARGETS = {"within_cuda_graph": 1.05, "speedup_at_batch1": 2.0, "pool_ratio": 1.25}
-FULL_SHAPE = dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816, vocab=32000)
-QUICK_SHAPE = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256)
 CPU_NOTE = "cpu backend: the reference simulator (correctness, not speed); CUDA-only columns skipped"
 
 
@@ -143,16 +142,16 @@ def cuda_graph_method(
 ) -> dict[str, Any]:
     """Capture the step by hand with ``torch.cuda.graph`` on static inputs; time ``replay()``."""
     prepare = functools.partial(wl.prepare, b)
-    graph, out, capture_s = cuda_graph_capture(functools.partial(wl.step, **wl.inputs[b]), before=prepare)
+    hand = capture_by_hand(dev, wl, b, own_inputs=False)
     try:
         row, _ = time_method(
-            dev, graph.replay, prepare, args, ref, TOLERANCE["cuda_graph"], output=out, noise=noise
+            dev, hand.replay, prepare, args, ref, TOLERANCE["cuda_graph"], output=hand.output, noise=noise
         )
-        row["capture_s"] = capture_s
-        row["segment_pool_bytes"] = pool_segment_bytes(dev, {tuple(graph.pool())})
+        row["capture_s"] = hand.capture_s
+        row["segment_pool_bytes"] = pool_segment_bytes(dev, {tuple(hand.pool)})
     finally:
-        del out
-        graph.reset()
+        hand.output = None
+        hand.reset()
     return row
 
 
@@ -162,23 +161,16 @@ def cuda_graph_copies_method(
     """The hand-written graph as an engine runs it: captured on buffers of its own, the step's input
     tensors copied into them before each ``replay()`` (what devgraph's call does for you)."""
     prepare = functools.partial(wl.prepare, b)
-    kwargs = wl.inputs[b]
-    static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    pairs = [(static[k], v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-    graph, out, capture_s = cuda_graph_capture(functools.partial(wl.step, **static), before=prepare)
-
-    def step() -> None:
-        for buffer, value in pairs:
-            buffer.copy_(value)
-        graph.replay()
-
+    hand = capture_by_hand(dev, wl, b, own_inputs=True)
     try:
-        row, _ = time_method(dev, step, prepare, args, ref, TOLERANCE["cuda_graph"], output=out, noise=noise)
-        row["capture_s"] = capture_s
-        row["copies"] = len(pairs)
+        row, _ = time_method(
+            dev, hand.step, prepare, args, ref, TOLERANCE["cuda_graph"], output=hand.output, noise=noise
+        )
+        row["capture_s"] = hand.capture_s
+        row["copies"] = len(hand.copies)
     finally:
-        del out
-        graph.reset()
+        hand.output = None
+        hand.reset()
     return row
 
 

@@ -136,9 +136,9 @@ def main() -> None:
             line += f"\n    bisect: {c['bisect']}\n    {c['bisect_inside']}"
         print(line)
     print(f"engine start: eager {eager['start_s']:.1f} s, compiled {compiled['start_s']:.1f} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"saved {args.out}")
+    from _common import write_json  # the commit and the tree's state recorded with the result
+
+    print(f"saved {write_json(result, args.out, indent=1)}")
 
 
 if __name__ == "__main__":

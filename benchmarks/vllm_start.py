@@ -219,10 +219,9 @@ def main() -> int:
     for key, value in report.items():
         if key.startswith(("modes", "ratio_", "capture_ratio_", "tokens_")):
             print(key, value)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{args.name}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    from _common import write_json  # the commit and the tree's state recorded with the result
+
+    print(f"wrote {write_json(report, args.out / f'{args.name}.json')}")
     ratio = report.get(f"ratio_{args.check}_to_{args.baseline}", {}).get("of_medians", 0.0)
     return 0 if ratio <= args.target and report["tokens_identical"] else 1
 

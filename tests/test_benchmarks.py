@@ -27,6 +27,8 @@ RUNS = {
     "host_overhead": (["--device", "cpu", "--quick"], "host_overhead_quick.json"),
     "npu_update_order": (["--layers", "2", "--iters", "3"], "npu_update_order.json"),  # the simulator
     "breakable": (["--device", "cpu", "--quick"], "breakable_cpu_quick.json"),
+    "hf_generate": (["--device", "cpu", "--quick", "--archs", "llama", "qwen3"], "hf_generate_cpu_quick.json"),
+    "call_overhead": (["--device", "cpu", "--quick"], "call_overhead_cpu_quick.json"),
 }
 
 
@@ -44,6 +46,7 @@ def test_benchmark_script_runs_and_writes_json(script, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads((tmp_path / result).read_text())
     assert data["complete"] is True, f"{result} of a finished run says it is not complete"
+    assert {"commit", "clean", "from"} <= set(data["checkout"]), "the report does not say what it measured"
     assert not list(tmp_path.glob(".*.partial")), "a partial write was left beside the report"
 
 

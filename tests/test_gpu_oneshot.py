@@ -4,8 +4,10 @@ A GPU is lent for minutes, at most once: the script must work the first time. ``
 very step list (``--device cpu``, smallest grids, pytest steps collect only, pip replaced by the
 PYTHONPATH fallback), so these tests check the script itself: every step reported in the summary,
 the partial JSON of every benchmark written, what comes back packed in two files, the time limits and
-the global deadline kept, a step killed at its limit leaving its Python stacks behind. Also: the GPU machine has no ``hypothesis``,
-and the test files with ``cuda`` tests must still collect there.
+the global deadline kept, a step killed at its limit leaving its Python stacks behind, the commit and
+the tree's state in the summary and in every benchmark's JSON (on a copy of the tree without ``.git``,
+from a stamp that must match the files). Also: the GPU machine has no ``hypothesis``, and the test files
+with ``cuda`` tests must still collect there.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -77,6 +80,21 @@ def test_dry_run_reports_every_step_as_ok(dry_run):
     assert summary["elapsed_s"] < summary["deadline_s"]
 
 
+def test_the_summary_and_every_report_record_the_commit_and_the_trees_state(dry_run):
+    _, _, done, run = dry_run
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("this checkout has no git")
+    summary = json.loads((run / "summary.json").read_text())
+    checkout = summary["checkout"]
+    assert checkout["commit"] == head.stdout.strip() and checkout["from"] == "git"
+    assert isinstance(checkout["clean"], bool) and checkout["changed_count"] >= len(checkout["changed"])
+    assert f"measured on commit {head.stdout.strip()[:12]}" in done.stdout
+    for path in (run / "results").rglob("*.json"):
+        if path.name != "env.json":
+            assert json.loads(path.read_text())["checkout"] == checkout, path.name
+
+
 def test_out_receives_two_files_holding_the_whole_run(dry_run):
     """A lent machine returns at most 8 files from $OUT: the summary and the packed run folder."""
     mode, _, _, run = dry_run
@@ -98,8 +116,9 @@ def test_dry_run_leaves_every_benchmarks_json_complete(dry_run):
     reports = {p.name: json.loads(p.read_text()) for p in (run / "results").rglob("*.json")}
     expected = {
         "first": {"env.json", "smoke.json", "replay_vs_eager_cpu.json", "paged_attention_cpu.json",
-                  "decode_step_cpu_quick.json"},
-        "second": {"env.json", "host_overhead_quick.json", "piecewise_cpu.json", "decode_step_cpu_quick.json"},
+                  "decode_step_cpu_quick.json", "hf_generate_cpu_quick.json", "call_overhead_cpu_quick.json",
+                  "host_overhead_quick.json"},
+        "second": {"env.json", "piecewise_cpu.json", "decode_step_cpu_quick.json"},
     }[mode]  # fmt: skip
     assert expected <= set(reports)
     for name, report in reports.items():
@@ -171,6 +190,64 @@ def test_steps_without_time_left_are_skipped_not_started(tmp_path):
     summary = json.loads((tmp_path / "out" / "first-summary.json").read_text())
     assert [(s["name"], s["status"]) for s in summary["steps"]] == [("env", "skipped"), ("smoke", "skipped")]
     assert all("left before the deadline" in s["note"] for s in summary["steps"]) and summary["finished"]
+
+
+def test_the_first_list_runs_the_measurements_of_issue_43_in_its_order():
+    """The tests, the HF generate comparison, the decode step and the call's overhead first; what
+    remains as the deadline allows."""
+    first = _listed_steps()
+    assert first[:8] == ["env", "install", "cuda_tests", "any_device", "hf_generate", "decode_step",
+                         "call_overhead", "host_overhead"]  # fmt: skip
+    assert set(first[8:]) == {"smoke", "failed_capture", "bisect", "replay_vs_eager", "paged_attention"}
+    assert "host_overhead" not in _listed_steps("--second")
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {**_clean_env(), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True, env=env
+    ).stdout
+
+
+def _provenance(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "_provenance.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_stamp_names_the_commit_on_a_copy_of_the_tree_without_git(tmp_path):
+    """A lent machine gets the tree without .git: the stamp written here names the commit and the
+    changes there, while every file it lists is as stamped; once one differs it names no commit."""
+    repo, copy = tmp_path / "repo", tmp_path / "copy"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pkg" / "a.py").write_text("a = 1\n")
+    (repo / ".gitignore").write_text(".oneshot-stamp.json\nbuild/\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "one")
+    head = _git(repo, "rev-parse", "HEAD").strip()
+    (repo / "new.py").write_text("b = 2\n")  # untracked, not ignored: it travels, and the tree is not clean
+    (repo / "build").mkdir()
+    (repo / "build" / "out.bin").write_text("ignored: does not travel")
+    done = _provenance("stamp", str(repo))
+    assert done.returncode == 0, done.stderr
+    stamp = json.loads((repo / ".oneshot-stamp.json").read_text())
+    assert sorted(stamp["files"]) == [".gitignore", "new.py", "pkg/a.py"]
+    shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".git", "build"))
+    shown = json.loads(_provenance("show", str(copy)).stdout)
+    assert shown["commit"] == head and shown["from"] == "stamp" and shown["clean"] is False
+    assert shown["changed"] == ["?? new.py"]
+    (copy / "pkg" / "a.py").write_text("a = 2\n")
+    stale = json.loads(_provenance("show", str(copy)).stdout)
+    assert stale["commit"] is None and stale["from"] == "stamp (stale)" and stale["changed"] == ["pkg/a.py"]
+    (copy / ".oneshot-stamp.json").unlink()
+    unknown = json.loads(_provenance("show", str(copy)).stdout)
+    assert unknown["commit"] is None and unknown["from"] == "unknown" and "--stamp" in unknown["note"]
 
 
 def test_unknown_steps_are_refused_by_name(tmp_path):

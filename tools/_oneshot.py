@@ -1,6 +1,9 @@
 """What ``tools/gpu_oneshot.sh`` needs from Python: the summary JSON, the environment record, and
 the ``.dist-info`` folders of its offline install fallback.
 
+Every summary records the commit and whether the tree was clean (``"checkout"``, from
+``tools/_provenance.py``: git, or on a lent machine's copy of the tree the stamp carried with it).
+
 Standard library only, and never imports torch except in ``env`` (the summary is rewritten after
 every step, so it must cost milliseconds and work whatever state the machine is in)::
 
@@ -24,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _provenance import checkout, describe
 
 #: What a step's status means (docs/development.md repeats this table).
 STATUSES = {
@@ -89,6 +94,7 @@ def init(args: argparse.Namespace) -> None:
             "elapsed_s": 0.0,
             "finished": False,
             "install": None,
+            "checkout": checkout(Path(__file__).resolve().parent.parent),
             "statuses": STATUSES,
             "steps": steps,
         },
@@ -158,6 +164,10 @@ def finish(args: argparse.Namespace) -> None:
         print(f"{row['name']:<{width}}  {row['status']:<8}{seconds}{extra}{note}")
     print(
         f"total {summary['elapsed_s']:.1f} s of a {summary['deadline_s']} s deadline; summary: {args.summary}"
+    )
+    print(
+        f"measured on {describe(summary['checkout'])}"
+        + (f": {summary['checkout']['note']}" if summary["checkout"]["note"] else "")
     )
 
 

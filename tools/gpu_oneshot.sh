@@ -7,6 +7,7 @@
 #   bash tools/gpu_oneshot.sh --dry-run        # the same steps on --device cpu, smallest grids, seconds
 #   bash tools/gpu_oneshot.sh --list           # the steps and their time limits; runs nothing
 #   bash tools/gpu_oneshot.sh --steps env,decode_step   # only these steps of the list (its order)
+#   bash tools/gpu_oneshot.sh --stamp          # here, before a run: the commit and tree state, for the copy
 #
 # Steps run in priority order, each under its own time limit (`timeout`: SIGABRT first, so every
 # Python process writes its stacks to the step's log, then SIGKILL) and never past the global
@@ -17,6 +18,12 @@
 # tools/oneshot_pytest.py). After every step the run folder is packed into $OUT, as two files, because
 # the lent machine returns at most 8 files from $OUT: <mode>-summary.json and <mode>.tar.gz.
 # See docs/development.md.
+#
+# Every summary and every benchmark's JSON records the commit and whether the tree was clean
+# ("checkout", tools/_provenance.py). A lent machine gets a copy of the tree without .git: run
+# `bash tools/gpu_oneshot.sh --stamp` here first, which writes the git-ignored .oneshot-stamp.json
+# (the commit, the changes, a digest of every file that travels), and carry it with the tree; a stamp
+# whose files no longer match the tree is reported as stale, never as the commit.
 #
 # Uses the machine's own torch and installs nothing from the network: devgraph and its test packages
 # are installed with pip --no-deps --no-build-isolation --no-index -e; where pip refuses, they are put
@@ -30,16 +37,17 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
 
-usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
 
 ARGS="$*"
-MODE=first DRY=0 DEVICE="" DEADLINE="" LIST=0 ONLY=""
+MODE=first DRY=0 DEVICE="" DEADLINE="" LIST=0 ONLY="" STAMP=0
 while (($#)); do
     case $1 in
         --dry-run) DRY=1 ;;
         --second) MODE=second ;;
         --all) MODE=all ;;
         --list) LIST=1 ;;
+        --stamp) STAMP=1 ;;
         --device) DEVICE=${2:?--device needs a value}; shift ;;
         --device=*) DEVICE=${1#*=} ;;
         --deadline) DEADLINE=${2:?--deadline needs seconds}; shift ;;
@@ -51,14 +59,18 @@ while (($#)); do
     esac
     shift
 done
+if ((STAMP)); then exec "${PYTHON:-python3}" tools/_provenance.py stamp; fi
 if ((DRY)); then DEVICE=${DEVICE:-cpu}; else DEVICE=${DEVICE:-cuda}; fi
 case $MODE in first) DEADLINE=${DEADLINE:-540} ;; second) DEADLINE=${DEADLINE:-300} ;; all) DEADLINE=${DEADLINE:-3600} ;; esac
 [[ $DEADLINE =~ ^[0-9]+$ ]] || { echo "gpu_oneshot: --deadline wants whole seconds, not $DEADLINE" >&2; exit 2; }
 
-# name:limit in seconds, in priority order. The first call: what issue 29 needs most; the second:
-# the rest. env and install open both (a second call may land on a fresh machine).
-FIRST=(env:30 install:120 smoke:60 cuda_tests:210 failed_capture:60 any_device:180 bisect:150 replay_vs_eager:45 paged_attention:90 decode_step:150)
-SECOND=(env:30 install:120 breakable:90 host_overhead:120 piecewise:150 decode_step_compile:200 cpu_subset:240)
+# name:limit in seconds, in priority order. The first call: what issue 43 needs most (the tests, the HF
+# generate comparison, the decode step and the call's overhead side by side), then the rest as the
+# deadline allows; the second: what remains. env and install open both (a second call may land on a
+# fresh machine).
+FIRST=(env:30 install:120 cuda_tests:210 any_device:180 hf_generate:150 decode_step:150 call_overhead:120
+    host_overhead:120 smoke:60 failed_capture:60 bisect:150 replay_vs_eager:45 paged_attention:90)
+SECOND=(env:30 install:120 breakable:90 piecewise:150 decode_step_compile:200 cpu_subset:240)
 case $MODE in
     first) STEPS=("${FIRST[@]}") ;;
     second) STEPS=("${SECOND[@]}") ;;
@@ -243,6 +255,24 @@ step_decode_step() {
     "$PY" benchmarks/decode_step.py --device "$DEVICE" --no-compile --out "$RUN/results" "${args[@]}"
 }
 
+# Tiny random transformers models of six architectures: graphed generate() against eager (fp32
+# tokens and logits at batch 1 and 3 rows in a bucket of 4; bf16 differences), then a small bf16 Llama's
+# decode speed at batch 1 against eager and the memory-bandwidth floor.
+step_hf_generate() {
+    local args=()
+    ((DRY)) && args=(--quick)
+    "$PY" benchmarks/hf_generate.py --device "$DEVICE" --out "$RUN/results" "${args[@]}"
+}
+
+# The decode call against a hand-written graph with the same copies, interleaved in one loop, with a
+# profiler's count of what each launches (kernels, memcpys, runtime calls) and a split of the call's
+# host time by stage.
+step_call_overhead() {
+    local args=(--models paged llama --batches 1 8 32)
+    ((DRY)) && args=(--models paged --batches 1 --quick --iters 3 --warmup 1 --profile-calls 2 --stage-iters 20)
+    "$PY" benchmarks/call_overhead.py --device "$DEVICE" --out "$RUN/results" "${args[@]}"
+}
+
 step_breakable() {
     local args=()
     ((DRY)) && args=(--quick --iters 3 --warmup 0)
@@ -283,7 +313,8 @@ step_cpu_subset() {
 }
 
 export -f run_pytest step_env step_install step_smoke step_cuda_tests step_failed_capture step_any_device step_bisect \
-    step_replay_vs_eager step_breakable step_paged_attention step_decode_step step_host_overhead step_piecewise step_decode_step_compile step_cpu_subset
+    step_replay_vs_eager step_breakable step_paged_attention step_decode_step step_host_overhead step_piecewise \
+    step_decode_step_compile step_cpu_subset step_hf_generate step_call_overhead
 export FAILED_CAPTURE_TESTS
 
 # -- the driver ------------------------------------------------------------------------------------

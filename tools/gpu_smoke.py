@@ -48,9 +48,11 @@ FAILING_CAPTURES = "check_capture_error_on_host_sync"
 
 
 def _write(report: dict[str, Any], path: Path, complete: bool = False) -> None:
+    from _provenance import checkout  # tools/ is this script's folder: the commit and the tree's state
+
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps({**report, "complete": complete}, indent=2) + "\n")
+    tmp.write_text(json.dumps({**report, "checkout": checkout(), "complete": complete}, indent=2) + "\n")
     os.replace(tmp, path)
 
 
