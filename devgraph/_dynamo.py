@@ -47,15 +47,66 @@ __all__ = ["DynamoGraphs", "DynamoStats", "Served", "TracedGraph", "TracedModule
 
 logger = logging.getLogger("devgraph")
 
-#: options of ``torch.compile(backend="devgraph", options=...)`` besides the ``RunnerConfig`` fields
-FRONTEND_OPTIONS = ("device", "graphs")
-#: How Dynamo traces for devgraph (``torch._dynamo.config``, set around each call of a wrapper):
-#: an int attribute of a module that changes every call (``self.calls += 1``) is a size input of the
-#: graph, not a guard failing at every call; a Python float the forward reads is a constant of the
-#: graph, guarded, never a 0-d tensor read with ``.item()`` inside it (a graph would freeze it).
-DYNAMO_CONFIG = {"allow_unspec_int_on_nn_module": True, "specialize_float": True}
 #: ``RunnerConfig`` fields a Dynamo graph's runner sets itself (read from the graph)
 _DERIVED = ("batch_dims", "static_args", "host_args", "pad_values")
+#: How Dynamo traces for devgraph (``torch._dynamo.config``, set while Dynamo traces a call of a
+#: ``TracedModule``, never between): an int attribute of a module that changes every call
+#: (``self.calls += 1``) is a size input of the graph, not a guard failing at every call; a Python
+#: float the forward reads is a constant of the graph, guarded, never a 0-d tensor read with
+#: ``.item()`` inside it (a graph would freeze it). Dynamo's guards do not include its config, so
+#: setting it at each call would cost the call (17 us here) for nothing.
+DYNAMO_CONFIG = {"allow_unspec_int_on_nn_module": True, "specialize_float": True}
+
+
+class _Tracing(threading.local):
+    """Per thread: how deep in ``TracedModule`` calls it is, and the config a trace replaced."""
+
+    depth = 0
+    saved: dict[str, Any] | None = None
+
+
+_TRACING = _Tracing()
+_HOOKED = threading.Lock()
+
+
+def _on_compile_start(args: Any) -> None:
+    if _TRACING.depth and _TRACING.saved is None:
+        import torch
+
+        config = torch._dynamo.config
+        _TRACING.saved = {k: getattr(config, k) for k in DYNAMO_CONFIG}
+        for k, v in DYNAMO_CONFIG.items():
+            setattr(config, k, v)
+
+
+def _on_compile_end(args: Any) -> None:
+    saved = _TRACING.saved
+    if saved is not None:
+        import torch
+
+        _TRACING.saved = None
+        for k, v in saved.items():
+            setattr(torch._dynamo.config, k, v)
+
+
+@functools.cache
+def _handler() -> Any:
+    import torch._dynamo.callback as callback
+
+    return callback.callback_handler
+
+
+def _hook_compiles() -> None:
+    """Register Dynamo's compile-start and -end callbacks that set ``DYNAMO_CONFIG`` for the traces a
+    ``TracedModule`` call starts (inert for every other compile of the process). Checked at every
+    call: ``torch._dynamo.reset()`` clears the callbacks."""
+    handler = _handler()
+    if _on_compile_start in handler.start_callbacks:
+        return
+    with _HOOKED:
+        if _on_compile_start not in handler.start_callbacks:
+            handler.register_start_callback(_on_compile_start)
+            handler.register_end_callback(_on_compile_end)
 
 
 @attrs.frozen
@@ -83,6 +134,12 @@ def _is_symbolic(size: Any) -> bool:
     import torch
 
     return isinstance(size, torch.SymInt) and not getattr(size.node.expr, "is_Integer", False)
+
+
+def _source_name(node: Any) -> str:
+    """Where Dynamo found a placeholder's value (``L['self']._buffers['steps']``), else its name."""
+    name = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
+    return name if isinstance(name, str) else node.name
 
 
 def _feeds_tensors(node: Any) -> bool:
@@ -189,12 +246,16 @@ class TracedGraph:
         self.interpret = False
         self.where = where
         self.outputs = self._outputs()
+        self._only_tensors = all(kind == "tensor" for kind, _ in self.outputs)
         # Buffers and caches the graph may write in place (parameters are not written by a forward):
         # the capture loop restores them after its runs, so they advance once per call.
-        examples = {node.name: example for node, example in zip(placeholders, example_inputs)}
-        self.state = tuple(
-            examples[name] for name in self.static if not isinstance(examples[name], torch.nn.Parameter)
-        )
+        # Named by Dynamo's source (``L['self']._buffers['steps']``), as the capture loop's log names them.
+        examples = {node.name: (node, example) for node, example in zip(placeholders, example_inputs)}
+        self.state = {
+            _source_name(examples[name][0]): examples[name][1]
+            for name in self.static
+            if not isinstance(examples[name][1], torch.nn.Parameter)
+        }
 
     # -- reading the graph -------------------------------------------------------------------------
 
@@ -318,21 +379,20 @@ class TracedGraph:
     def assemble(self, args: Sequence[Any], tensors: Sequence[Any]) -> tuple[Any, ...]:
         """The graph's outputs: the served tensors, and each size it returns computed from the call's
         own ``args`` (Dynamo's, every placeholder), never from the bucket's."""
-        import sympy
-
-        named = dict(zip(self.arguments, self.split(args)))
-        sizes = {
-            symbol: sympy.Integer(int(named[name].shape[dim])) for symbol, (name, dim) in self.where.items()
-        }
-        sizes.update((symbol, sympy.Integer(int(args[i]))) for symbol, i in self.values.items())
         import torch
 
+        if self._only_tensors:  # the usual graph: nothing to compute, only the batch dims to mark
+            for tensor, (_, dim) in zip(tensors, self.outputs):
+                if dim is not None:
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+            return tuple(tensors)
+        sizes = self._sizes(args)
         it = iter(tensors)
         out: list[Any] = []
         for kind, what in self.outputs:
             if kind == "tensor":
                 tensor = next(it)
-                if what is not None and isinstance(tensor, torch.Tensor):
+                if what is not None:
                     torch._dynamo.maybe_mark_dynamic(tensor, what)
                 out.append(tensor)
             elif kind == "size":
@@ -341,8 +401,19 @@ class TracedGraph:
                 out.append(what)
         return tuple(out)
 
+    def _sizes(self, args: Sequence[Any]) -> dict[Any, Any]:
+        """The value of each size symbol in the call Dynamo made (``args``: every placeholder)."""
+        import sympy
 
-def _run(graph: TracedGraph, state: tuple[Any, ...], *args: Any) -> Any:
+        named = dict(zip(self.arguments, self.split(args)))
+        sizes = {
+            symbol: sympy.Integer(int(named[name].shape[dim])) for symbol, (name, dim) in self.where.items()
+        }
+        sizes.update((symbol, sympy.Integer(int(args[i]))) for symbol, i in self.values.items())
+        return sizes
+
+
+def _run(graph: TracedGraph, state: dict[str, Any], *args: Any) -> Any:
     return graph.run(*args)
 
 
@@ -592,8 +663,12 @@ class TracedModule:
             if isinstance(a, torch.Tensor) and a.dim():
                 mark(a, self._batch_dims.get(name, 0))
         before = self.graphs.served
-        with torch._dynamo.config.patch(DYNAMO_CONFIG):
+        _hook_compiles()
+        _TRACING.depth += 1
+        try:
             out = self.compiled(*args, **kwargs)
+        finally:
+            _TRACING.depth -= 1
         if self.graphs.served == before:
             self._note_untraced()
         return out

@@ -29,6 +29,7 @@ RUNS = {
     "breakable": (["--device", "cpu", "--quick"], "breakable_cpu_quick.json"),
     "hf_generate": (["--device", "cpu", "--quick", "--archs", "llama", "qwen3"], "hf_generate_cpu_quick.json"),
     "call_overhead": (["--device", "cpu", "--quick"], "call_overhead_cpu_quick.json"),
+    "dynamo_frontend": (["--quick"], "dynamo_frontend_quick.json"),
 }
 
 
