@@ -136,6 +136,14 @@ def _is_symbolic(size: Any) -> bool:
     return isinstance(size, torch.SymInt) and not getattr(size.node.expr, "is_Integer", False)
 
 
+def _argument_name(node: Any) -> str:
+    """The compiled function's argument a user input comes from (``x`` for ``L['x']``)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    while source is not None and getattr(source, "base", None) is not None:
+        source = source.base
+    return str(getattr(source, "local_name", ""))
+
+
 def _source_name(node: Any) -> str:
     """Where Dynamo found a placeholder's value (``L['self']._buffers['steps']``), else its name."""
     name = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
@@ -191,10 +199,14 @@ class TracedGraph:
     sizes the graph returns are computed by ``sizes_out`` from the call's own tensors.
     """
 
-    def __init__(self, gm: Any, example_inputs: Sequence[Any]) -> None:
+    def __init__(
+        self, gm: Any, example_inputs: Sequence[Any], user_dims: dict[str, int] | None = None
+    ) -> None:
         import torch
 
         self.gm = gm
+        #: the batch dim of the compiled function's arguments by name (default 0)
+        self.user_dims = user_dims or {}
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(example_inputs):
             raise Unservable("unsupported_graph", "Dynamo's graph and its example inputs disagree")
@@ -259,17 +271,26 @@ class TracedGraph:
 
     # -- reading the graph -------------------------------------------------------------------------
 
-    @staticmethod
-    def _batch_symbols(placeholders: list[Any], fakes: list[Any]) -> frozenset[Any]:
-        """The symbols that are a batch size: each user input's first dimension, where Dynamo made it
-        dynamic. Two inputs may carry two symbols (nothing in the forward tied them): both are padded
-        to the bucket; a call whose two sizes differ runs eagerly (counted)."""
+    def _user_dim(self, node: Any, fake: Any) -> int | None:
+        """The batch dim of a user input (``user_dims`` by argument name, else 0); None: not a user
+        input, or a tensor without that dim."""
+        if not _from_user(node) or not fake.dim():
+            return None
+        d = self.user_dims.get(_argument_name(node), 0)
+        return d if d < fake.dim() else None
+
+    def _batch_symbols(self, placeholders: list[Any], fakes: list[Any]) -> frozenset[Any]:
+        """The symbols that are a batch size: each user input's batch dimension (``user_dims``, else
+        the first), where Dynamo made it dynamic. Two inputs may carry two symbols (nothing in the
+        forward tied them): both are padded to the bucket; a call whose two sizes differ runs eagerly
+        (counted)."""
         import torch
 
         found = set()
         for node, fake in zip(placeholders, fakes):
-            if isinstance(fake, torch.Tensor) and fake.dim() and _from_user(node):
-                symbol = _symbol(fake.shape[0])
+            if isinstance(fake, torch.Tensor):
+                d = self._user_dim(node, fake)
+                symbol = _symbol(fake.shape[d]) if d is not None else None
                 if symbol is not None:
                     found.add(symbol)
         return frozenset(found)
@@ -303,10 +324,16 @@ class TracedGraph:
         import torch
 
         for node, example in zip(placeholders, example_inputs):
-            if isinstance(example, torch.Tensor) and example.dim() and _from_user(node):
-                self.batch_dims[node.name] = 0
-                self.static.remove(node.name)
-        rows = {example_inputs[i].shape[0] for i, n in enumerate(placeholders) if n.name in self.batch_dims}
+            if isinstance(example, torch.Tensor):
+                d = self._user_dim(node, example)
+                if d is not None:
+                    self.batch_dims[node.name] = d
+                    self.static.remove(node.name)
+        rows = {
+            example_inputs[i].shape[self.batch_dims[n.name]]
+            for i, n in enumerate(placeholders)
+            if n.name in self.batch_dims
+        }
         if len(rows) != 1:
             raise Unservable(
                 "unsupported_graph",
@@ -466,9 +493,11 @@ class DynamoGraphs:
     ``devgraph.wrap(..., frontend="dynamo")`` holds one and reads its ``stats``.
     """
 
-    def __init__(self, device: Any, config: Any) -> None:
+    def __init__(self, device: Any, config: Any, batch_dims: dict[str, int] | None = None) -> None:
         self.device = device
         self.config = config
+        #: the batch dim of the compiled function's arguments by name (default 0)
+        self.batch_dims = dict(batch_dims or {})
         self.runners: list[Any] = []
         self._unservable: dict[str, int] = {}
         self._eager_calls = 0
@@ -485,7 +514,7 @@ class DynamoGraphs:
         from devgraph.runner import GraphRunner
 
         try:
-            graph = TracedGraph(gm, example_inputs)
+            graph = TracedGraph(gm, example_inputs, self.batch_dims)
         except Unservable as why:
             return self._as_traced(gm, why)
         config = attrs.evolve(self.config, batch_dims=graph.batch_dims, static_args=graph.static)
@@ -637,6 +666,8 @@ class TracedModule:
         self.graphs = graphs
         self._batch_dims = batch_dims
         self.compiled = torch.compile(module, backend=graphs)
+        #: the forward's positional parameter names (a positional argument's ``batch_dims`` key)
+        self._positional = _positional_names(module)
         self._untraced = 0
         self._warned = False
 
@@ -656,9 +687,10 @@ class TracedModule:
         import torch
 
         mark = torch._dynamo.maybe_mark_dynamic
+        positional = self._positional
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and a.dim():
-                mark(a, self._batch_dims.get(f"args[{i}]", 0))
+                mark(a, self._batch_dims.get(positional[i] if i < len(positional) else "", 0))
         for name, a in kwargs.items():
             if isinstance(a, torch.Tensor) and a.dim():
                 mark(a, self._batch_dims.get(name, 0))
@@ -708,9 +740,42 @@ def _untraced_message(module: Any) -> str:
     )
 
 
+def _positional_names(model: Any) -> tuple[str, ...]:
+    from devgraph.runner import signature_of
+
+    try:
+        params = signature_of(model).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
 def wrap_traced(model: Any, device: Any, options: dict[str, Any]) -> TracedModule:
-    """``devgraph.wrap(model, device, frontend="dynamo", **options)`` (see ``TracedModule``)."""
+    """``devgraph.wrap(model, device, frontend="dynamo", **options)`` (see ``TracedModule``).
+
+    Raises:
+        DevgraphError: ``batch_dims`` naming an argument the forward does not take, or a dim that is
+            not an int >= 0; what ``backend_for`` raises.
+    """
+    from devgraph.runner import RunnerConfig
+
     options = dict(options)
-    batch_dims = dict(options.pop("batch_dims", None) or {})
+    batch_dims = dict(RunnerConfig(batch_dims=options.pop("batch_dims", None) or {}).batch_dims)
     graphs = backend_for({**options, "device": device})
+    graphs.batch_dims = batch_dims
+    try:
+        from devgraph.runner import signature_of
+
+        taken = set(signature_of(model).parameters)
+    except (TypeError, ValueError):
+        taken = set(batch_dims)
+    unknown = sorted(set(batch_dims) - taken)
+    if unknown:
+        raise DevgraphError(
+            f"batch_dims names {unknown}, which {type(model).__name__}'s forward does not take; it takes "
+            f"{sorted(taken)}"
+        )
+    bad = {k: v for k, v in batch_dims.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0}
+    if bad:
+        raise DevgraphError(f"batch_dims must map argument names to dims (ints >= 0), got {bad}")
     return TracedModule(model, graphs, batch_dims)

@@ -491,3 +491,21 @@ def test_strict_refuses_a_graph_it_cannot_serve():
         compiled(torch.ones(2, 2))
         with pytest.raises(Exception, match="devgraph cannot serve a graph Dynamo traced"):
             compiled(torch.ones(2, 2))
+
+
+def test_batch_dims_marks_the_named_argument_dynamic_along_that_dim():
+    class M(nn.Module):
+        def forward(self, x):  # x: [features, batch]
+            return x * 2
+
+    graphed = devgraph.wrap(M(), device="cpu", frontend="dynamo", batch_dims={"x": 1}, batch_sizes=[2, 4])
+    with torch.no_grad():
+        for rows in (3, 2, 4):
+            x = torch.randn(5, rows)
+            assert torch.equal(graphed(x), x * 2)
+    assert graphed.stats.replays == 3 and graphed.stats.captured_sizes == (2, 4), graphed.stats
+
+
+def test_batch_dims_naming_an_argument_the_forward_does_not_take_is_refused():
+    with pytest.raises(devgraph.DevgraphError, match=r"batch_dims names \['y'\].*takes \['input'\]"):
+        devgraph.wrap(nn.Identity(), device="cpu", frontend="dynamo", batch_dims={"y": 0})
