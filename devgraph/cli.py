@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -186,6 +187,14 @@ def _bisect(args: argparse.Namespace) -> int:
         report = bisect(target, *call_args, bisect_options=options, **call_kwargs)
     except DevgraphError as exc:  # CaptureError included: the message names the op and the remedy
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # the model's own error (a TypeError of its call, ...): not "an op differs"
+        traceback.print_exc(file=sys.stderr)
+        print(
+            f"error: the bisect could not run: {type(exc).__name__}: {exc} (the traceback above says where; "
+            "exit status 2, not 1, which means an op differs)",
+            file=sys.stderr,
+        )
         return 2
     if args.json:
         first = report.first

@@ -118,6 +118,22 @@ def test_cli_bad_values_exit_2_with_a_message(argv, message, monkeypatch, capsys
     assert re.search(message, capsys.readouterr().err)
 
 
+def _raises_type_error():
+    def forward(x):
+        raise TypeError("forward() got an unexpected keyword argument 'attention_mask'")
+
+    return forward, (torch.ones(2),)
+
+
+def test_cli_a_model_that_raises_exits_2_could_not_run_not_1_differs(monkeypatch, capsys):
+    """Exit 1 means an op differs; an error of the model's own call is 'could not run' (2), with its
+    traceback and a one-line error."""
+    monkeypatch.setitem(sys.modules, "bisect_case", types.SimpleNamespace(make=_raises_type_error))
+    assert main(["bisect", "bisect_case:make"]) == 2
+    err = capsys.readouterr().err
+    assert "error: the bisect could not run: TypeError" in err and "Traceback" in err
+
+
 def test_cli_demo_names_the_first_differing_op_or_none(capsys):
     code = main(["bisect", "demo", "--device", "cpu", "--batch", "1", "--bucket", "2", "--json"])
     out = json.loads(capsys.readouterr().out)
