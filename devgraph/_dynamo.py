@@ -47,6 +47,14 @@ __all__ = ["DynamoGraphs", "DynamoStats", "Served", "TracedGraph", "TracedModule
 
 logger = logging.getLogger("devgraph")
 
+#: Why a forward that draws Python random numbers is not run through Dynamo after its first call.
+PYTHON_RANDOM = (
+    "the forward draws Python random numbers (random.random(), a random.Random's methods): Dynamo draws "
+    "them before each call of its graph, and for a random.Random instance it repeats the first call's "
+    "draw on every later call (torch 2.13; the global random module's draws are right), a wrong value "
+    "devgraph cannot see. Every call after the first runs the model eagerly. Draw with torch's "
+    "generators on tensors instead, or pass the number in as a tensor"
+)
 #: ``RunnerConfig`` fields a Dynamo graph's runner sets itself (read from the graph)
 _DERIVED = ("batch_dims", "static_args", "host_args", "pad_values")
 #: How Dynamo traces for devgraph (``torch._dynamo.config``, set while Dynamo traces a call of a
@@ -212,6 +220,9 @@ class TracedGraph:
             raise Unservable("unsupported_graph", "Dynamo's graph and its example inputs disagree")
         fakes = [n.meta.get("example_value") for n in placeholders]
         for node in placeholders:
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            if type(source).__name__ == "RandomValueSource":
+                raise Unservable("python_random", PYTHON_RANDOM)
             if getattr(node.meta.get("grapharg"), "pass_arg_as_tensor", False):
                 raise Unservable(
                     "python_scalar",
@@ -498,6 +509,10 @@ class DynamoGraphs:
         self.config = config
         #: the batch dim of the compiled function's arguments by name (default 0)
         self.batch_dims = dict(batch_dims or {})
+        #: a graph drew Python random numbers (``PYTHON_RANDOM``); a wrapper that can run the model
+        #: eagerly instead sets ``eager_on_python_random`` (else the backend raises)
+        self.python_random = False
+        self.eager_on_python_random = False
         self.runners: list[Any] = []
         self._unservable: dict[str, int] = {}
         self._eager_calls = 0
@@ -556,6 +571,10 @@ class DynamoGraphs:
             self._log = None
 
     def _as_traced(self, gm: Any, why: Unservable) -> Callable[..., Any]:
+        if why.category == "python_random":
+            self.python_random = True  # a TracedModule runs later calls eagerly, Dynamo not at all
+            if not self.eager_on_python_random:  # torch.compile's own backend: nothing can run eagerly
+                raise DevgraphError(f"devgraph cannot serve this forward through Dynamo: {PYTHON_RANDOM}")
         with self._lock:
             self._unservable[why.category] = self._unservable.get(why.category, 0) + 1
             first = why.category not in self._warned
@@ -666,6 +685,8 @@ class TracedModule:
         self.graphs = graphs
         self._batch_dims = batch_dims
         self.compiled = torch.compile(module, backend=graphs)
+        graphs.eager_on_python_random = True
+        self._python_random = 0
         #: the forward's positional parameter names (a positional argument's ``batch_dims`` key)
         self._positional = _positional_names(module)
         self._untraced = 0
@@ -678,9 +699,11 @@ class TracedModule:
     @property
     def stats(self) -> DynamoStats:
         total = self.graphs.stats
-        total.eager_calls += self._untraced
+        total.eager_calls += self._untraced + self._python_random
         if self._untraced:
             total.fallbacks["dynamo_untraced"] = total.fallbacks.get("dynamo_untraced", 0) + self._untraced
+        if self._python_random:
+            total.fallbacks["python_random"] = total.fallbacks.get("python_random", 0) + self._python_random
         return total
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -694,6 +717,9 @@ class TracedModule:
         for name, a in kwargs.items():
             if isinstance(a, torch.Tensor) and a.dim():
                 mark(a, self._batch_dims.get(name, 0))
+        if self.graphs.python_random:  # Dynamo would replay a Python random draw wrongly: eager
+            self._python_random += 1
+            return self.module(*args, **kwargs)
         before = self.graphs.served
         _hook_compiles()
         _TRACING.depth += 1

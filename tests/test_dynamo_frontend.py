@@ -14,9 +14,12 @@ these tests also show what the new front end fixes.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import itertools
 import logging
+import random
+import weakref
 
 import pytest
 import torch
@@ -275,6 +278,112 @@ def _torch_global_flag():
     return M(), change
 
 
+def _context_var():
+    var = contextvars.ContextVar("gain", default=1.0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = _linear()
+
+        def forward(self, x):
+            return self.l(x) * var.get()
+
+    def change(i):
+        var.set(float(i % 3 + 1))
+
+    return M(), change
+
+
+def _lambda_in_a_dict():
+    holder = {"f": lambda t: t * 2}
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = _linear()
+
+        def forward(self, x):
+            return holder["f"](self.l(x))
+
+    def change(i):
+        holder["f"] = lambda t, k=i: t * (k % 3 + 1)
+
+    return M(), change
+
+
+def _function_attribute():
+    def scale(t):
+        return t * scale.k
+
+    scale.k = 2.0
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = _linear()
+
+        def forward(self, x):
+            return scale(self.l(x))
+
+    def change(i):
+        scale.k = float(i % 3 + 1)
+
+    return M(), change
+
+
+def _module_behind_a_weakref():
+    inner = _linear(1)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ref = weakref.ref(inner)
+
+        def forward(self, x):
+            return self.ref()(x)
+
+    def change(i):
+        with torch.no_grad():
+            inner.bias.add_(1)
+
+    model = M()
+    model.keep = [inner]  # alive while the model is (not a submodule: reached through the weakref only)
+    return model, change
+
+
+def _bound_method_of_another_module():
+    other = _linear(1)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = other.forward
+
+        def forward(self, x):
+            return self.f(x)
+
+    def change(i):
+        with torch.no_grad():
+            other.bias.add_(1)
+
+    return M(), change
+
+
+def _random_instance():
+    rng = random.Random(0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = _linear()
+
+        def forward(self, x):
+            return self.l(x) + rng.randint(0, 9)
+
+    return M(), None
+
+
 CASES = {
     "module_global": _module_global,
     "class_attribute": _class_attribute,
@@ -288,6 +397,12 @@ CASES = {
     "value_four_objects_deep": _value_four_objects_deep,
     "branch_on_the_batch_size": _branch_on_the_batch_size,
     "torch_global_flag": _torch_global_flag,
+    "context_var": _context_var,
+    "lambda_in_a_dict": _lambda_in_a_dict,
+    "function_attribute": _function_attribute,
+    "module_behind_a_weakref": _module_behind_a_weakref,
+    "bound_method_of_another_module": _bound_method_of_another_module,
+    "random_instance": _random_instance,
 }
 
 
@@ -509,3 +624,89 @@ def test_batch_dims_marks_the_named_argument_dynamic_along_that_dim():
 def test_batch_dims_naming_an_argument_the_forward_does_not_take_is_refused():
     with pytest.raises(devgraph.DevgraphError, match=r"batch_dims names \['y'\].*takes \['input'\]"):
         devgraph.wrap(nn.Identity(), device="cpu", frontend="dynamo", batch_dims={"y": 0})
+
+
+def test_python_random_draws_run_eagerly_after_the_first_call_named_and_counted(caplog):
+    """torch 2.13's Dynamo repeats a random.Random instance's first draw on every later call (with any
+    backend); devgraph sees the draw in the graph, names it, and runs later calls eagerly."""
+    with caplog.at_level(logging.WARNING, logger="devgraph"):
+        _, model = _run("random_instance", _dynamo)
+    assert any("random.Random" in r.getMessage() for r in caplog.records)
+
+
+def test_torch_compiles_own_backend_refuses_python_random_draws():
+    rng = random.Random(0)
+
+    class M(nn.Module):
+        def forward(self, x):
+            return x + rng.randint(0, 9)
+
+    compiled = torch.compile(M(), backend="devgraph", options={"device": "cpu", "batch_sizes": [4]})
+    with pytest.raises(Exception, match="cannot serve this forward through Dynamo.*random"):
+        compiled(torch.zeros(4, 1))
+
+
+def test_a_generator_argument_draws_as_eagerly():
+    """A torch.Generator passed as an argument: each call draws from its state then, not capture's."""
+
+    class M(nn.Module):
+        def forward(self, x, gen):
+            return x + torch.randn(x.shape, generator=gen)
+
+    def draws(serve):
+        gen = torch.Generator().manual_seed(0)
+        model = serve(M())
+        with torch.no_grad():
+            return [model(torch.zeros(3, 4), gen).clone() for _ in range(4)]
+
+    for got, want in zip(draws(_dynamo), draws(_eager)):
+        assert torch.equal(got, want)
+
+
+def test_a_value_computed_from_a_host_list_follows_the_list():
+    """max(lengths) of a Python list argument: Dynamo guards the list, so a new list is a new trace
+    (or an eager call), never the capture's value."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = _linear()
+
+        def forward(self, x, lengths):
+            return self.l(x) * max(lengths)
+
+    model = M().eval()
+    graphed = _dynamo(model)
+    x = torch.randint(-2, 3, (3, 8)).float()
+    with torch.no_grad():
+        for i in range(4):
+            lengths = [i + 1, 2, 1]
+            assert torch.equal(graphed(x, lengths), model(x, lengths))
+
+
+def test_an_input_that_is_a_view_of_the_models_own_buffer_is_read_as_it_is_now():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = _linear()
+            self.register_buffer("buf", torch.zeros(8, 8))
+
+        def forward(self, x):
+            return self.l(x)
+
+    model = M().eval()
+    graphed = _dynamo(model)
+    with torch.no_grad():
+        for i in range(4):
+            model.buf.fill_(float(i))
+            x = model.buf[:3]
+            assert torch.equal(graphed(x), model(x))
+
+
+@pytest.mark.parametrize("case", ["module_global", "closure_cell"])
+def test_the_cases_catch_a_stale_graph(case):
+    """The harness above tells a stale replay: the raw front end (its own walkers, no Dynamo) serves
+    graphs captured with the old value on these cases (see docs/wrap.md), and the comparison sees it."""
+    expected, _ = _run(case, _eager)
+    served, _ = _run(case, lambda m: devgraph.wrap(m, device="cpu", batch_sizes=[1, 2, 4, 8]))
+    assert any(not torch.equal(got, want) for got, want in zip(served, expected))
