@@ -629,9 +629,16 @@ def test_batch_dims_naming_an_argument_the_forward_does_not_take_is_refused():
 def test_python_random_draws_run_eagerly_after_the_first_call_named_and_counted(caplog):
     """torch 2.13's Dynamo repeats a random.Random instance's first draw on every later call (with any
     backend); devgraph sees the draw in the graph, names it, and runs later calls eagerly."""
+    wrappers = []
+
+    def serve(model):
+        wrappers.append(_dynamo(model))
+        return wrappers[-1]
+
     with caplog.at_level(logging.WARNING, logger="devgraph"):
-        _, model = _run("random_instance", _dynamo)
-    assert any("random.Random" in r.getMessage() for r in caplog.records)
+        _run("random_instance", serve)
+    assert sum("random.Random" in r.getMessage() for r in caplog.records) == 1
+    assert wrappers[0].stats.fallbacks == {"python_random": len(SIZES) - 1}
 
 
 def test_torch_compiles_own_backend_refuses_python_random_draws():
@@ -642,7 +649,7 @@ def test_torch_compiles_own_backend_refuses_python_random_draws():
             return x + rng.randint(0, 9)
 
     compiled = torch.compile(M(), backend="devgraph", options={"device": "cpu", "batch_sizes": [4]})
-    with pytest.raises(Exception, match="cannot serve this forward through Dynamo.*random"):
+    with pytest.raises(Exception, match=r"cannot serve this forward through Dynamo.*random"):
         compiled(torch.zeros(4, 1))
 
 
