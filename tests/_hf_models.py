@@ -53,6 +53,8 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", _COMMON),
     "phi": ("PhiConfig", "PhiForCausalLM", _COMMON),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", _COMMON),
+    # two attention calls per layer, their outputs joined by cat after the second (issue 48)
+    "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", _HEAD),
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",

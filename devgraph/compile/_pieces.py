@@ -9,7 +9,7 @@ split module in one of three phases:
   run eagerly between the captures (on the capture stream, outside any graph);
 * ``replay``: each piece replays its graph; the splitting ops run eagerly in between.
 
-Replay needs a piece's inputs at their capture-time addresses. Three kinds of input, and what
+Replay needs a piece's inputs at their capture-time addresses. Four kinds of input, and what
 each replay does about them:
 
 * the module's own inputs (the runner's static buffers, static arguments, weights): the same
@@ -22,6 +22,11 @@ each replay does about them:
   splitting op's output that writes into such memory (devgraph's attention ops do). Checked at
   every replay, a cheap guard (one or two per piece): an eager op may hand back other memory
   than at capture, and the piece would then read stale memory without a word;
+* another piece's output passed as it is, in whatever memory (pool, a module input, or a view of
+  that piece's staging buffer: an attention output transposed between two attention calls): that
+  piece's graph hands back this very tensor at every replay, so it is read where it lies (held
+  weakly where the pool owns it), checked only in debug mode. Staging it would copy it once, at
+  capture, and the piece would read that copy ever after;
 * anything else, i.e. what an eager splitting op made (a fresh tensor every call) or a view of it:
   the piece is captured reading a *staging* tensor instead, one buffer per (piece, argument) sized
   by the largest size and shared by every size, and each replay copies the call's value into it.
@@ -205,19 +210,29 @@ class PieceGraphs:
             if isinstance(a, torch.Tensor):
                 storage = _storage(a)
                 stable = storage in state.stable_storages and storage not in state.pool_storages
-                direct = state.piece_outputs.get(id(a)) is a  # another piece's output, passed as it is
+                # Another piece's output, passed as it is: that piece's graph hands back this very
+                # tensor at every replay (at its capture-time address), whatever memory it lies in:
+                # the pool's, a module input's, or (a view of its input) that piece's staging buffer.
+                direct = state.piece_outputs.get(id(a)) is a
                 if storage in state.pool_storages:
                     keep = self.device.weak_ref(a)  # graph memory of an earlier piece: the pool owns it
-                elif stable:
-                    keep = a  # the runner's buffers, static arguments, weights
+                    moves = not direct  # an eager op's output in pool memory may come back elsewhere
+                elif stable or direct:
+                    # The runner's buffers, static arguments, weights; or an earlier piece's output
+                    # outside the pool (a view of its staging buffer: DiffLlama's first attention
+                    # output, transposed between its two attention calls). Read where it lies:
+                    # staged, it would be copied once, at capture, and read stale ever after.
+                    keep = a
+                    moves = False
                 else:
                     # Made outside the graphs (an eager splitting op): fresh memory every call that
-                    # nothing else keeps. Capture on the staging tensor; replays copy into it.
+                    # nothing else keeps. Capture on the staging tensor; every replay copies into it.
                     keep = self._staged(i, a)
                     keep.copy_(a)
                     inputs[i] = keep
+                    moves = True
                 tensors.append((i, keep, keep.data_ptr()))
-                if not (stable or direct):
+                if moves:
                     moving.append(tensors[-1])
             elif not isinstance(a, (list, tuple)):
                 scalars.append((i, a))
