@@ -119,9 +119,12 @@ def _hook_compiles() -> None:
 
 @attrs.frozen
 class _Slot:
-    """Where one placeholder of Dynamo's graph takes its value from at a call: a tensor argument
-    (``"tensor"``), a dimension of one (``"size"``: ``dim`` of argument ``name``), or an argument
-    passed through as a constant (``"value"``)."""
+    """Where one placeholder of Dynamo's graph takes its value from at a call: a tensor argument of
+    the runner (``"tensor"``: batched, or passed as it is and matched), a dimension of one (``"size"``:
+    ``dim`` of argument ``name``), an argument of the runner passed through as a constant
+    (``"value"``), or Dynamo's own argument of the call, not the runner's: the model's state
+    (``"state"``: parameters, buffers; their addresses checked by ``TracedGraph.moved``) and ints the
+    graph only returns arithmetic of (``"call"``)."""
 
     kind: str
     name: str
@@ -240,11 +243,16 @@ class TracedGraph:
         for node, fake, example in zip(placeholders, fakes, example_inputs):
             if isinstance(example, torch.Tensor):
                 dims = self._dims_of(node.name, fake, where)
-                self.slots.append(_Slot("tensor", node.name))
                 if dims is not None:
+                    self.slots.append(_Slot("tensor", node.name))
                     self.batch_dims[node.name] = dims
+                elif _from_user(node):
+                    self.slots.append(_Slot("tensor", node.name))
+                    self.static.append(node.name)  # an argument passed as it is: matched every call
                 else:
-                    self.static.append(node.name)
+                    # The model's own state (parameters, buffers) or a global's: Dynamo's guards check
+                    # its shape, strides and dtype at every call; its address is checked by ``moved``.
+                    self.slots.append(_Slot("state", node.name))
             else:
                 self.slots.append(_Slot("value", node.name))
         self.values: dict[Any, int] = {}  # symbol -> index of the placeholder that is that value
@@ -262,7 +270,7 @@ class TracedGraph:
                     self.slots[i] = _Slot("call", node.name)
         if not self.batch_symbols:  # specialised to one size: the user inputs' first dim, exactly
             self._static_batch(placeholders, example_inputs)
-        self.arguments = [s.name for s in self.slots if s.kind not in ("size", "call")]
+        self.arguments = [s.name for s in self.slots if s.kind in ("tensor", "value")]
         #: Dynamo's arguments of the call being served (the "call" slots are read from it)
         self.current: Sequence[Any] = ()
         #: run node by node, each op under its FX node's meta (a bisect names the user's line)
@@ -270,15 +278,15 @@ class TracedGraph:
         self.where = where
         self.outputs = self._outputs()
         self._only_tensors = all(kind == "tensor" for kind, _ in self.outputs)
-        # Buffers and caches the graph may write in place (parameters are not written by a forward):
-        # the capture loop restores them after its runs, so they advance once per call.
-        # Named by Dynamo's source (``L['self']._buffers['steps']``), as the capture loop's log names them.
-        examples = {node.name: (node, example) for node, example in zip(placeholders, example_inputs)}
-        self.state = {
-            _source_name(examples[name][0]): examples[name][1]
-            for name in self.static
-            if not isinstance(examples[name][1], torch.nn.Parameter)
-        }
+        #: positions of the model-state placeholders, their names, and their addresses as captured
+        self.state_positions = [i for i, slot in enumerate(self.slots) if slot.kind == "state"]
+        self._state_names = [_source_name(placeholders[i]) for i in self.state_positions]
+        self.state_addresses: list[int] | None = None
+        #: buffers and caches the graph may write in place (parameters are not written by a forward),
+        #: named by Dynamo's source (``L['self']._buffers['steps']``): the capture loop restores them
+        #: after its runs, so they advance once per call. Rebound when they move (``moved``).
+        self.state: dict[str, Any] = {}
+        self._bind_state(example_inputs)
 
     # -- reading the graph -------------------------------------------------------------------------
 
@@ -396,7 +404,7 @@ class TracedGraph:
         for i, s in enumerate(self.slots):
             if s.kind == "size":
                 full.append(named[s.name].shape[s.dim])
-            elif s.kind == "call":
+            elif s.kind in ("call", "state"):
                 full.append(call[i])
             else:
                 full.append(named[s.name])
@@ -412,7 +420,28 @@ class TracedGraph:
 
     def split(self, args: Sequence[Any]) -> list[Any]:
         """Dynamo's arguments (every placeholder) -> the runner's (sizes dropped)."""
-        return [a for s, a in zip(self.slots, args) if s.kind not in ("size", "call")]
+        return [a for s, a in zip(self.slots, args) if s.kind in ("tensor", "value")]
+
+    def moved(self, args: Sequence[Any]) -> list[str]:
+        """The model-state tensors of this call (Dynamo's ``args``) whose address is not the captured
+        one (a weight replaced, a buffer rebound), by name; rebinds the capture loop's view of them.
+        The first call binds them."""
+        addresses = [args[i].data_ptr() for i in self.state_positions]
+        if addresses == self.state_addresses:
+            return []
+        before, self.state_addresses = self.state_addresses, addresses
+        self._bind_state(args)
+        if before is None:
+            return []
+        return [n for n, a, b in zip(self._state_names, addresses, before) if a != b]
+
+    def _bind_state(self, args: Sequence[Any]) -> None:
+        import torch
+
+        self.state.clear()
+        for name, i in zip(self._state_names, self.state_positions):
+            if not isinstance(args[i], torch.nn.Parameter):
+                self.state[name] = args[i]
 
     def assemble(self, args: Sequence[Any], tensors: Sequence[Any]) -> tuple[Any, ...]:
         """The graph's outputs: the served tensors, and each size it returns computed from the call's
@@ -516,6 +545,7 @@ class DynamoGraphs:
         self.runners: list[Any] = []
         self._unservable: dict[str, int] = {}
         self._eager_calls = 0
+        self._recaptures = 0
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         #: calls of any graph's callable, served or eager (a wrapper tells a call Dynamo ran by itself)
@@ -548,6 +578,10 @@ class DynamoGraphs:
         def serve(*args: Any) -> Any:
             self.served += 1
             graph.current = args
+            moved = graph.moved(args)
+            if moved and runner.captured:  # the graphs read the old memory: capture again
+                runner.reset()
+                self._note_moved(moved)
             arguments = graph.split(args)
             log, replays = self._log, runner.stats.replays
             if log is not None:  # clone what a later replay overwrites: the call's batched tensors
@@ -559,6 +593,16 @@ class DynamoGraphs:
             return graph.assemble(args, out)
 
         return serve
+
+    def _note_moved(self, names: list[str]) -> None:
+        self._recaptures += 1
+        if "moved" not in self._warned:
+            self._warned.add("moved")
+            logger.warning(
+                "devgraph: %s moved since a Dynamo graph was captured (a weight or buffer replaced): its "
+                "graphs are captured again (counted in stats.recaptures; once per replacement)",
+                ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""),
+            )
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[list[Served]]:
@@ -601,6 +645,7 @@ class DynamoGraphs:
         total = DynamoStats(graphs=len(self.runners) + sum(self._unservable.values()))
         total.unservable = dict(self._unservable)
         total.eager_calls = self._eager_calls
+        total.recaptures = self._recaptures
         sizes: set[int] = set()
         for runner in self.runners:
             s = runner.stats

@@ -717,3 +717,20 @@ def test_the_cases_catch_a_stale_graph(case):
     expected, _ = _run(case, _eager)
     served, _ = _run(case, lambda m: devgraph.wrap(m, device="cpu", batch_sizes=[1, 2, 4, 8]))
     assert any(not torch.equal(got, want) for got, want in zip(served, expected))
+
+
+def test_a_replaced_weight_is_captured_again_counted_and_warned_once(caplog):
+    model = nn.Sequential(_linear(0)).eval()
+    graphed = _dynamo(model)
+    x = torch.randint(-2, 3, (3, 8)).float()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="devgraph"):
+        assert torch.equal(graphed(x), model(x))
+        for seed in (1, 2):
+            model[0].weight = nn.Parameter(_linear(seed).weight.detach().clone())  # a new tensor
+            assert torch.equal(graphed(x), model(x))
+        with torch.no_grad():
+            model[0].bias.data = model[0].bias.data + 1  # the same Parameter, new memory
+        assert torch.equal(graphed(x), model(x))
+    stats = graphed.stats
+    assert stats.recaptures == 3 and stats.eager_calls == 0, stats
+    assert sum("moved since a Dynamo graph was captured" in r.getMessage() for r in caplog.records) == 1
