@@ -734,3 +734,28 @@ def test_a_replaced_weight_is_captured_again_counted_and_warned_once(caplog):
     stats = graphed.stats
     assert stats.recaptures == 3 and stats.eager_calls == 0, stats
     assert sum("moved since a Dynamo graph was captured" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_every_backend_serves_dynamos_graphs(any_device):
+    """The CPU reference, the NPU backend over its simulator, CUDA where a GPU is visible."""
+    dev = any_device
+    TABLE.clear()
+    TABLE["scale"] = 2.0
+    model = nn.Sequential(_linear(0), nn.ReLU()).to(dev.torch_device).eval()
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return _helper_scale(self.inner(x))
+
+    wrapped = M()
+    graphed = devgraph.wrap(wrapped, device=dev, frontend="dynamo", batch_sizes=[2, 4])
+    x = torch.randint(-2, 3, (3, 8)).float().to(dev.torch_device)
+    with torch.no_grad():
+        for scale in (2.0, 3.0):
+            TABLE["scale"] = scale
+            assert torch.equal(graphed(x), wrapped(x))
+    assert graphed.stats.replays == 2 and graphed.stats.eager_calls == 0, graphed.stats
