@@ -729,13 +729,14 @@ class TracedModule:
         self.module = module
         self.graphs = graphs
         self._batch_dims = batch_dims
+        from devgraph.runner import Accounts, RunnerStats
+
         self.compiled = torch.compile(module, backend=graphs)
         graphs.eager_on_python_random = True
-        self._python_random = 0
+        #: the calls no graph served at all (Dynamo ran them as Python, or devgraph ran the model)
+        self._accounts = Accounts(graphs.config, RunnerStats(), threading.RLock(), "through Dynamo")
         #: the forward's positional parameter names (a positional argument's ``batch_dims`` key)
         self._positional = _positional_names(module)
-        self._untraced = 0
-        self._warned = False
 
     @property
     def device(self) -> Any:
@@ -744,11 +745,10 @@ class TracedModule:
     @property
     def stats(self) -> DynamoStats:
         total = self.graphs.stats
-        total.eager_calls += self._untraced + self._python_random
-        if self._untraced:
-            total.fallbacks["dynamo_untraced"] = total.fallbacks.get("dynamo_untraced", 0) + self._untraced
-        if self._python_random:
-            total.fallbacks["python_random"] = total.fallbacks.get("python_random", 0) + self._python_random
+        mine = self._accounts.stats
+        total.eager_calls += mine.eager_calls
+        for reason, n in mine.fallbacks.items():
+            total.fallbacks[reason] = total.fallbacks.get(reason, 0) + n
         return total
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -763,7 +763,7 @@ class TracedModule:
             if isinstance(a, torch.Tensor) and a.dim():
                 mark(a, self._batch_dims.get(name, 0))
         if self.graphs.python_random:  # Dynamo would replay a Python random draw wrongly: eager
-            self._python_random += 1
+            self._accounts.note_fallback("python_random", PYTHON_RANDOM)
             return self.module(*args, **kwargs)
         before = self.graphs.served
         _hook_compiles()
@@ -779,12 +779,7 @@ class TracedModule:
     def _note_untraced(self) -> None:
         """A call no graph of devgraph's served: Dynamo ran it as Python (past its recompile limit,
         or a frame it skips)."""
-        self._untraced += 1
-        if self.graphs.config.strict:
-            raise DevgraphError(_untraced_message(self.module))
-        if not self._warned:
-            self._warned = True
-            logger.warning("%s", _untraced_message(self.module))
+        self._accounts.note_fallback("dynamo_untraced", _untraced_message(self.module))
 
     def reset(self) -> None:
         """Drop every capture; Dynamo's traces stay (the next call of each graph captures again)."""
@@ -804,10 +799,9 @@ def _untraced_message(module: Any) -> str:
             reasons.append(f"{getattr(code, 'co_name', code)}: {found[-1]}")
     why = f" (the guard that kept failing: {'; '.join(reasons)})" if reasons else ""
     return (
-        f"devgraph: a call of {type(module).__name__} ran without graphs: Dynamo ran it as Python, past its "
-        f"recompile limit or in a frame it skips{why}. A value that changes every call and is read by the "
-        "forward makes Dynamo trace again each time: pass it as a tensor, or raise "
-        "torch._dynamo.config.recompile_limit if it takes few values"
+        f"a call of {type(module).__name__} ran without graphs: Dynamo ran it as Python, past its recompile "
+        f"limit or in a frame it skips{why}; a value that changes every call and is read by the forward "
+        "makes Dynamo trace again each time"
     )
 
 

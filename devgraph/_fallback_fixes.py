@@ -24,6 +24,12 @@ _HOOK_REASON = (
 
 #: reason -> the fix the warning names (imperative, something the user can apply).
 FIXES: dict[str, str] = {
+    # devgraph.wrap(frontend="dynamo")
+    "dynamo_untraced": (
+        "pass a value the forward reads that changes every call as a tensor, or raise "
+        "torch._dynamo.config.recompile_limit if it takes few values"
+    ),
+    "python_random": "draw with torch's generators on tensors, or pass the number in as a tensor",
     # devgraph.wrap's runners (full, piecewise)
     "batch_too_large": "wrap with a larger max_batch_size (or a larger last entry in batch_sizes)",
     "padding_changes_result": (

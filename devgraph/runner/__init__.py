@@ -8,6 +8,7 @@ whole graphs. ``GraphedModule`` is what ``devgraph.wrap``
 returns: a model whose calls a runner serves.
 """
 
+from devgraph.runner._accounts import Accounts
 from devgraph.runner._breakable import BreakableGraphs, BreakableStats
 from devgraph.runner._buckets import choose_bucket, default_batch_sizes, normalise_batch_sizes
 from devgraph.runner._calls import Call, Unsupported, signature_of
@@ -19,6 +20,7 @@ from devgraph.runner._runner import GraphRunner, Part, piecewise_runner
 from devgraph.runner._whole import WholeGraphs
 
 __all__ = [
+    "Accounts",
     "BreakableGraphs",
     "BreakableStats",
     "Call",
