@@ -3,7 +3,9 @@
 GPT-Neo's local attention slices its window from a mask by the number of cached keys: over devgraph's
 static cache of ``max_cache_len`` slots its logits were 0.1-0.4 off, silently, in every mode. The
 wrap-time check runs the model over a static and a dynamic cache and compares; architectures that
-compute the same there (Llama, Qwen3, and GPT-Neo whose window covers the whole cache) pass.
+compute the same there (Llama, Qwen3, and GPT-Neo whose window covers the whole cache) pass. A model
+the check cannot run as it runs others (GPT-1 keeps no KV cache, CPM-Ant's forward fails over a static
+cache) is refused by name, by mechanism: any exception or missing cache in the check.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _hf_models import prompts, tiny_model
+from _hf_models import CHECK_FAILS, prompts, tiny_model
 
 import devgraph
 from devgraph.adapters.hf._static_check import check_static_cache
@@ -77,3 +79,54 @@ def test_the_check_refuses_any_model_whose_logits_read_the_cache_kind():
         check_static_cache(model, model.config.num_hidden_layers, 32)
     assert "-token prompt (rounding in float32 stays below 0.001)" in str(info.value)
     assert "_can_compile_fullgraph" not in str(info.value)  # Llama is marked compilable
+
+
+@pytest.mark.parametrize("name", sorted(CHECK_FAILS))
+def test_a_model_the_check_cannot_run_is_refused_by_name_and_eager_generate_runs_it(name):
+    # GPT-1 crashed wrap with AttributeError ('CausalLMOutput' object has no attribute ...), CPM-Ant with
+    # a raw size mismatch.
+    model = tiny_model(name)
+    with pytest.raises(devgraph.DevgraphError) as info:
+        devgraph.wrap(model, "cpu", max_cache_len=32)
+    message = str(info.value)
+    assert message.startswith(type(model).__name__) and " at wrap" in message
+    assert "model.generate() runs it eagerly" in message and "none serves this model" in message
+    ids, mask = prompts(2, seed=0)
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    assert out.shape == (2, ids.shape[1] + 4)
+
+
+def test_a_model_without_a_kv_cache_is_refused_saying_so():
+    with pytest.raises(devgraph.DevgraphError) as info:
+        devgraph.wrap(tiny_model("openai_gpt"), "cpu")
+    message = str(info.value)
+    assert "OpenAIGPTLMHeadModel returned no KV cache from a forward with use_cache=True" in message
+    assert "(CausalLMOutput has no past_key_values" in message
+
+
+def test_a_forward_failing_over_the_static_cache_is_refused_naming_the_exception_and_line():
+    with pytest.raises(devgraph.DevgraphError) as info:
+        devgraph.wrap(tiny_model("cpmant"), "cpu")
+    message = str(info.value)
+    assert "a 3-token prompt over a static cache raised RuntimeError: The size of tensor a" in message
+    assert "(at modeling_cpmant.py:" in message
+
+
+def test_any_exception_in_the_check_becomes_a_named_refusal():
+    # By mechanism, not by model: a Llama whose decode steps over a static cache raise.
+    from transformers.cache_utils import StaticLayer
+
+    model = tiny_model("llama")
+
+    def fail_over_a_static_cache(module, args, kwargs):
+        layers = [getattr(v, "layers", ()) for v in kwargs.values()]
+        if kwargs["input_ids"].shape[1] == 1 and any(isinstance(x, StaticLayer) for g in layers for x in g):
+            raise KeyError("no static decode here")
+
+    model.model.register_forward_pre_hook(fail_over_a_static_cache, with_kwargs=True)
+    with pytest.raises(devgraph.DevgraphError) as info:
+        devgraph.wrap(model, "cpu", max_cache_len=32)
+    message = str(info.value)
+    assert "decode step 1 after a 3-token prompt over a static cache raised KeyError: 'no static decode here'" in message
+    assert "test_hf_static_cache.py:" in message and "model.generate() runs it eagerly" in message
+    assert isinstance(info.value.__cause__, KeyError)
