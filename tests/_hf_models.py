@@ -113,6 +113,22 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "GPT2LMHeadModel",
         dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2),
     ),
+    # multi-head latent attention, embeddings scaled by scale_emb (12): logits about ten times larger
+    # than the others', so bf16's static-cache gap to eager's dynamic cache is larger in absolute terms
+    # (docs/huggingface.md, Equality)
+    "minicpm3": (
+        "MiniCPM3Config",
+        "MiniCPM3ForCausalLM",
+        dict(
+            _COMMON,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+        ),
+    ),
     # chunked attention, mixture of experts; its get_compiled_call returns the plain forward in
     # transformers 5.23-5.24, so the adapter shadows that method on the instance during generate
     "llama4_text": (
