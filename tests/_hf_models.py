@@ -186,11 +186,11 @@ CAPTURE_REFUSED: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
 }
 
-#: Architectures whose decode step reads device values on the host (in transformers 5.23, on the CPU):
-#: a capture refuses it in every mode, and the wrap-time dry run of the decode step finds it. The
+#: Architectures whose decode step reads device values on the host (transformers 5.23): a capture
+#: refuses it in every mode, and the wrap-time dry run of the decode step finds it. The
 #: mixture-of-experts ones route on the host: JetMoE ``expert_size.tolist()``, DBRX and LongCat-Flash
-#: ``one_hot(top_k_index, num_classes=...)``, whose CPU kernel checks the indices on the host; XGLM
-#: branches on a device value.
+#: loop over the experts ``nonzero()`` finds (on the CPU refused a line earlier, in ``one_hot(top_k_index,
+#: num_classes=...)``, whose CPU kernel checks the indices on the host); XGLM branches on a device value.
 HOST_READING_DECODE: dict[str, tuple[str, str, dict[str, Any]]] = {
     "xglm": (
         "XGLMConfig",

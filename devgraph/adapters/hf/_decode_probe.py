@@ -2,11 +2,12 @@
 
 Every devgraph mode replays each decode step as one graph (the modes differ in the prefill only). A
 model whose decode step makes the host read a device value cannot be captured in any mode:
-mixture-of-experts layers that route on the host (JetMoE's ``expert_size.tolist()``; DBRX's and
-LongCat-Flash's ``one_hot(top_k_index, num_classes=...)``, which checks the indices on the host), or
-a branch on a device value (XGLM). Found only at the first capture, that refused the first
-``generate``, and in the piecewise and breakable modes the prefill pieces first, with a message that
-sent the user to ``mode='full'``, which then failed the same way at decode.
+mixture-of-experts layers that route on the host (JetMoE's ``expert_size.tolist()``; DBRX and
+LongCat-Flash loop over the experts ``nonzero()`` finds, and on the CPU their ``one_hot(top_k_index,
+num_classes=...)`` checks the indices on the host first), or a branch on a device value (XGLM).
+Found only at the first capture, that refused the first ``generate``, and in the piecewise and
+breakable modes the prefill pieces first, with a message that sent the user to ``mode='full'``,
+which then failed the same way at decode.
 
 ``probe_decode_step`` finds it at wrap, by mechanism: a short greedy ``generate`` through devgraph's
 own decode route over a one-row static cache (the layout of devgraph's shared cache, the masks built
