@@ -4,7 +4,10 @@
 well under a second. Among them: mixture-of-experts models (``qwen2_moe``, ``mixtral``,
 ``qwen3_moe``, ``deepseek_v3`` with latent attention and grouped routing) and sliding-window attention
 (``mistral_sliding``, ``gemma2``, ``gemma3_text``, ``qwen2`` with mixed layer types). ``REFUSED`` holds
-architectures the adapter refuses at wrap time, with the reason.
+architectures the adapter refuses at wrap time by their config (ALiBi); ``HOST_READING_DECODE`` those the
+wrap-time dry run of the decode step refuses, ``CHECK_FAILS`` those the wrap-time static-cache check
+cannot run (no KV cache, a forward that fails over a static cache), ``CACHE_LENGTH_DEPENDENT`` those it
+finds computing other logits; ``CAPTURE_REFUSED`` those refused only at the first capture.
 """
 
 from __future__ import annotations
@@ -112,6 +115,22 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "GPT2LMHeadModel",
         dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2),
     ),
+    # multi-head latent attention, embeddings scaled by scale_emb (12): logits about ten times larger
+    # than the others', so bf16's static-cache gap to eager's dynamic cache is larger in absolute terms
+    # (docs/huggingface.md, Equality)
+    "minicpm3": (
+        "MiniCPM3Config",
+        "MiniCPM3ForCausalLM",
+        dict(
+            _COMMON,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+        ),
+    ),
     # chunked attention, mixture of experts; its get_compiled_call returns the plain forward in
     # transformers 5.23-5.24, so the adapter shadows that method on the instance during generate
     "llama4_text": (
@@ -153,9 +172,9 @@ _FALCON = dict(
     eos_token_id=2,
 )
 
-#: Architectures whose decode step transformers 5.23 writes with a line a graph cannot capture
-#: (Falcon indexes with a Python list, a host tensor freed after capture; XGLM branches on a device
-#: value): accepted at wrap, refused at the first capture.
+#: Architectures whose decode step transformers 5.23 writes with a line a graph cannot capture, found
+#: only by a recording (Falcon indexes with a Python list, a host tensor made inside the capture and
+#: freed when it ends): accepted at wrap, refused at the first capture.
 CAPTURE_REFUSED: dict[str, tuple[str, str, dict[str, Any]]] = {
     "falcon_new_decoder": (
         "FalconConfig",
@@ -167,6 +186,14 @@ CAPTURE_REFUSED: dict[str, tuple[str, str, dict[str, Any]]] = {
         "FalconForCausalLM",
         dict(_FALCON, new_decoder_architecture=False, multi_query=True),
     ),
+}
+
+#: Architectures whose decode step reads device values on the host (transformers 5.23): a capture
+#: refuses it in every mode, and the wrap-time dry run of the decode step finds it. The
+#: mixture-of-experts ones route on the host: JetMoE ``expert_size.tolist()``, DBRX and LongCat-Flash
+#: loop over the experts ``nonzero()`` finds (on the CPU refused a line earlier, in ``one_hot(top_k_index,
+#: num_classes=...)``, whose CPU kernel checks the indices on the host); XGLM branches on a device value.
+HOST_READING_DECODE: dict[str, tuple[str, str, dict[str, Any]]] = {
     "xglm": (
         "XGLMConfig",
         "XGLMForCausalLM",
@@ -182,7 +209,100 @@ CAPTURE_REFUSED: dict[str, tuple[str, str, dict[str, Any]]] = {
             pad_token_id=0,
         ),
     ),
+    "jetmoe": (
+        "JetMoeConfig",
+        "JetMoeForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            kv_channels=16,
+            intermediate_size=128,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            vocab_size=VOCAB,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "dbrx": (  # clip_qkv: transformers 5.23's DbrxAttention clamps with it, None fails
+        "DbrxConfig",
+        "DbrxForCausalLM",
+        dict(
+            d_model=64,
+            n_heads=4,
+            n_layers=2,
+            max_seq_len=64,
+            vocab_size=VOCAB,
+            attn_config=dict(kv_n_heads=2, clip_qkv=8.0),
+            ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2),
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "longcat_flash": (  # one layer holds two attention layers (num_hidden_layers = 2 * num_layers)
+        "LongcatFlashConfig",
+        "LongcatFlashForCausalLM",
+        dict(
+            hidden_size=64,
+            num_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            ffn_hidden_size=128,
+            expert_ffn_hidden_size=32,
+            n_routed_experts=4,
+            zero_expert_num=2,
+            moe_topk=2,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            head_dim=8,
+            v_head_dim=16,
+            vocab_size=VOCAB,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
 }
+
+#: Architectures the wrap-time static-cache check cannot run as it runs others: GPT-1 keeps no KV cache
+#: (its forward returns none), CPM-Ant's forward fails over a static cache (as does its eager
+#: ``generate(cache_implementation="static")``). Both are refused at wrap by name; eager
+#: ``model.generate()`` runs them.
+CHECK_FAILS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "openai_gpt": (
+        "OpenAIGPTConfig",
+        "OpenAIGPTLMHeadModel",
+        dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB),
+    ),
+    "cpmant": (  # prompt_types >= 3: its forward prepends prompt tokens of the third type
+        "CpmAntConfig",
+        "CpmAntForCausalLM",
+        dict(
+            hidden_size=64,
+            dim_head=16,
+            dim_ff=128,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            vocab_size=VOCAB,
+            prompt_length=4,
+            prompt_types=4,
+            segment_types=4,
+            position_bias_num_buckets=32,
+            position_bias_max_distance=64,
+        ),
+    ),
+}
+
+#: Fixes of a config after it is built, where a release's modeling code reads a field its config class
+#: does not set (transformers 5.23's DbrxAttention reads ``attn_config.rope_theta``).
+def _dbrx_rope_theta(config: Any) -> None:
+    if not hasattr(config.attn_config, "rope_theta"):
+        config.attn_config.rope_theta = 10000.0
+
+
+_AFTER_CONFIG = {"dbrx": _dbrx_rope_theta}
 
 
 def tiny_model(name: str, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
@@ -190,10 +310,13 @@ def tiny_model(name: str, dtype: torch.dtype = torch.float32, **overrides: Any) 
     import pytest
     import transformers
 
-    config_name, model_name, base = {**ARCHITECTURES, **REFUSED, **CAPTURE_REFUSED, **CACHE_LENGTH_DEPENDENT}[name]
+    every = {**ARCHITECTURES, **REFUSED, **CAPTURE_REFUSED, **HOST_READING_DECODE, **CHECK_FAILS}
+    config_name, model_name, base = {**every, **CACHE_LENGTH_DEPENDENT}[name]
     if not hasattr(transformers, model_name):  # a release without it: skip by capability
         pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
     config = getattr(transformers, config_name)(**{**base, **overrides})
+    if name in _AFTER_CONFIG:
+        _AFTER_CONFIG[name](config)
     torch.manual_seed(0)
     return getattr(transformers, model_name)(config).to(dtype).eval()
 

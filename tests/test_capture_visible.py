@@ -92,3 +92,22 @@ def test_cli_quiet_sets_devgraph_quiet(monkeypatch):
     monkeypatch.delenv("DEVGRAPH_QUIET", raising=False)
     assert main(["-q", "info", "--json"]) == 0
     assert _console.quiet()
+
+
+def test_the_piecewise_summary_counts_the_trace_in_its_seconds(caplog):
+    # It gave the capture loop's seconds alone: the trace and compile before it were left out.
+    import re
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    with caplog.at_level(logging.INFO, logger="devgraph"):
+        graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4])
+        with torch.no_grad():
+            graphed(torch.randn(3, 4))
+    line = next(r.getMessage() for r in caplog.records if "pieces x" in r.getMessage())
+    found = re.search(r" in ([0-9.]+) s \(tracing and compiling ([0-9.]+) s, capturing ([0-9.]+) s\)", line)
+    assert found, line
+    total, traced, captured = (float(x) for x in found.groups())
+    stats = graphed.stats
+    assert stats.compile_seconds > 0 and traced == pytest.approx(stats.compile_seconds, abs=0.006)
+    assert captured == pytest.approx(stats.capture_seconds, abs=0.006)
+    assert total == pytest.approx(stats.compile_seconds + stats.capture_seconds, abs=0.006)

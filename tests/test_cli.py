@@ -106,3 +106,15 @@ def test_an_unavailable_backend_is_one_line_with_status_1():
 def test_bisect_bad_value_is_one_line_naming_the_option_and_what_it_takes(capsys, argv, option, valid):
     err = _refused(capsys, argv)
     assert err.startswith("devgraph bisect: error:") and option in err and valid in err
+
+
+def test_the_demo_on_the_cpu_reference_prints_what_it_measures_and_no_speed_up(capsys):
+    # It printed a "speed-up" column on the reference simulator right above "slower than eager".
+    from devgraph.demo import run_demo
+
+    assert run_demo("cpu", steps=1, batch_sizes=(1,)) == 0
+    out = capsys.readouterr().out
+    assert "speed-up" not in out
+    header = next(line for line in out.splitlines() if line.startswith("batch"))
+    assert "time vs eager" in header
+    assert out.index("'time vs eager' is devgraph's ms/step over eager's") < out.index(header)

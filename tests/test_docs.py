@@ -79,6 +79,16 @@ def test_python_blocks_of_page_run(page):
             dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("line", [line for line, _, skip in _blocks(ROOT / "README.md") if skip is None])
+def test_each_python_block_of_the_readme_runs_alone(line):
+    # A reader copies one block of the landing page, not the page: the Hugging Face block once raised
+    # NameError for the torch and devgraph the quickstart above it had imported.
+    code = next(code for at, code, _ in _blocks(ROOT / "README.md") if at == line)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "docs:README.md:alone"})
+
+
 def test_skipped_blocks_are_the_expected_few_and_name_a_reason():
     skipped = sorted(
         (_rel(page), reason) for page in PAGES for _, _, reason in _blocks(page) if reason is not None
@@ -255,6 +265,22 @@ def test_options_page_lists_every_option_field():
     page = (ROOT / "docs" / "options.md").read_text()
     fields = {f.name for cls in (RunnerConfig, CompileConfig, HFOptions) for f in attrs.fields(cls)}
     assert not sorted(f for f in fields if f"| `{f}` |" not in page)
+
+
+def test_options_page_lists_every_command_with_every_option():
+    # The table once lacked `devgraph bisect`.
+    import argparse
+
+    from devgraph.cli import parser
+
+    page = (ROOT / "docs" / "options.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| `devgraph ")]
+    commands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, sub in commands.items():
+        row = next((r for r in rows if r.startswith(f"| `devgraph {name}")), None)
+        assert row is not None, f"devgraph {name} is not in the options page's command table"
+        options = [s for a in sub._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
+        assert not [o for o in options if o not in row.split(" | ")[0]], (name, options)
 
 
 def test_the_promise_reads_the_same_in_the_readme_wrap_page_and_the_rounding_report():

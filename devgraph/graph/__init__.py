@@ -16,8 +16,9 @@
 Importing this package imports no torch. Its face (``__all__``) is what other packages and third-party
 backends use: the contract, the graph set, task groups and host-argument application, and the refusal
 helpers a backend's capture needs (``raise_refusal``, ``is_collective``/``refuse_collective``,
-``has_python_kernel``, ``lookup_op``, ``FUNCTION_SYNCS``/``SHAPE_REMEDY``). ``devgraph`` re-exports the
-user-facing names.
+``has_python_kernel``, ``lookup_op``, ``FUNCTION_SYNCS``/``SHAPE_REMEDY``), and ``host_sync_check`` (the
+capture guard around an eager run: what a capture would refuse, found before any capture). ``devgraph``
+re-exports the user-facing names.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ from devgraph.graph._breaks import (
     marked_breaks,
     unmark_break,
 )
-from devgraph.graph._capture import FUNCTION_SYNCS, SHAPE_REMEDY, raise_refusal, refuse_unrecorded
+from devgraph.graph._capture import (
+    FUNCTION_SYNCS,
+    SHAPE_REMEDY,
+    host_sync_check,
+    raise_refusal,
+    refuse_unrecorded,
+)
 from devgraph.graph._collectives import is_collective, refuse_collective
 from devgraph.graph._compiled_regions import CompiledRegions
 from devgraph.graph._contract import (
@@ -83,6 +90,7 @@ __all__ = [
     "flat_leaves",
     "has_python_kernel",
     "holds_tensor",
+    "host_sync_check",
     "is_collective",
     "is_view",
     "lookup_op",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,6 +33,7 @@ __all__ = [
     "refuse_unrecorded",
     "capturing",
     "dispatch_refusal",
+    "host_sync_check",
     "op_check",
     "raise_refusal",
     "refuse_autocast_cache",
@@ -519,6 +521,51 @@ def capturing(graph: GuardedGraph, auto_update_ops: Sequence[str] = ()) -> Itera
             dispatch.regions = stack.enter_context(CompiledRegions(recorders))
             host_guard.recording = dispatch
             host_guard.recorders = recorders
+        yield
+
+
+class _NothingCaptured:
+    """The graph ``host_sync_check``'s guard guards: a device type, no task groups (no op is made a task)."""
+
+    _open_group = None
+    tasks = ()
+
+    def __init__(self, device_type: str) -> None:
+        import torch
+
+        self.device = types.SimpleNamespace(torch_device=torch.device(device_type))
+
+    def _group(self, group: TaskGroup) -> AbstractContextManager[TaskGroup]:
+        raise AssertionError("host_sync_check makes no task groups")
+
+    def _prepare_task_call(self, func: Any, args: Any, kwargs: Any) -> Any:
+        raise AssertionError("host_sync_check makes no task groups")
+
+    def _updatable_tensor_args(self, func: Any) -> tuple[str, ...]:
+        return ()
+
+
+@contextlib.contextmanager
+def host_sync_check(device_type: str) -> Iterator[None]:
+    """Run the block eagerly under the capture guard of a capture on ``device_type``: nothing is captured.
+
+    What a capture on that device refuses op by op raises the same ``CaptureError`` here (a host sync
+    such as ``.item()``/``.tolist()``, a data-dependent output shape, a device value read on the host,
+    host data copied to the device, a pre-capture CPU tensor computed on by the host); what only a
+    recording finds (memory made inside the capture and freed when it ends) is left to the capture.
+    A dry run that tells before any capture that code cannot be captured (the Hugging Face adapter's
+    wrap-time decode step). ``torch.autocast`` around the block is not refused: that is a property of
+    where a capture is called, not of the code.
+    """
+    global _MODE_CLASSES
+    if _MODE_CLASSES is None:
+        _MODE_CLASSES = _modes()
+    guard_cls, dispatch_cls = _MODE_CLASSES
+    graph = _NothingCaptured(device_type)
+    with contextlib.ExitStack() as stack:
+        host_guard = stack.enter_context(guard_cls(device_type))
+        dispatch = stack.enter_context(dispatch_cls(graph, ()))
+        dispatch.host_guard = host_guard
         yield
 
 

@@ -243,13 +243,20 @@ class CaptureLoop:
         stats.capture_seconds = time.perf_counter() - start
         stats.pool_bytes = device.memory_stats().reserved - before
         stats.captured_sizes = tuple(sorted(sizes))
+        # A part that traces and compiles before it captures (piecewise: ``compile_seconds``, set before
+        # this loop runs) spent that time on the capture too: the summary's seconds include it.
+        traced = getattr(stats, "compile_seconds", 0.0)
+        split = (
+            f" (tracing and compiling {traced:.2f} s, capturing {stats.capture_seconds:.2f} s)" if traced else ""
+        )
         if sizes:
             announce(  # on stderr by default (devgraph._console), quiet with DEVGRAPH_QUIET=1
                 logger,
-                "devgraph: %s on %s in %.2f s, pool %.1f MiB%s",
+                "devgraph: %s on %s in %.2f s%s, pool %.1f MiB%s",
                 summary.format(sizes=size_ranges(sorted(sizes))),
                 device,
-                stats.capture_seconds,
+                traced + stats.capture_seconds,
+                split,
                 stats.pool_bytes / 2**20,
                 tail,
             )

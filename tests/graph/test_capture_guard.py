@@ -70,3 +70,42 @@ def test_python_scalars_as_0d_tensors_are_allowed():
     x = torch.randn(2)
     out = _capture(lambda: x * torch.tensor(3.0))
     torch.testing.assert_close(out, x * 3)
+
+
+@pytest.mark.parametrize(
+    ("op", "fn"),
+    [
+        ("Tensor.item", lambda x: x.sum().item()),
+        ("Tensor.tolist", lambda x: x.tolist()),
+        ("Tensor.__bool__", lambda x: bool(x.sum() > 0)),
+        ("aten::nonzero", lambda x: torch.nonzero(x)),
+        ("aten::_local_scalar_dense", lambda x: torch.nn.functional.one_hot(x.long().abs(), num_classes=9)),
+    ],
+)
+def test_host_sync_check_refuses_what_a_capture_refuses_while_running_eagerly(op, fn):
+    from devgraph.graph import host_sync_check
+
+    x = torch.randn(4)
+    with pytest.raises(CaptureError) as info, host_sync_check("cpu"):
+        fn(x)
+    assert info.value.op == op and "test_capture_guard.py" in info.value.source
+    with pytest.raises(CaptureError) as captured:
+        _capture(lambda: fn(x))
+    assert captured.value.op == op  # the same refusal as a capture's
+
+
+def test_host_sync_check_runs_the_block_eagerly_and_captures_nothing():
+    from devgraph.graph import host_sync_check
+
+    x = torch.randn(4)
+    with host_sync_check("cpu"):
+        out = x * 2 + 1
+        assert devgraph.graph.current_graph() is None
+    torch.testing.assert_close(out, x * 2 + 1)
+    assert isinstance(x.sum().item(), float)  # the guard is gone after the block
+    with host_sync_check("cuda"):  # another device's guard: reading a host tensor made here is no sync
+        assert torch.ones(3).sum().item() == 3.0
+    with pytest.raises(CaptureError, match="made before capture"), host_sync_check("cuda"):
+        x.sum()  # ...but host compute from one made before would be frozen in a cuda graph: refused
+    with torch.autocast("cpu"), host_sync_check("cpu"):  # autocast is where a capture runs, not the code
+        torch.mm(x[None], x[:, None])

@@ -5,8 +5,10 @@ options (``HFOptions``). The modules: ``_adapter`` (``GraphedCausalLM``, ``wrap_
 (which ``generate`` calls are graphed), ``_step`` (the decode step), ``_prefill`` (piecewise prefill),
 ``_cache`` (one static cache shared by all buckets), ``_moe`` (MoE routing replayable in a graph),
 ``_compat`` (the transformers releases the adapter supports), ``_checks`` (wrap-time checks: position
-biases, whether the decode hook is reached), ``_route`` (how generate reaches the decode step),
-``_refusal`` (a refused capture, said for the model's user).
+biases, whether the decode hook is reached), ``_static_check`` (wrap-time: logits over a static cache
+against the dynamic cache's), ``_decode_probe`` (wrap-time: a decode step run eagerly under the capture
+guard), ``_route`` (how generate reaches the decode step), ``_refusal`` (a refused capture, said for the
+model's user).
 """
 
 from devgraph.adapters.hf._adapter import GraphedCausalLM, HFOptions, wrap_hf

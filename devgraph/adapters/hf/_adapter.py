@@ -32,8 +32,11 @@ warning naming the option, counted in ``stats.fallbacks`` (``strict=True`` raise
 decode step that cannot be captured raises a ``CaptureError`` once, said for the model's user
 (``_refusal``); later calls run eagerly as ``capture_refused``. Needs transformers >= 5 and attention layers only (full, sliding-window or chunked).
 At wrap the model runs a few short prompts eagerly over a static cache and over transformers' dynamic
-cache; a model whose attention depends on the cache's length (GPT-Neo) is refused there
-(``_static_check``).
+cache; a model whose attention depends on the cache's length (GPT-Neo), whose forward fails there
+(CPM-Ant) or that keeps no KV cache (GPT-1) is refused there (``_static_check``). Then one short greedy
+``generate`` runs its decode steps eagerly as the graphs would, the second under the capture guard: a
+decode step that reads device values on the host (mixture-of-experts layers routing on the host:
+JetMoE, DBRX, LongCat-Flash) cannot be captured in any mode and is refused there (``_decode_probe``).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from devgraph._source import user_stacklevel
 from devgraph.adapters.hf._cache import SharedStaticCache
 from devgraph.adapters.hf._checks import decode_hook_reachable, position_bias_source
 from devgraph.adapters.hf._compat import cache_kwarg
+from devgraph.adapters.hf._decode_probe import probe_decode_step
 from devgraph.adapters.hf._plan import eager_reason, read_generate_call
 from devgraph.adapters.hf._prefill import PiecewisePrefill
 from devgraph.adapters.hf._refusal import refusal
@@ -251,8 +255,14 @@ class GraphedCausalLM(GraphedModule):
     ) -> None:
         layers = _check_model(model, device)
         check_static_cache(model, layers, options.max_cache_len)
-        self.options = options
         extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
+        # transformers returns the plain forward for some model types (llama4): reach the route by
+        # shadowing get_compiled_call on this instance during generate instead.
+        self._shadow_hook = not decode_hook_reachable(model)
+        probe_decode_step(
+            model, layers, options.max_cache_len, extra, device.torch_device.type, shadow=self._shadow_hook
+        )
+        self.options = options
         largest = normalise_batch_sizes(runner_config.batch_sizes, runner_config.max_batch_size)[-1]
         self.cache = SharedStaticCache(layers, largest, options.max_cache_len)
         step = DecodeStep(model, self.cache, extra)
@@ -267,9 +277,6 @@ class GraphedCausalLM(GraphedModule):
         self.refused: str | None = None
         self.prefill_refused: str | None = None
         self._lock = threading.RLock()
-        # transformers returns the plain forward for some model types (llama4): reach the route by
-        # shadowing get_compiled_call on this instance during generate instead.
-        self._shadow_hook = not decode_hook_reachable(model)
         if self._shadow_hook:
             logger.info(
                 "devgraph: %s.get_compiled_call ignores the per-instance compiled call in transformers %s; "
@@ -394,7 +401,8 @@ class GraphedCausalLM(GraphedModule):
         better = refusal(self.module, err, stage)
         first = better.message.split(": ", 1)[0]
         at = f" at {better.source.split(': ', 1)[0]}" if better.source else ""
-        summary = f"{first} (op {better.op}{at}; the first generate() raised the CaptureError saying why)"
+        op = f"op {better.op}{at}; " if better.op else ""
+        summary = f"{first} ({op}the first generate() raised the CaptureError saying why)"
         if stage == "decode":
             self.refused = summary
         else:

@@ -12,7 +12,7 @@ import functools
 import inspect
 from typing import Any
 
-__all__ = ["CACHE_KEYS", "cache_kwarg", "cache_of", "causal_lm_output"]
+__all__ = ["CACHE_KEYS", "cache_kwarg", "cache_of", "causal_lm_output", "output_cache", "output_field"]
 
 #: The names a forward call's cache may come under (newest first).
 CACHE_KEYS = ("cache", "past_key_values")
@@ -36,15 +36,26 @@ def cache_of(kwargs: dict[str, Any]) -> Any:
 
 
 @functools.cache
-def _output_field() -> str:
+def output_field() -> str:
+    """The cache field of a causal LM's output in this release: ``"cache"`` (5.24+) or ``"past_key_values"``."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     fields = getattr(CausalLMOutputWithPast, "__dataclass_fields__", {})
     return "cache" if "cache" in fields else "past_key_values"
 
 
+def output_cache(output: Any) -> Any:
+    """The cache a forward returned (under either field name), or None: a model without a KV cache
+    (GPT-1's ``CausalLMOutput`` has no such field) returns none."""
+    for key in CACHE_KEYS:
+        value = getattr(output, key, None)
+        if value is not None:
+            return value
+    return None
+
+
 def causal_lm_output(logits: Any, cache: Any) -> Any:
     """``CausalLMOutputWithPast(logits=..., <cache field>=cache)`` in this release's field name."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    return CausalLMOutputWithPast(logits=logits, **{_output_field(): cache})
+    return CausalLMOutputWithPast(logits=logits, **{output_field(): cache})

@@ -4,7 +4,8 @@ The capture guard's remedy ("create the tensor before capture", "keep the value 
 advice for whoever can edit the offending line; for a transformers model that is transformers. The
 user of the model can change the transformers release, generate eagerly, or (when the prefill pieces
 were refused) use ``mode='full'``; ``mode=`` does not help a refused decode step, which every mode
-captures whole. ``refusal`` rebuilds the error to say that, naming the model's module and line.
+captures whole. ``refusal`` rebuilds the error to say that, naming the model's module and line. Where the
+wrap-time dry run of the decode step found it (``_decode_probe``), the one fix is eager ``model.generate()``.
 """
 
 from __future__ import annotations
@@ -28,15 +29,32 @@ def _in_model_code(model: Any, source: str | None) -> str:
     return "your code"
 
 
-def refusal(model: Any, err: CaptureError, stage: str) -> CaptureError:
+def refusal(model: Any, err: CaptureError, stage: str, at_wrap: bool = False) -> CaptureError:
     """``err`` for a user of ``model``: where the line is and what they can do.
 
     ``stage`` is ``"decode"`` (the decode step's graphs) or ``"prefill"`` (the piecewise prefill's pieces).
+    ``at_wrap``: found by the wrap-time dry run of the decode step (``_decode_probe``): no wrapper is
+    made, and the one fix named is eager ``model.generate()``.
     """
     from transformers import __version__
 
     name = type(model).__name__
     where = _in_model_code(model, err.source)
+    if at_wrap:
+        remedy = (
+            f"found at wrap, where devgraph runs one decode step eagerly under the capture guard: the refused "
+            f"line is {where} (transformers {__version__}). No devgraph mode serves this model: every mode "
+            "replays the decode step as one graph (mode= changes only the prefill). Use eager "
+            "model.generate() for it"
+        )
+        if where == "your code" and err.remedy:
+            remedy = f"{err.remedy}; {remedy}"
+        return CaptureError(
+            f"{name}'s decode step cannot be captured: {err.message}",
+            op=err.op,
+            source=err.source,
+            remedy=remedy,
+        )
     if stage == "decode":
         mode_advice = (
             "mode= does not help: every mode captures the decode step whole; this wrapper now runs "

@@ -15,10 +15,19 @@ transformers' dynamic cache and over a one-row static cache laid out as devgraph
 tokens), each followed by decode steps, and compares every position's logits. A difference above
 rounding (relative L2 per position: 1e-3 in float32, 5e-2 in 16-bit types, where the two caches'
 attention sums round differently) refuses the model by name.
+
+The check runs whatever the model's code does, so it must not fail in the model's place: an exception
+raised by any of its forwards (CPM-Ant's eager forward over a static cache fails with a size mismatch,
+and so does its eager ``generate`` with ``cache_implementation="static"``), or a forward that returns
+no KV cache (GPT-1 recomputes the whole sequence at every step), refuses the model with a
+``DevgraphError`` naming the class, what ran, what failed (the exception and the model's line) and
+that eager ``model.generate()`` runs it over its own cache.
 """
 
 from __future__ import annotations
 
+import os
+import traceback
 from typing import Any
 
 import torch
@@ -44,11 +53,25 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
 
 
-def _compare(model: Any, num_layers: int, max_cache_len: int, length: int) -> tuple[float, str]:
-    """The worst relative difference over a ``length``-token prompt and ``_STEPS`` decode steps, and where."""
+class _Run:
+    """Which forward of the check is running (for the message when one fails)."""
+
+    def __init__(self) -> None:
+        self.what = ""
+
+
+class _NoCache(Exception):
+    """A forward with ``use_cache=True`` returned no KV cache."""
+
+
+def _compare(model: Any, num_layers: int, max_cache_len: int, length: int, run: _Run) -> tuple[float, str]:
+    """The worst relative difference over a ``length``-token prompt and ``_STEPS`` decode steps, and where.
+
+    ``run.what`` names the forward running (read when one raises).
+    """
     from transformers.cache_utils import Cache, StaticLayer
 
-    from devgraph.adapters.hf._compat import cache_kwarg
+    from devgraph.adapters.hf._compat import cache_kwarg, output_cache, output_field
 
     kwarg = cache_kwarg(model)
     static = Cache(layers=[StaticLayer(max_cache_len=max_cache_len) for _ in range(num_layers)])
@@ -56,15 +79,23 @@ def _compare(model: Any, num_layers: int, max_cache_len: int, length: int) -> tu
     generator = torch.Generator().manual_seed(length)
     ids = torch.randint(min(3, vocab - 1), vocab, (1, length), generator=generator).to(model.device)
     worst, where = 0.0, ""
+    run.what = f"a {length}-token prompt over transformers' dynamic cache"
     dynamic = model(input_ids=ids, use_cache=True)
+    cache = output_cache(dynamic)
+    if cache is None:
+        raise _NoCache(f"{type(dynamic).__name__} has no {output_field()}")
+    run.what = f"a {length}-token prompt over a static cache"
     over_static = model(input_ids=ids, use_cache=True, **{kwarg: static})
     pairs = [(f"position {{}} of a {length}-token prompt", over_static.logits, dynamic.logits)]
-    cache = dynamic.past_key_values
     for step in range(_STEPS):
         token = dynamic.logits[:, -1:].argmax(-1)
+        run.what = f"decode step {step + 1} after a {length}-token prompt over transformers' dynamic cache"
         dynamic = model(input_ids=token, use_cache=True, **{kwarg: cache})
+        run.what = f"decode step {step + 1} after a {length}-token prompt over a static cache"
         over_static = model(input_ids=token, use_cache=True, **{kwarg: static})
-        cache = dynamic.past_key_values
+        cache = output_cache(dynamic)
+        if cache is None:
+            raise _NoCache(f"{type(dynamic).__name__} has no {output_field()}")
         pairs.append((f"decode step {step + 1} after a {length}-token prompt", over_static.logits, dynamic.logits))
     for label, got, want in pairs:
         if got.shape != want.shape:
@@ -78,6 +109,37 @@ def _compare(model: Any, num_layers: int, max_cache_len: int, length: int) -> tu
     return worst, where
 
 
+def failing_line(exc: BaseException) -> str:
+    """``"modeling_cpmant.py:129: score = score + position_bias"``: the innermost frame of ``exc``'s
+    traceback outside torch's own modules (the model's line; torch's when nothing else is there)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    torch_dir = os.path.dirname(torch.__file__)
+    outside = [f for f in frames if not f.filename.startswith(torch_dir)] or frames
+    if not outside:
+        return "an unknown line"
+    frame = outside[-1]
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}: {(frame.line or '').strip()}"
+
+
+def _refuse_failed(model: Any, max_cache_len: int, run: _Run, exc: BaseException) -> DevgraphError:
+    """The refusal of a model whose forward failed (or returned no cache) during the check."""
+    name = type(model).__name__
+    if isinstance(exc, _NoCache):
+        return DevgraphError(
+            f"{name} returned no KV cache from a forward with use_cache=True ({exc}; found at wrap, "
+            f"running {run.what}): it recomputes the whole sequence at every step, and every "
+            "devgraph mode serves generate() by replaying one token per step over a KV cache, so none serves "
+            "this model. model.generate() runs it eagerly: use that"
+        )
+    return DevgraphError(
+        f"{name} failed at wrap, where devgraph runs it eagerly over a static KV cache of "
+        f"max_cache_len={max_cache_len} slots and over transformers' dynamic cache to compare them: "
+        f"{run.what} raised {type(exc).__name__}: {str(exc).strip()} (at {failing_line(exc)}). Every devgraph "
+        "mode serves generate() over such a static cache, so none serves this model. model.generate() "
+        "runs it eagerly over its own cache: use that"
+    )
+
+
 def check_static_cache(model: Any, num_layers: int, max_cache_len: int) -> None:
     """Raise ``DevgraphError`` when ``model`` computes other logits over a static cache of
     ``max_cache_len`` slots than over transformers' dynamic cache (see the module docstring).
@@ -88,8 +150,12 @@ def check_static_cache(model: Any, num_layers: int, max_cache_len: int) -> None:
     dtype = param.dtype if param is not None else torch.float32
     tolerance = static_cache_tolerance(dtype)
     lengths = sorted({min(_SHORT, max_cache_len - 1 - _STEPS), min(_LONG, max_cache_len - 1 - _STEPS)})
-    with torch.no_grad():
-        results = [_compare(model, num_layers, max_cache_len, n) for n in lengths if n >= 1]
+    run = _Run()
+    try:
+        with torch.no_grad():
+            results = [_compare(model, num_layers, max_cache_len, n, run) for n in lengths if n >= 1]
+    except Exception as exc:  # whatever the model's code raises: a refusal by name, not a raw crash
+        raise _refuse_failed(model, max_cache_len, run, exc) from exc
     if not results:
         return  # a cache too short for a prompt and a decode step: generate() sends such calls to eager
     worst, where = max(results)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from devgraph._errors import CaptureError, DevgraphError
 from devgraph.adapters.hf._cache import SharedStaticCache
 from devgraph.adapters.hf._compat import CACHE_KEYS, cache_kwarg, cache_of, causal_lm_output
 
@@ -147,7 +148,18 @@ class DecodeRoute:
         if why is not None:
             self.on_eager("prefill_not_piecewise", why)
             return self.model(**kwargs)
-        return self.prefill(kwargs)
+        runner = self.prefill.runner
+        try:
+            return self.prefill(kwargs)
+        except CaptureError:
+            raise
+        except DevgraphError as err:
+            if runner.captured:
+                raise
+            # The pieces could not be built (Dynamo could not trace the forward, a pass refused the
+            # graph): a refusal of the prefill like a CaptureError, said once; later calls prefill
+            # eagerly instead of tracing again (and raising again) at every call.
+            raise CaptureError(str(err)) from err
 
     def _capture(self, input_ids: torch.Tensor, position_ids: Any, masks: dict[str, torch.Tensor]) -> None:
         # Warm-ups and captures advance the cache's write positions (and write slots past them, which

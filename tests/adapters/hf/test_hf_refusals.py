@@ -1,8 +1,10 @@
 """What a user of a Hugging Face model devgraph cannot serve is told: where, why, and what to do.
 
-Falcon (both layouts) and XGLM write decode steps a graph cannot capture; MPT adds ALiBi biases;
-Llama4's ``get_compiled_call`` ignores devgraph's switch; MPT's config turns the cache off. Every
-message is checked for the fix it names.
+Falcon (both layouts) writes a decode step only a capture's recording refuses (found at the first
+capture); XGLM and the mixture-of-experts models that route on the host (JetMoE, DBRX, LongCat-Flash)
+write decode steps that read device values on the host, refused at wrap by the dry run of the decode
+step, in every mode; MPT adds ALiBi biases; Llama4's ``get_compiled_call`` ignores devgraph's switch;
+MPT's config turns the cache off. Every message is checked for the fix it names, and that fix is run.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from _hf_models import CAPTURE_REFUSED, prompts, tiny_model  # noqa: E402
+from _hf_models import CAPTURE_REFUSED, HOST_READING_DECODE, prompts, tiny_model  # noqa: E402
 
 import devgraph  # noqa: E402
 from devgraph import CaptureError, DevgraphError  # noqa: E402
@@ -67,11 +69,70 @@ def test_after_a_refused_capture_generate_runs_eagerly_counted_with_the_fix(name
 
 
 def test_after_a_refused_capture_strict_raises_naming_the_fix():
-    graphed = devgraph.wrap(tiny_model("xglm"), "cpu", batch_sizes=[1], max_cache_len=32, strict=True)
+    graphed = devgraph.wrap(
+        tiny_model("falcon_multi_query"), "cpu", batch_sizes=[1], max_cache_len=32, strict=True
+    )
     ids, mask = prompts(1, seed=0)
     _first_generate_refused(graphed, ids, mask)
     with pytest.raises(DevgraphError, match=r"strict=True.*Fix: try another transformers release"):
         graphed.generate(ids, attention_mask=mask, **CALL)
+
+
+@pytest.mark.parametrize("name", sorted(HOST_READING_DECODE))
+@pytest.mark.parametrize("mode", ["full", "piecewise", "breakable"])
+def test_a_decode_step_reading_the_host_is_refused_at_wrap_in_every_mode_with_the_fix_that_works(name, mode):
+    # JetMoE, DBRX and LongCat-Flash were refused only at the first generate(); in the piecewise and
+    # breakable modes first by the prefill, with a message sending the user to mode='full', which
+    # failed too (DBRX and LongCat-Flash raised Dynamo's "annotate your code with torch._check" on every
+    # piecewise call).
+    model = tiny_model(name)
+    with pytest.raises(CaptureError) as info:
+        devgraph.wrap(model, "cpu", batch_sizes=[1, 2], max_cache_len=32, mode=mode)
+    err = info.value
+    module = type(model).__module__
+    assert err.source is not None and f"{module.rsplit('.', 1)[-1]}.py:" in err.source  # the model's line
+    text = str(err)
+    assert text.startswith(f"{type(model).__name__}'s decode step cannot be captured")
+    assert "found at wrap" in text and module in text and "No devgraph mode serves this model" in text
+    assert "Use eager model.generate() for it" in text
+    assert "mode='full'" not in text and "torch._check" not in text and "create the tensor" not in text
+    # ...and the fix named works: eager generate runs the model.
+    ids, mask = prompts(2, seed=0)
+    out = model.generate(ids, attention_mask=mask, **CALL)
+    assert out.shape == (2, ids.shape[1] + CALL["max_new_tokens"])
+
+
+def _read_on_host_when(tokens_per_row):
+    def hook(module, args, out):
+        hidden = out[0] if isinstance(out, tuple) else out
+        if (hidden.shape[1] == 1) == (tokens_per_row == 1):
+            hidden.sum().item()  # a host read
+
+    return hook
+
+
+def test_any_decode_step_reading_the_host_is_refused_at_wrap_naming_your_line():
+    # By mechanism, not by model: a Llama whose decode steps (one token per row) read a value on the host.
+    model = tiny_model("llama")
+    model.model.layers[1].register_forward_hook(_read_on_host_when(tokens_per_row=1))
+    with pytest.raises(CaptureError) as info:
+        devgraph.wrap(model, "cpu", max_cache_len=32)
+    text = str(info.value)
+    assert "op: Tensor.item" in text and "test_hf_refusals.py:" in text and "hidden.sum().item()" in text
+    assert "the refused line is your code" in text and "keep the value on the device" in text
+    assert "Use eager model.generate() for it" in text
+
+
+def test_host_reads_in_the_eager_prefill_are_not_refused_at_wrap():
+    # Only the decode step is captured in mode='full': the prefill runs eagerly and may read the host.
+    model = tiny_model("llama")
+    model.model.layers[1].register_forward_hook(_read_on_host_when(tokens_per_row=7))
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=32)
+    ids, mask = prompts(1, seed=0)
+    with pytest.warns(UserWarning, match="forward hooks"):
+        out = graphed.generate(ids, attention_mask=mask, **CALL)
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, **CALL))
+    assert graphed.stats.replays == CALL["max_new_tokens"] - 1
 
 
 def test_alibi_is_found_in_a_sub_config_and_refused_without_sending_the_user_to_another_mode():
@@ -178,3 +239,37 @@ def test_a_refused_prefill_piece_sends_the_user_to_mode_full_and_later_prefills_
     assert torch.equal(out, model.generate(ids, attention_mask=mask, **CALL))
     assert graphed.stats.fallbacks == {"capture_refused": 1}
     assert graphed.stats.replays == CALL["max_new_tokens"] - 1  # decode still replays
+
+
+def test_pieces_that_cannot_be_built_refuse_the_prefill_once_then_it_runs_eagerly(monkeypatch):
+    # DBRX and LongCat-Flash raised Dynamo's trace failure at every piecewise generate(), tracing again
+    # each time. A prefill whose pieces cannot be built is refused once, like a refused capture.
+    from devgraph.adapters.hf._prefill import PiecewisePrefill
+
+    model = tiny_model("llama")
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=32, mode="piecewise")
+    ids, mask = prompts(1, seed=0)
+    traces = []
+
+    def untraceable(self, kwargs):
+        traces.append(1)
+        raise DevgraphError("piecewise mode could not trace the model as one graph with Dynamo: UserError: ...")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PiecewisePrefill, "__call__", untraceable)
+        with pytest.raises(CaptureError) as info:
+            graphed.generate(ids, attention_mask=mask, **CALL)
+        text = str(info.value)
+        assert "prefill step cannot be captured: piecewise mode could not trace" in text
+        assert "wrap with mode='full'" in text
+        with pytest.warns(UserWarning, match=r"capture_refused.*prefill step cannot be captured \(the first"):
+            out = graphed.generate(ids, attention_mask=mask, **CALL)
+    assert traces == [1]  # not traced again
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, **CALL))
+    assert graphed.stats.replays == CALL["max_new_tokens"] - 1  # decode still replays
+    # ...and the fix named works: mode='full' serves the model without a warning.
+    full = devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=32, mode="full")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(full.generate(ids, attention_mask=mask, **CALL), out)
+    assert full.stats.replays == CALL["max_new_tokens"] - 1
