@@ -17,6 +17,7 @@ from devgraph.debug._compare import Diff, align, diff_tensors, max_difference
 from devgraph.debug._compiled import COMPILED, descend, truly_eager
 from devgraph.debug._probe import OpProbe, OpRecord, module_names
 from devgraph.debug._report import BisectReport, OpDifference
+from devgraph.debug._steps import ServesSteps, first_differing_step, step_plan
 from devgraph.debug._subjects import Call, Plan, callable_plan, clone_tensors, served_plan, traced_plans
 from devgraph.graph import Device, Graph
 
@@ -136,6 +137,8 @@ class _Side:
 
 def _run_eager(call: Call, probe: OpProbe) -> Any:
     args, kwargs = clone_tensors(call.args), clone_tensors(call.kwargs)  # outside the probe
+    if call.before is not None:
+        call.before()
     # Eager is eager: a torch.compile'd function runs its original code, op by op.
     with torch.no_grad(), truly_eager(), probe:
         return call.fn(*args, **kwargs)
@@ -211,6 +214,9 @@ def bisect(
     with _ONE_AT_A_TIME:
         from devgraph._dynamo import TracedModule
 
+        if isinstance(target, ServesSteps):  # before GraphedModule: a GraphedCausalLM is one
+            _refuse_capture_options(options)
+            return _bisect_steps(target, args, dict(kwargs), options)
         if isinstance(target, TracedModule):
             _refuse_capture_options(options)
             return _first_differing(traced_plans(target, args, dict(kwargs)), options)
@@ -220,6 +226,52 @@ def bisect(
         finally:
             for done in plan.cleanup:
                 done()
+
+
+def _bisect_steps(
+    target: ServesSteps, args: tuple[Any, ...], kwargs: dict[str, Any], options: BisectOptions
+) -> BisectReport:
+    """A call of several graphed steps (``generate``): run it recording each step served from graphs,
+    find the first whose graph differs from eager over the state it started from, bisect that step."""
+    if options.reference != "eager":
+        raise DevgraphError(
+            "BisectOptions(reference='cpu') does not apply to a generate() bisect: its steps write a KV "
+            "cache that a CPU copy of the model would not share. Bisect on the model's own device "
+            "(reference='eager')"
+        )
+    served = target.served_steps(*args, **kwargs)
+    if not served.steps:
+        why = "; ".join(served.eager_reasons) or "see graphed.stats.fallbacks"
+        raise DevgraphError(
+            f"{served.subject} served no step from graphs (every step ran eagerly: {why}); nothing to "
+            "bisect. Make the call the wrapper serves from graphs (the reasons above say what ran eagerly "
+            "and the fix), then bisect it"
+        )
+    names = [s.name for s in served.steps]
+    found = first_differing_step(served, options.atol, options.rtol)
+    if found is None:
+        k = len(served.steps) - 1
+        subject = f"{served.subject}: no step differs; {served.steps[k].name}, the last, bisected op by op"
+        notes = [
+            f"no step differs: each of the {len(names)} steps served from graphs ({', '.join(names)}), run "
+            "eagerly over the KV cache it started from, gives the graph's output and writes the graph's cache"
+        ]
+    else:
+        k, why = found
+        subject = f"{served.subject}, {served.steps[k].name}"
+        before = f"; the {k} step(s) before it agree ({', '.join(names[:k])})" if k else ""
+        notes = [
+            f"{served.steps[k].name} is the first step whose graph differs from eager over the KV cache it "
+            f"started from: {why}{before}"
+        ]
+    plan, plan_notes = step_plan(served.steps[k])
+    plan.subject = f"{subject}: {plan.subject}"
+    try:
+        report = _run(plan, options)
+        return attrs.evolve(report, notes=(*notes, *plan_notes, *served.notes, *report.notes))
+    finally:
+        for done in plan.cleanup:
+            done()
 
 
 def _first_differing(plans: list[Plan], options: BisectOptions) -> BisectReport:

@@ -34,6 +34,8 @@ class Call:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    #: run before each run of the call, outside the probe (a step of generate: put its KV cache back)
+    before: Callable[[], None] | None = None
 
 
 @attrs.define
@@ -249,6 +251,7 @@ def _full_plan(
     kwargs: dict[str, Any],
     make_graph: Callable[[], Any] | None = None,
     noun: str = "graph",
+    before_replay: Callable[[], None] | None = None,
 ) -> Plan:
     """A ``WholeGraphs`` part's bucket: captured on its static buffers narrowed to the bucket, host lists
     at their pad values, the device's updatable ops as tasks; the call loaded (padding) and replayed
@@ -258,7 +261,8 @@ def _full_plan(
     ``make_graph``: what captures (default ``device.graph()``); a ``BreakableGraphs`` part's is a
     ``BreakableGraph``, whose every segment capture is probed. Its breaks run eagerly on both sides
     and are not compared (as a piecewise graph's splitting ops): what they change shows in the next
-    segment's ops."""
+    segment's ops. ``before_replay``: run between the capture and the replay (a step that writes
+    state, as a decode step writes its KV cache, has the state it started from put back)."""
     from devgraph.runner import choose_bucket
 
     inputs, config, dev, fn = runner.inputs, runner.config, runner.device, runner.fn
@@ -285,6 +289,8 @@ def _full_plan(
             cleanup.append(graph.reset)
             with probed(modules) as records, graph.capture(auto_update_ops=dev.updatable_ops):
                 out = fn(*c_args, **c_kwargs)
+            if before_replay is not None:
+                before_replay()
             inputs.load(call, size)
             graph.replay(inputs.padded_host_args(call.host, size) if config.host_args else None)
             dev.synchronize()

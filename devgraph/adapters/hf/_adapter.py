@@ -62,6 +62,7 @@ from devgraph.adapters.hf._refusal import refusal
 from devgraph.adapters.hf._route import decode_route, route_config
 from devgraph.adapters.hf._static_check import check_static_cache
 from devgraph.adapters.hf._step import MAX_MASKS, DecodeRoute, DecodeStep
+from devgraph.adapters.hf._steplog import MAX_STEPS, StepLog
 from devgraph.graph import Device
 from devgraph.runner import (
     GraphedModule,
@@ -391,6 +392,54 @@ class GraphedCausalLM(GraphedModule):
                 raise self._refuse(err) from None
             self._check_hook_reached(out, call.input_ids.shape[1], decodes, prefills)
             return out
+
+    def served_steps(self, *args: Any, max_steps: int = MAX_STEPS, **kwargs: Any) -> Any:
+        """Run ``generate(*args, **kwargs)`` once, recording each step served from graphs (what
+        ``devgraph.bisect(graphed, input_ids, **generate_kwargs)`` bisects; a ``devgraph.debug.StepsServed``).
+
+        Greedy (``do_sample=False``) and ``max_new_tokens=4`` unless the call (or its
+        ``generation_config``) says otherwise. Each step is the prefill's graphs for one prompt row
+        (piecewise and breakable modes) or one decode step; the first ``max_steps`` are recorded, each
+        with a copy of the whole KV cache from before it (later steps run unrecorded, said in a note).
+        """
+        from devgraph.debug import StepsServed
+
+        if "generation_config" not in kwargs:
+            kwargs.setdefault("do_sample", False)
+            if "max_length" not in kwargs:
+                kwargs.setdefault("max_new_tokens", 4)
+        caches = [self.cache] + ([self.prefill.scratch] if self.prefill is not None else [])
+        log = StepLog(caches, max_steps)
+        counters = [self.runner.stats] + ([self.prefill.runner.stats] if self.prefill is not None else [])
+        before = [dict(c.fallbacks) for c in counters]
+        with self._lock:
+            self._route.log = log
+            if self.prefill is not None:
+                self.prefill.log = log
+            try:
+                self.generate(*args, **kwargs)
+            finally:
+                self._route.log = None
+                if self.prefill is not None:
+                    self.prefill.log = None
+        reasons = sorted(
+            {k for c, b in zip(counters, before) for k, v in c.fallbacks.items() if v != b.get(k, 0)}
+        )
+        eager = [f"{r} (Fix: {fallback_fix(r)})" for r in reasons]
+        if self.refused is not None:
+            eager.append(self.refused)
+        notes = []
+        if log.unrecorded:
+            notes.append(
+                f"only the first {max_steps} steps were recorded and compared ({log.unrecorded} later steps "
+                "were not): served_steps(max_steps=...) through devgraph.bisect is not offered; generate fewer "
+                "tokens (max_new_tokens) to reach a step, or bisect from the step you suspect"
+            )
+        if reasons:
+            notes.append(f"steps or calls that ran eagerly during the generate: {reasons}")
+        if self.prefill is None:
+            notes.append("mode='full': the prefill runs eagerly, so only the decode steps are compared")
+        return StepsServed(f"{type(self.module).__name__} generate()", log.steps, eager, notes)
 
     def _refuse(self, err: CaptureError) -> CaptureError:
         """Remember that the decode step (or the prefill pieces) cannot be captured; the error to raise.

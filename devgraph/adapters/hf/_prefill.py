@@ -72,6 +72,12 @@ class PiecewisePrefill:
         self.scratch = SharedStaticCache(len(cache.base.layers), 1, cache.max_cache_len)
         self.row = PrefillRow(model, self.scratch)
         self.runner = runner_factory(self.row)
+        self.log: Any = None  # a StepLog while devgraph.bisect records a generate (_steplog)
+
+    @property
+    def kind(self) -> str:
+        """What serves the prompt rows: ``"pieces"`` or ``"breakable graphs"``."""
+        return "pieces" if self.runner.pieces is not None else "breakable graphs"
 
     def fill_missing_mask(self, kwargs: dict[str, Any]) -> None:
         """Give a mask-less prefill (sdpa over an unpadded batch) its explicit causal mask, in place.
@@ -137,7 +143,11 @@ class PiecewisePrefill:
         last = []
         for r in range(batch):
             named = {f"mask{i}": m[r, 0] for i, m in enumerate(masks)}
-            logits = self.runner(input_ids=ids[r], position_ids=positions[r], **named)
+            call = {"input_ids": ids[r], "position_ids": positions[r], **named}
+            if self.log is None:
+                logits = self.runner(**call)
+            else:
+                logits = self.log.prefill_row(self.kind, self.runner, self.scratch, r + 1, batch, call)
             last.append(logits[-1:].clone())  # a view of graph memory: the next row overwrites it
             for big, row in zip(self.cache.base.layers, self.scratch.base.layers, strict=True):
                 big.keys[r, :, :tokens].copy_(row.keys[0, :, :tokens])

@@ -112,6 +112,7 @@ class DecodeRoute:
         self.decode_calls = 0  # forwards of one token per row that reached this route (hf.py checks)
         self.prefill_calls = 0  # forwards of several tokens per row that reached it
         self.stage = "decode"  # what the last call was: which graphs a CaptureError came from
+        self.log: Any = None  # a StepLog while devgraph.bisect records a generate (_steplog)
 
     def __call__(self, **kwargs: Any) -> Any:
         why = self._not_decode(kwargs)
@@ -136,7 +137,10 @@ class DecodeRoute:
         named = {f"mask{i}": m for i, m in enumerate(masks)}
         if not self.runner.captured:
             self._capture(kwargs["input_ids"], kwargs.get("position_ids"), named)
-        logits = self.runner(input_ids=kwargs["input_ids"], position_ids=kwargs.get("position_ids"), **named)
+        call = {"input_ids": kwargs["input_ids"], "position_ids": kwargs.get("position_ids"), **named}
+        logits = (
+            self.runner(**call) if self.log is None else self.log.decode(self.runner, self.step.cache, call)
+        )
         return causal_lm_output(logits, cache_of(kwargs))
 
     def run_prefill(self, kwargs: dict[str, Any]) -> Any:
