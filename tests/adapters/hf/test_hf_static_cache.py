@@ -10,6 +10,8 @@ cache) is refused by name, by mechanism: any exception or missing cache in the c
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -101,7 +103,9 @@ def test_a_model_without_a_kv_cache_is_refused_saying_so():
         devgraph.wrap(tiny_model("openai_gpt"), "cpu")
     message = str(info.value)
     assert "OpenAIGPTLMHeadModel returned no KV cache from a forward with use_cache=True" in message
-    assert "(CausalLMOutput has no past_key_values" in message
+    # transformers 5.23 names the output's cache past_key_values, 5.24 cache: the message names the one
+    # this release uses
+    assert re.search(r"\(CausalLMOutput has no (past_key_values|cache)\b", message), message
 
 
 def test_a_forward_failing_over_the_static_cache_is_refused_naming_the_exception_and_line():
