@@ -23,6 +23,7 @@ returned value its inputs' sizes do not determine).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,9 +76,13 @@ def _argument_name(node: Any) -> str:
 
 
 def _source_name(node: Any) -> str:
-    """Where Dynamo found a placeholder's value (``L['self']._buffers['steps']``), else its name."""
+    """Where Dynamo found a placeholder's value, as a module path (``layers.0.k_cache`` for Dynamo's
+    ``L['self']._modules['layers']._modules['0']._buffers['k_cache']``), else its name."""
     name = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
-    return name if isinstance(name, str) else node.name
+    if not isinstance(name, str):
+        return node.name
+    path = re.sub(r"\._(?:modules|buffers|parameters)\['([^']*)'\]", r".\1", name)
+    return re.sub(r"^L\['self'\]\.?", "", path) or name
 
 
 def _feeds_tensors(node: Any) -> bool:
