@@ -494,3 +494,35 @@ def test_the_weight_watch_trusts_a_registration_count_two_looks_found():
     model.lin._parameters["weight"] = old
     assert watch.replaced() is None and watch.replaced() is None
     assert watch.seen == registrations[0]
+
+
+def test_the_weight_watch_leaves_other_compiled_models_alone():
+    """devgraph's registration hooks are process-wide: a forward that makes modules as it runs (an HF
+    model slicing self.layers[:n]) registered them inside Dynamo's trace, the counter's bump was a side
+    effect Dynamo guarded on, and every call of that compiled model recompiled (past the limit: eager).
+    The hook does nothing while Dynamo traces."""
+
+    class Sliced(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers[:2]:  # a new ModuleList: registrations inside the forward
+                x = layer(x)
+            return x
+
+    devgraph.wrap(torch.nn.Linear(4, 4), device="cpu", batch_sizes=[1])(torch.ones(1, 4))  # hooks on
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = Sliced()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(compiled(torch.ones(2, 4)), model(torch.ones(2, 4)))
+    assert len(compiles) == 1

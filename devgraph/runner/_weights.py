@@ -34,6 +34,14 @@ _install_lock = threading.Lock()
 
 
 def _bump(*_: object) -> None:
+    # Not while Dynamo traces: a forward that makes modules as it runs (Hugging Face slices
+    # ``self.layers[:n]`` into a new ModuleList) registers them inside the trace, and a counter bumped
+    # there is a global side effect Dynamo guards on, so every call of any compiled model recompiled,
+    # past the limit ran eagerly (the H100 round's torch.compile column). What the trace registers is
+    # temporary; a weight the forward replaces is set again by Dynamo's replay after the graph, outside
+    # the trace, and counts then.
+    if torch.compiler.is_compiling():
+        return
     registrations[0] += 1
 
 
