@@ -27,9 +27,12 @@ ROW_VARIANT_GEMM = os.environ.get("DEVGRAPH_TEST_ROW_VARIANT_GEMM") == "1"
 
 
 def inductor_cache_dir() -> str:
-    """A cache folder of inductor's per CPU capability (``TORCHINDUCTOR_CACHE_DIR``, unless set)."""
+    """A cache folder of inductor's per CPU capability and test thread count (``TORCHINDUCTOR_CACHE_DIR``,
+    unless set): torch 2.13's cache keys neither (its CPU kernels may specialise on the thread count too:
+    pytorch#184444)."""
     capability = os.environ.get("ATEN_CPU_CAPABILITY", "default") or "default"
-    return os.path.join(tempfile.gettempdir(), f"devgraph-tests-inductor-{capability}")
+    threads = os.environ.get("DEVGRAPH_TEST_THREADS", "1")
+    return os.path.join(tempfile.gettempdir(), f"devgraph-tests-inductor-{capability}-t{threads}")
 
 
 def _variant(a: torch.Tensor) -> bool:
