@@ -157,6 +157,21 @@ def report_header(dev: devgraph.Device, benchmark: str, note: str = CPU_NOTE) ->
     }
 
 
+def start(device: str, benchmark: str, note: str = CPU_NOTE) -> tuple[devgraph.Device, dict[str, Any]]:
+    """What a benchmark's ``main`` does first: log its lines, find ``device`` (one torch thread on the
+    CPU: tiny matmuls, where threads only add barrier stalls on a busy machine), and the report's
+    header with the command that ran it."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    dev = devgraph.device(device)
+    if dev.name == "cpu":
+        torch.set_num_threads(1)
+    header = {
+        **report_header(dev, benchmark, note=note),
+        "command": " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+    }
+    return dev, header
+
+
 def write_json(report: dict[str, Any], path: Path, indent: int = 2) -> Path:
     """``report`` as indented JSON at ``path`` (its folder created), with ``"checkout"``: the commit
     and whether the tree was clean (``checkout()``); returns ``path``.

@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import logging
 import statistics
 import sys
 import time
@@ -63,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import DEFAULT_OUT, PartialReport, logger, report_header, summarise, time_interleaved
+from _common import DEFAULT_OUT, PartialReport, logger, start, summarise, time_interleaved
 from _decode_workloads import (
     BUILDERS,
     FULL_SHAPE,
@@ -521,13 +520,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    dev = devgraph.device(args.device)
-    if dev.name == "cpu":
-        torch.set_num_threads(1)  # tiny matmuls: threads only add barrier stalls on a busy machine
+    dev, header = start(args.device, "call_overhead")
     report: dict[str, Any] = {
-        **report_header(dev, "call_overhead", note=CPU_NOTE),
-        "command": " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+        **header,
         "config": {
             "models": args.models,
             "batches": args.batches,

@@ -36,7 +36,6 @@ eager's or a run fails (a refusal is reported, not a failure).
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 import traceback
@@ -45,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import DEFAULT_OUT, PartialReport, logger, report_header, summarise, time_calls
+from _common import DEFAULT_OUT, PartialReport, logger, start, summarise, time_calls
 from _decode_workloads import FULL_SHAPE, HF_ARCHITECTURES, QUICK_SHAPE, Skip, hf_causal_lm, release_memory
 
 import devgraph
@@ -410,10 +409,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    dev = devgraph.device(args.device)
-    if dev.name == "cpu":
-        torch.set_num_threads(1)  # tiny matmuls: threads only add barrier stalls on a busy machine
+    dev, header = start(args.device, "hf_generate")
     try:
         import transformers
 
@@ -421,8 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         version = None
     report: dict[str, Any] = {
-        **report_header(dev, "hf_generate", note=CPU_NOTE),
-        "command": " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+        **header,
         "transformers": version,
         "config": {
             "archs": args.archs,

@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import logging
-import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
-from _common import DEFAULT_OUT, PartialReport, logger, report_header
+from _common import DEFAULT_OUT, PartialReport, logger, start
 
 import devgraph
 
@@ -266,15 +264,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    dev = devgraph.device(args.device)
-    if dev.name == "cpu":
-        torch.set_num_threads(1)  # tiny matmuls: threads only add barrier stalls on a busy machine
+    dev, header = start(args.device, "hf_static_cache_gap")
     import transformers
 
     report: dict[str, Any] = {
-        **report_header(dev, "hf_static_cache_gap", note=CPU_NOTE),
-        "command": " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+        **header,
         "transformers": transformers.__version__,
         "config": {
             "archs": args.archs,
