@@ -158,12 +158,16 @@ def hf_causal_lm(
     device: torch.device | str,
     seed: int = 0,
     max_positions: int = 2048,
+    architecture: tuple[str, str, dict[str, Any]] | None = None,
+    **fields: Any,
 ) -> Any:
     """A transformers causal LM of ``HF_ARCHITECTURES[arch]`` with random weights (seeded), built in
     code (nothing downloaded), ``sdpa`` attention, cast to ``dtype``, in eval mode without grad.
 
     ``shape``: ``hidden``, ``layers``, ``heads``, ``kv_heads``, ``intermediate``, ``vocab``. No
     end-of-sequence token: greedy generation runs ``max_new_tokens`` steps on every row.
+    ``architecture``: ``(config class, model class, config fields)`` instead of ``HF_ARCHITECTURES``'s;
+    ``fields``: more config fields.
 
     Raises:
         Skip: transformers is not importable, or this release lacks the architecture.
@@ -172,10 +176,10 @@ def hf_causal_lm(
         import transformers
     except ImportError as exc:
         raise Skip(f"transformers is not importable ({exc}); pip install 'transformers>=5'") from None
-    config_name, model_name, extra = HF_ARCHITECTURES[arch]
+    config_name, model_name, extra = architecture or HF_ARCHITECTURES[arch]
     if not hasattr(transformers, model_name):
         raise Skip(f"transformers {transformers.__version__} has no {model_name}")
-    config = getattr(transformers, config_name)(
+    base = dict(
         vocab_size=shape["vocab"],
         hidden_size=shape["hidden"],
         intermediate_size=shape["intermediate"],
@@ -187,8 +191,9 @@ def hf_causal_lm(
         tie_word_embeddings=False,
         eos_token_id=None,
         attn_implementation="sdpa",
-        **extra,
     )
+    # the architecture's fields win over the shape's (a latent-attention model's own head sizes)
+    config = getattr(transformers, config_name)(**{**base, **extra, **fields})
     torch.manual_seed(seed)
     with torch.device(device):
         model = getattr(transformers, model_name)(config)

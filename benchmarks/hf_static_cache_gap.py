@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from _common import DEFAULT_OUT, PartialReport, logger, start
+from _decode_workloads import Skip, hf_causal_lm
 
 import devgraph
 
@@ -73,7 +74,10 @@ ARCHITECTURES: dict[str, tuple[str, str, Any]] = {
     "gemma3_text": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
-        lambda s: {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"] * (s["layers"] // 2)},
+        lambda s: {
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"] * (s["layers"] // 2),
+        },
     ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
@@ -98,36 +102,12 @@ ARCHITECTURES: dict[str, tuple[str, str, Any]] = {
 }
 
 
-class Skip(Exception):
-    """This transformers release lacks the architecture."""
-
-
 def build(arch: str, shape: dict[str, int], dtype: torch.dtype, device: Any, seed: int) -> Any:
     """The architecture with random weights (seeded), ``sdpa`` attention, in eval mode without grad."""
-    import transformers
-
     config_name, model_name, extra = ARCHITECTURES[arch]
-    if not hasattr(transformers, model_name):
-        raise Skip(f"transformers {transformers.__version__} has no {model_name}")
-    fields = dict(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["hidden"] // shape["heads"],
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=None,  # greedy generation runs every step
-        attn_implementation="sdpa",
+    return hf_causal_lm(
+        arch, shape, dtype, device, seed, architecture=(config_name, model_name, extra(shape)), bos_token_id=1
     )
-    config = getattr(transformers, config_name)(**{**fields, **extra(shape)})
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = getattr(transformers, model_name)(config)
-    return model.to(dtype).eval().requires_grad_(False)
 
 
 def static_cache(model: Any, max_cache_len: int) -> Any:
@@ -180,7 +160,9 @@ def teacher_forced(model: Any, ids: torch.Tensor, steps: int, max_cache_len: int
     }
 
 
-def generated(dev: devgraph.Device, model: Any, ids: torch.Tensor, steps: int, max_cache_len: int) -> dict[str, Any]:
+def generated(
+    dev: devgraph.Device, model: Any, ids: torch.Tensor, steps: int, max_cache_len: int
+) -> dict[str, Any]:
     """Greedy ``generate``: graphed against eager over the dynamic cache and over devgraph's layout."""
     call = dict(
         attention_mask=torch.ones_like(ids),
@@ -201,14 +183,18 @@ def generated(dev: devgraph.Device, model: Any, ids: torch.Tensor, steps: int, m
     return {
         "tokens_identical_to_dynamic": bool(torch.equal(out.sequences, dynamic.sequences)),
         "first_differing_new_token": int(differ[0]) - prompt + 1 if len(differ) else None,
-        "bitwise_equal_to_eager_over_the_same_static_layout": bool(torch.equal(out.sequences, same_layout.sequences))
+        "bitwise_equal_to_eager_over_the_same_static_layout": bool(
+            torch.equal(out.sequences, same_layout.sequences)
+        )
         and all(torch.equal(g, e) for g, e in zip(out.logits, same_layout.logits)),
         "replays": graphed.stats.replays,
         "fallbacks": dict(graphed.stats.fallbacks),
     }
 
 
-def measure(dev: devgraph.Device, arch: str, shape_name: str, dtype: torch.dtype, args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    dev: devgraph.Device, arch: str, shape_name: str, dtype: torch.dtype, args: argparse.Namespace
+) -> dict[str, Any]:
     shape = SHAPES[shape_name]
     try:
         model = build(arch, shape, dtype, dev.torch_device, args.seed)
@@ -235,7 +221,9 @@ def render(report: dict[str, Any]) -> str:
                     continue
                 t, g = row["teacher_forced"], row["generate"]
                 tokens = "refused" if "refused" in g else str(g["tokens_identical_to_dynamic"])
-                bitwise = "" if "refused" in g else str(g["bitwise_equal_to_eager_over_the_same_static_layout"])
+                bitwise = (
+                    "" if "refused" in g else str(g["bitwise_equal_to_eager_over_the_same_static_layout"])
+                )
                 lines.append(
                     f"{arch:<13}{shape:<7}{dtype:<10}{t['max_abs_diff']:>13.3g}{t['max_abs_logit']:>11.3g}"
                     f"{t['max_relative_l2']:>9.2g}{t['greedy_flips']:>7}{tokens:>11}{bitwise:>9}"
@@ -248,7 +236,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="devgraph backend (default: best available)")
     parser.add_argument("--archs", nargs="+", choices=sorted(ARCHITECTURES), default=list(ARCHITECTURES))
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
-    parser.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float32"], default=["bfloat16", "float32"])
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=["bfloat16", "float32"], default=["bfloat16", "float32"]
+    )
     parser.add_argument("--prompt", type=int, default=8, help="prompt tokens")
     parser.add_argument("--batch", type=int, default=2, help="rows")
     parser.add_argument("--steps", type=int, default=None, help="decode steps (24; --quick: 4)")
