@@ -161,7 +161,6 @@ class DynamoGraphs:
         self.runners: list[Any] = []
         self._unservable: dict[str, int] = {}
         self._eager_calls = 0
-        self._recaptures = 0
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         #: calls of any graph's callable, served or eager (a wrapper tells a call Dynamo ran by itself)
@@ -197,7 +196,8 @@ class DynamoGraphs:
             moved = graph.moved(args)
             if moved and runner.captured:  # the graphs read the old memory: capture again
                 runner.reset()
-                self._note_moved(moved)
+                shown = ", ".join(moved[:4]) + (f" and {len(moved) - 4} more" if len(moved) > 4 else "")
+                runner.accounts.note_recapture(shown)  # counted, warned once, as the raw path does
             arguments = graph.split(args)
             log, replays = self._log, runner.stats.replays
             if log is not None:  # clone what a later replay overwrites: the call's batched tensors
@@ -209,16 +209,6 @@ class DynamoGraphs:
             return graph.assemble(args, out)
 
         return serve
-
-    def _note_moved(self, names: list[str]) -> None:
-        self._recaptures += 1
-        if "moved" not in self._warned:
-            self._warned.add("moved")
-            logger.warning(
-                "devgraph: %s moved since a Dynamo graph was captured (a weight or buffer replaced): its "
-                "graphs are captured again (counted in stats.recaptures; once per replacement)",
-                ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""),
-            )
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[list[Served]]:
@@ -261,7 +251,6 @@ class DynamoGraphs:
         total = DynamoStats(graphs=len(self.runners) + sum(self._unservable.values()))
         total.unservable = dict(self._unservable)
         total.eager_calls = self._eager_calls
-        total.recaptures = self._recaptures
         sizes: set[int] = set()
         for runner in self.runners:
             s = runner.stats
