@@ -129,7 +129,7 @@ class TracedGraph:
 
     Its arguments are the graph's tensors and the values it takes that are not sizes of them; the
     sizes are derived from the tensors at every run. It returns the graph's tensor outputs; the
-    sizes the graph returns are computed by ``sizes_out`` from the call's own tensors.
+    sizes the graph returns are computed by ``assemble`` from the call's own tensors.
     """
 
     def __init__(
