@@ -61,30 +61,39 @@ def wrap(
     """
     dev = device if isinstance(device, Device) else _device(device)
     refuse_host_weights(model, dev.torch_device)
-    frontend = options.pop("frontend", "raw")
-    if frontend == "dynamo":
-        if _is_hf_model(model):
-            raise DevgraphError(
-                "frontend='dynamo' serves a plain model's forward; a Hugging Face causal LM is wrapped "
-                "without it for now (devgraph.wrap(model) graphs its generate() steps)"
-            )
-        from devgraph._dynamo import wrap_traced
-
-        return wrap_traced(model, dev, options)  # type: ignore[return-value]
-    if frontend != "raw":
+    frontend = options.pop("frontend", None)
+    if frontend not in (None, "dynamo", "raw"):
         raise DevgraphError(
-            f"frontend must be 'dynamo' (Dynamo traces the forward, devgraph captures its graphs) or 'raw' "
-            f"(the forward captured as it runs, untraced), got {frontend!r}"
+            f"frontend must be 'dynamo' (Dynamo traces the forward, devgraph captures its graphs; the default "
+            f"in mode='full') or 'raw' (the forward captured as it runs, untraced), got {frontend!r}"
         )
     if _is_hf_model(model):
+        if frontend is not None:
+            raise DevgraphError(
+                f"frontend={frontend!r} applies to a plain model's forward; a Hugging Face causal LM's "
+                "generate() steps are captured by its adapter: drop frontend"
+            )
         from devgraph.adapters.hf import wrap_hf
 
         return wrap_hf(model, dev, **options)
+    defaults = model.devgraph_options() if hasattr(model, "devgraph_options") else {}
+    merged = {**defaults, **options}
+    mode = merged.get("mode", "full")
+    if frontend is None:
+        frontend = "dynamo" if mode == "full" else "raw"
+    elif frontend == "dynamo" and mode != "full":
+        raise DevgraphError(
+            f"frontend='dynamo' serves mode='full'; mode={mode!r} is served from its own trace (drop "
+            "frontend, or use mode='full')"
+        )
+    if frontend == "dynamo":
+        from devgraph.frontend import wrap_traced
+
+        return wrap_traced(model, dev, merged)
+    warn_untraced(model, mode)
     from devgraph.compile import compile_option_names
     from devgraph.runner import GraphedModule, GraphRunner, RunnerConfig, make_config, piecewise_runner
 
-    defaults = model.devgraph_options() if hasattr(model, "devgraph_options") else {}
-    merged = {**defaults, **options}
     compile_names = compile_option_names()
     compile_options = {k: merged.pop(k) for k in list(merged) if k in compile_names}
     config = make_config(RunnerConfig, merged, extra_valid=compile_names, arguments=_argument_names(model))
@@ -105,6 +114,34 @@ def wrap(
             "only; add mode=... or drop them"
         )
     return GraphedModule(model, GraphRunner(model, dev, config))
+
+
+#: What a forward served without Dynamo's guards leaves unchecked (the one warning of such a wrap).
+UNTRACED = (
+    "Python state the forward reads (attributes, globals, closures, config objects) is not guarded, and "
+    "what it changes outside its tensors (counters, lists, random draws) happens at capture only; "
+    "devgraph's own checks follow the model's attributes and buffers, not every path Python can take. "
+    "You promise the forward reads and changes no other Python state"
+)
+
+
+def warn_untraced(model: Any, mode: str) -> None:
+    """Warn once per wrap served without Dynamo in front: what ``frontend='raw'`` (or a mode Dynamo
+    does not serve yet) leaves unchecked. ``stats.frontend`` says ``"raw"`` too."""
+    import warnings
+
+    from devgraph._source import user_stacklevel
+
+    if mode == "full":
+        how, instead = "frontend='raw' captures the forward as it runs, untraced", "the default frontend='dynamo'"
+    else:
+        how = f"mode={mode!r} is served from one trace of the forward, without Dynamo's guards at each call"
+        instead = "mode='full' (Dynamo in front, the default)"
+    warnings.warn(
+        f"devgraph: {type(model).__name__}: {how}: {UNTRACED}; {instead} checks all of it "
+        "(stats.frontend says 'raw')",
+        stacklevel=user_stacklevel(),
+    )
 
 
 def refuse_host_weights(model: Any, target: torch.device) -> None:

@@ -531,7 +531,7 @@ def test_a_python_number_passed_as_a_tensor_runs_eagerly_and_is_counted(caplog):
         def forward(self, x):
             return x * gain["g"]
 
-    from devgraph._dynamo import backend_for
+    from devgraph.frontend import backend_for
 
     graphs = backend_for({"device": "cpu", "batch_sizes": [4]})
     compiled = torch.compile(M(), backend=graphs)
@@ -560,7 +560,7 @@ def test_torch_compiles_mode_is_refused():
     ],
 )
 def test_bad_options_are_refused_by_name(options, match):
-    from devgraph._dynamo import backend_for
+    from devgraph.frontend import backend_for
 
     with pytest.raises(devgraph.DevgraphError, match=match):
         backend_for({"device": "cpu", **options})
@@ -602,7 +602,7 @@ def test_strict_refuses_a_graph_it_cannot_serve():
             counter["n"] += 1.5
             return x * counter["n"]
 
-    from devgraph._dynamo import backend_for
+    from devgraph.frontend import backend_for
 
     compiled = torch.compile(M(), backend=backend_for({"device": "cpu", "batch_sizes": [2], "strict": True}))
     with torch.no_grad():

@@ -154,7 +154,7 @@ def _layer(module: str) -> str:
     return parts[1]  # backends, ops, runner, compile, adapters, testing
 
 
-#: Which layers a layer may import. Arrows point down (adapters > debug > runner > compile > ops > core);
+#: Which layers a layer may import. Arrows point down (adapters > debug > frontend > runner > compile > ops > core);
 #: backends implement the core contract and are found through plugins, so no layer imports one
 #: (nor another backend: each is its own package); no layer imports devgraph.testing, which sits
 #: beside the stack and may import anything. Inside the library, names come from the module that
@@ -165,18 +165,19 @@ _MAY_IMPORT = {
     "backends": {"core", "backends"},
     "ops": {"core", "ops"},
     "runner": {"core", "ops", "compile", "runner"},
+    "frontend": {"core", "ops", "compile", "runner", "frontend"},
     "compile": {"core", "ops", "compile"},
-    "debug": {"core", "ops", "runner", "compile", "debug"},
-    "adapters": {"core", "ops", "runner", "compile", "debug", "adapters", "api"},
+    "debug": {"core", "ops", "runner", "compile", "frontend", "debug"},
+    "adapters": {"core", "ops", "runner", "compile", "frontend", "debug", "adapters", "api"},
 }
 
 #: The upward reaches DESIGN.md allows, made when called (or named for types only): wrap() builds
 #: runners and hands Hugging Face models to their adapter, ``devgraph.GraphedModule`` loads the
-#: runner on first use (so ``import devgraph`` stays cheap), and the compile backend (``_dynamo``,
-#: the front door with ``_wrap``) builds a runner per graph Dynamo hands it.
+#: runner on first use (so ``import devgraph`` stays cheap); wrap() builds its Dynamo front end
+#: (``devgraph.frontend``, above the runner: it builds a runner per graph Dynamo hands it).
 _LAZY_REACH = {
     ("devgraph", "devgraph.runner"),
-    ("devgraph._dynamo", "devgraph.runner"),
+    ("devgraph._wrap", "devgraph.frontend"),
     ("devgraph._wrap", "devgraph.runner"),
     ("devgraph._wrap", "devgraph.compile"),
     ("devgraph._wrap", "devgraph.adapters.hf"),

@@ -19,6 +19,7 @@ from devgraph.debug._probe import OpProbe, OpRecord, module_names
 from devgraph.debug._report import BisectReport, OpDifference
 from devgraph.debug._steps import ServesSteps, first_differing_step, step_plan
 from devgraph.debug._subjects import Call, Plan, callable_plan, clone_tensors, served_plan, traced_plans
+from devgraph.frontend import TracedModule
 from devgraph.graph import Device, Graph
 
 __all__ = ["BisectOptions", "bisect"]
@@ -212,8 +213,6 @@ def bisect(
     if not isinstance(options, BisectOptions):
         raise DevgraphError(f"bisect_options must be a devgraph.BisectOptions, got {type(options).__name__}")
     with _ONE_AT_A_TIME:
-        from devgraph._dynamo import TracedModule
-
         if isinstance(target, ServesSteps):  # before GraphedModule: a GraphedCausalLM is one
             _refuse_capture_options(options)
             return _bisect_steps(target, args, dict(kwargs), options)

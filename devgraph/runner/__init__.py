@@ -14,9 +14,11 @@ from devgraph.runner._buckets import choose_bucket, default_batch_sizes, normali
 from devgraph.runner._calls import Call, Unsupported, signature_of
 from devgraph.runner._config import RunnerConfig, RunnerStats, make_config, positive_ints
 from devgraph.runner._graphed import GraphedModule
+from devgraph.runner._model_state import capture_warnings
 from devgraph.runner._pieces import Pieces, PiecewiseStats
 from devgraph.runner._rounding import RowCountRounding
 from devgraph.runner._runner import GraphRunner, Part, piecewise_runner
+from devgraph.runner._threads import ThreadOwner
 from devgraph.runner._whole import WholeGraphs
 
 __all__ = [
@@ -32,8 +34,10 @@ __all__ = [
     "RowCountRounding",
     "RunnerConfig",
     "RunnerStats",
+    "ThreadOwner",
     "Unsupported",
     "WholeGraphs",
+    "capture_warnings",
     "choose_bucket",
     "default_batch_sizes",
     "make_config",

@@ -230,6 +230,10 @@ class RunnerStats:
     #: where eager on a call's own rows differs from eager on them padded to a bucket, as measured at
     #: capture on this device (``RowCountRounding``: rows, bucket, largest difference); () where equal
     row_count_rounding: tuple[RowCountRounding, ...] = ()
+    #: how the forward was read: ``"raw"``, captured as it runs, untraced (``frontend='raw'``, the
+    #: piecewise and breakable modes, the Hugging Face adapter's steps); a ``TracedModule``'s
+    #: ``DynamoStats`` says ``"dynamo"``
+    frontend: str = "raw"
 
 
 class _Config(Protocol):

@@ -136,10 +136,10 @@ class GraphedModule:
         import torch
 
         kind = torch.device(target).type
-        mine = torch.device(self.runner.device.torch_device).type
+        mine = torch.device(self.device.torch_device).type
         if kind != mine:
             raise DevgraphError(
-                f".{name}() would move the model to {kind}, but this wrapper captures on {self.runner.device} "
+                f".{name}() would move the model to {kind}, but this wrapper captures on {self.device} "
                 f"({mine}); its graphs cannot follow. Wrap the moved model again: "
                 f"devgraph.wrap(model.{name}(...), device={kind!r})"
             )

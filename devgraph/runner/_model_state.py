@@ -15,11 +15,18 @@ from devgraph._source import user_stacklevel
 __all__ = ["capture_warnings"]
 
 
-def capture_warnings(fn: object, warned: set[str]) -> None:
+def capture_warnings(fn: object, warned: set[str], hooks: bool = True) -> None:
     """Warn once per runner (``warned``) about what replay cannot do like eager: hooks on the model
-    (they run while capturing, never at replay) and dropout or batch norm left in training mode."""
+    (they run while capturing, never at replay: ``hooks=False`` where Dynamo traced them) and dropout
+    or batch norm left in training mode."""
     if not isinstance(fn, torch.nn.Module):
         return
+    if hooks:
+        _warn_hooks(fn, warned)
+    _warn_training(fn, warned)
+
+
+def _warn_hooks(fn: torch.nn.Module, warned: set[str]) -> None:
     from torch.nn.modules import module as nn_module
 
     hooked = [
@@ -39,6 +46,9 @@ def capture_warnings(fn: object, warned: set[str]) -> None:
             "their work outside the model",
             stacklevel=user_stacklevel(),
         )
+
+
+def _warn_training(fn: torch.nn.Module, warned: set[str]) -> None:
     training = [
         prefix or type(m).__name__
         for prefix, m in fn.named_modules()

@@ -1,4 +1,4 @@
-"""One FX graph from Dynamo, read for devgraph: what ``devgraph._dynamo``'s backend serves.
+"""One FX graph from Dynamo, read for devgraph: what ``devgraph.frontend._dynamo``'s backend serves.
 
 ``TracedGraph`` reads a graph Dynamo hands over, from the graph itself, not from guesses:
 
@@ -133,11 +133,17 @@ class TracedGraph:
     """
 
     def __init__(
-        self, gm: Any, example_inputs: Sequence[Any], user_dims: dict[str, int] | None = None
+        self,
+        gm: Any,
+        example_inputs: Sequence[Any],
+        user_dims: dict[str, int] | None = None,
+        unbatched: frozenset[str] = frozenset(),
     ) -> None:
         self.gm = gm
         #: the batch dim of the compiled function's arguments by name (default 0)
         self.user_dims = user_dims or {}
+        #: the compiled function's arguments that are never batched (``static_args``): passed as they are
+        self.unbatched = unbatched
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(example_inputs):
             raise Unservable("unsupported_graph", "Dynamo's graph and its example inputs disagree")
@@ -191,6 +197,13 @@ class TracedGraph:
         if not self.batch_symbols:  # specialised to one size: the user inputs' first dim, exactly
             self._static_batch(placeholders, example_inputs)
         self.arguments = [s.name for s in self.slots if s.kind in ("tensor", "value")]
+        #: the runner's batched arguments that are a user's argument itself (``x``), by that name: where
+        #: the user's ``pad_values`` apply
+        self.user_names = {
+            n.name: _argument_name(n)
+            for n in placeholders
+            if n.name in self.batch_dims and type(getattr(n.meta.get("grapharg"), "source", None)).__name__ == "LocalSource"
+        }
         #: Dynamo's arguments of the call being served (the "call" slots are read from it)
         self.current: Sequence[Any] = ()
         #: run node by node, each op under its FX node's meta (a bisect names the user's line)
@@ -213,7 +226,7 @@ class TracedGraph:
     def _user_dim(self, node: Any, fake: Any) -> int | None:
         """The batch dim of a user input (``user_dims`` by argument name, else 0); None: not a user
         input, or a tensor without that dim."""
-        if not _from_user(node) or not fake.dim():
+        if not _from_user(node) or not fake.dim() or _argument_name(node) in self.unbatched:
             return None
         d = self.user_dims.get(_argument_name(node), 0)
         return d if d < fake.dim() else None

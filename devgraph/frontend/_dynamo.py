@@ -5,7 +5,7 @@ what the forward read (globals, class attributes, list and dict items, torch's g
 every call as the call was made, replays the forward's side effects on Python objects after each
 call, and breaks the graph where it cannot follow, running that code eagerly. What it hands a
 backend is an FX graph: a function of tensors and sizes, with no Python state left in it. devgraph
-reads each one (``devgraph._traced_graph.TracedGraph``: which tensors are batched, which are the
+reads each one (``devgraph.frontend._traced_graph.TracedGraph``: which tensors are batched, which are the
 model's state, which sizes derive from which tensors) and serves it with a ``GraphRunner``
 (``mode='full'``): captured per batch-size bucket, the call padded to its bucket and replayed, the
 outputs cut to the call's rows.
@@ -13,13 +13,14 @@ outputs cut to the call's rows.
 A graph devgraph cannot serve runs as Dynamo traced it, eagerly, counted by reason in
 ``stats.unservable`` with one warning naming it; a call Dynamo ran without any graph is counted in
 ``stats.fallbacks``. ``torch.compile``'s own ``mode`` is refused: devgraph takes ``options={...}``, the
-``RunnerConfig`` fields plus ``device``. ``TracedModule`` is what ``devgraph.wrap(model,
-frontend="dynamo")`` returns.
+``RunnerConfig`` fields plus ``device``. ``devgraph.frontend.TracedModule`` (what ``devgraph.wrap``
+returns in ``mode='full'``) holds one ``DynamoGraphs``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import logging
@@ -32,9 +33,12 @@ import attrs
 import torch
 
 from devgraph._errors import DevgraphError
-from devgraph._traced_graph import PYTHON_RANDOM, TracedGraph, Unservable
+from devgraph._plugins import device as find_device
+from devgraph.frontend._traced_graph import PYTHON_RANDOM, TracedGraph, Unservable
+from devgraph.graph import Device
+from devgraph.runner import GraphRunner, RunnerConfig, make_config
 
-__all__ = ["DynamoGraphs", "DynamoStats", "Served", "TracedModule", "compile_graph"]
+__all__ = ["DynamoGraphs", "DynamoStats", "Served", "backend_for", "call_traced", "compile_graph"]
 
 logger = logging.getLogger("devgraph")
 
@@ -96,6 +100,17 @@ def _hook_compiles() -> None:
             handler.register_end_callback(_on_compile_end)
 
 
+def call_traced(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``compiled`` (a model ``torch.compile``'d with devgraph's backend), with ``DYNAMO_CONFIG`` set
+    for the traces the call starts."""
+    _hook_compiles()
+    _TRACING.depth += 1
+    try:
+        return compiled(*args, **kwargs)
+    finally:
+        _TRACING.depth -= 1
+
+
 def _run(graph: TracedGraph, state: dict[str, Any], *args: Any) -> Any:
     return graph.run(*args)
 
@@ -140,6 +155,10 @@ class DynamoStats:
     graphs: int = 0
     unservable: dict[str, int] = attrs.field(factory=dict)
     captured_sizes: tuple[int, ...] = ()
+    #: every graph's ``RunnerStats.row_count_rounding`` (rows, bucket, largest difference)
+    row_count_rounding: tuple[Any, ...] = ()
+    #: how the forward was read: ``"dynamo"`` (traced, guarded; ``"raw"`` is ``RunnerStats``')
+    frontend: str = "dynamo"
 
 
 class DynamoGraphs:
@@ -154,6 +173,10 @@ class DynamoGraphs:
         self.config = config
         #: the batch dim of the compiled function's arguments by name (default 0)
         self.batch_dims = dict(batch_dims or {})
+        #: the compiled function's arguments never batched (``static_args``), and the fill value of
+        #: padded rows of those that are (``pad_values``), by argument name
+        self.unbatched: frozenset[str] = frozenset()
+        self.pad_values: dict[str, Any] = {}
         #: a graph drew Python random numbers (``PYTHON_RANDOM``); a wrapper that can run the model
         #: eagerly instead sets ``eager_on_python_random`` (else the backend raises)
         self.python_random = False
@@ -171,13 +194,14 @@ class DynamoGraphs:
 
     def __call__(self, gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         """Dynamo's backend: the callable that serves graph ``gm`` (see the module docstring)."""
-        from devgraph.runner import GraphRunner
-
         try:
-            graph = TracedGraph(gm, example_inputs, self.batch_dims)
+            graph = TracedGraph(gm, example_inputs, self.batch_dims, self.unbatched)
         except Unservable as why:
             return self._as_traced(gm, why)
-        config = attrs.evolve(self.config, batch_dims=graph.batch_dims, static_args=graph.static)
+        pad = {n: self.pad_values[u] for n, u in graph.user_names.items() if u in self.pad_values}
+        config = attrs.evolve(
+            self.config, batch_dims=graph.batch_dims, static_args=graph.static, pad_values=pad
+        )
         if graph.fixed_batch is not None:  # Dynamo specialised the graph to this size: capture it alone
             config = attrs.evolve(config, batch_sizes=[graph.fixed_batch], max_batch_size=None)
         runner = GraphRunner(_graph_function(graph), self.device, config)
@@ -252,8 +276,10 @@ class DynamoGraphs:
         total.unservable = dict(self._unservable)
         total.eager_calls = self._eager_calls
         sizes: set[int] = set()
+        rounding: list[Any] = []
         for runner in self.runners:
             s = runner.stats
+            rounding.extend(s.row_count_rounding)
             total.replays += s.replays
             total.eager_calls += s.eager_calls
             total.capture_seconds += s.capture_seconds
@@ -263,6 +289,7 @@ class DynamoGraphs:
                 total.fallbacks[reason] = total.fallbacks.get(reason, 0) + n
             sizes.update(s.captured_sizes)
         total.captured_sizes = tuple(sorted(sizes))
+        total.row_count_rounding = tuple(rounding)
         return total
 
     def reset(self) -> None:
@@ -291,10 +318,6 @@ def compile_graph(
 
 def backend_for(options: dict[str, Any] | None = None, mode: str | None = None) -> DynamoGraphs:
     """A ``DynamoGraphs`` for ``options`` (``RunnerConfig`` fields and ``device``)."""
-    from devgraph._plugins import device as find_device
-    from devgraph.graph import Device
-    from devgraph.runner import RunnerConfig, make_config
-
     if mode is not None:
         raise DevgraphError(
             f"torch.compile(backend='devgraph') takes options={{...}}, not mode={mode!r}: devgraph "
@@ -318,128 +341,3 @@ def backend_for(options: dict[str, Any] | None = None, mode: str | None = None) 
     return DynamoGraphs(dev, config)
 
 
-class TracedModule:
-    """What ``devgraph.wrap(model, frontend="dynamo")`` returns: ``model`` compiled by Dynamo with
-    devgraph as its backend, every tensor argument's batch dimension marked dynamic.
-
-    Callable like the model. ``stats`` adds up every graph Dynamo handed over (``DynamoStats``),
-    with ``eager_calls`` also counting the calls Dynamo ran without any graph (its recompile limit
-    reached: one warning names the guard that kept failing). ``module`` is the model;
-    ``compiled`` the ``torch.compile``'d model; ``reset()`` drops every capture.
-    """
-
-    def __init__(self, module: Any, graphs: DynamoGraphs, batch_dims: dict[str, int]) -> None:
-        self.module = module
-        self.graphs = graphs
-        self._batch_dims = batch_dims
-        from devgraph.runner import Accounts, RunnerStats
-
-        self.compiled = torch.compile(module, backend=graphs)
-        graphs.eager_on_python_random = True
-        #: the calls no graph served at all (Dynamo ran them as Python, or devgraph ran the model)
-        self._accounts = Accounts(graphs.config, RunnerStats(), threading.RLock(), "through Dynamo")
-        #: the forward's positional parameter names (a positional argument's ``batch_dims`` key)
-        self._positional = _positional_names(module)
-
-    @property
-    def device(self) -> Any:
-        return self.graphs.device
-
-    @property
-    def stats(self) -> DynamoStats:
-        total = self.graphs.stats
-        mine = self._accounts.stats
-        total.eager_calls += mine.eager_calls
-        for reason, n in mine.fallbacks.items():
-            total.fallbacks[reason] = total.fallbacks.get(reason, 0) + n
-        return total
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        mark = torch._dynamo.maybe_mark_dynamic
-        positional = self._positional
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and a.dim():
-                mark(a, self._batch_dims.get(positional[i] if i < len(positional) else "", 0))
-        for name, a in kwargs.items():
-            if isinstance(a, torch.Tensor) and a.dim():
-                mark(a, self._batch_dims.get(name, 0))
-        if self.graphs.python_random:  # Dynamo would replay a Python random draw wrongly: eager
-            self._accounts.note_fallback("python_random", PYTHON_RANDOM)
-            return self.module(*args, **kwargs)
-        before = self.graphs.served
-        _hook_compiles()
-        _TRACING.depth += 1
-        try:
-            out = self.compiled(*args, **kwargs)
-        finally:
-            _TRACING.depth -= 1
-        if self.graphs.served == before:
-            self._note_untraced()
-        return out
-
-    def _note_untraced(self) -> None:
-        """A call no graph of devgraph's served: Dynamo ran it as Python (past its recompile limit,
-        or a frame it skips)."""
-        self._accounts.note_fallback("dynamo_untraced", _untraced_message(self.module))
-
-    def reset(self) -> None:
-        """Drop every capture; Dynamo's traces stay (the next call of each graph captures again)."""
-        self.graphs.reset()
-
-    def __repr__(self) -> str:
-        return f"<devgraph TracedModule {type(self.module).__name__} on {self.device}>"
-
-
-def _untraced_message(module: Any) -> str:
-    reasons: list[str] = []
-    failures = getattr(torch._dynamo.eval_frame, "guard_failures", {})
-    for code, found in list(failures.items())[-3:]:
-        if found:
-            reasons.append(f"{getattr(code, 'co_name', code)}: {found[-1]}")
-    why = f" (the guard that kept failing: {'; '.join(reasons)})" if reasons else ""
-    return (
-        f"a call of {type(module).__name__} ran without graphs: Dynamo ran it as Python, past its recompile "
-        f"limit or in a frame it skips{why}; a value that changes every call and is read by the forward "
-        "makes Dynamo trace again each time"
-    )
-
-
-def _positional_names(model: Any) -> tuple[str, ...]:
-    from devgraph.runner import signature_of
-
-    try:
-        params = signature_of(model).parameters.values()
-    except (TypeError, ValueError):
-        return ()
-    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-
-
-def wrap_traced(model: Any, device: Any, options: dict[str, Any]) -> TracedModule:
-    """``devgraph.wrap(model, device, frontend="dynamo", **options)`` (see ``TracedModule``).
-
-    Raises:
-        DevgraphError: ``batch_dims`` naming an argument the forward does not take, or a dim that is
-            not an int >= 0; what ``backend_for`` raises.
-    """
-    from devgraph.runner import RunnerConfig
-
-    options = dict(options)
-    batch_dims = dict(RunnerConfig(batch_dims=options.pop("batch_dims", None) or {}).batch_dims)
-    graphs = backend_for({**options, "device": device})
-    graphs.batch_dims = batch_dims
-    try:
-        from devgraph.runner import signature_of
-
-        taken = set(signature_of(model).parameters)
-    except (TypeError, ValueError):
-        taken = set(batch_dims)
-    unknown = sorted(set(batch_dims) - taken)
-    if unknown:
-        raise DevgraphError(
-            f"batch_dims names {unknown}, which {type(model).__name__}'s forward does not take; it takes "
-            f"{sorted(taken)}"
-        )
-    bad = {k: v for k, v in batch_dims.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0}
-    if bad:
-        raise DevgraphError(f"batch_dims must map argument names to dims (ints >= 0), got {bad}")
-    return TracedModule(model, graphs, batch_dims)
