@@ -133,7 +133,10 @@ def warn_untraced(model: Any, mode: str) -> None:
     from devgraph._source import user_stacklevel
 
     if mode == "full":
-        how, instead = "frontend='raw' captures the forward as it runs, untraced", "the default frontend='dynamo'"
+        how, instead = (
+            "frontend='raw' captures the forward as it runs, untraced",
+            "the default frontend='dynamo'",
+        )
     else:
         how = f"mode={mode!r} is served from one trace of the forward, without Dynamo's guards at each call"
         instead = "mode='full' (Dynamo in front, the default)"

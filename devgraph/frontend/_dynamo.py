@@ -20,7 +20,6 @@ returns in ``mode='full'``) holds one ``DynamoGraphs``.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import inspect
 import logging
@@ -31,6 +30,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch._dynamo.utils import counters
 
 from devgraph._errors import DevgraphError
 from devgraph._plugins import device as find_device
@@ -54,10 +54,13 @@ DYNAMO_CONFIG = {"allow_unspec_int_on_nn_module": True, "specialize_float": True
 
 
 class _Tracing(threading.local):
-    """Per thread: how deep in ``TracedModule`` calls it is, and the config a trace replaced."""
+    """Per thread: how deep in ``TracedModule`` calls it is, the config a trace replaced, the backend
+    of the call being traced and Dynamo's graph-break counts when its trace started."""
 
     depth = 0
     saved: dict[str, Any] | None = None
+    graphs: DynamoGraphs | None = None
+    breaks: dict[str, int] | None = None
 
 
 _TRACING = _Tracing()
@@ -70,6 +73,7 @@ def _on_compile_start(args: Any) -> None:
         _TRACING.saved = {k: getattr(config, k) for k in DYNAMO_CONFIG}
         for k, v in DYNAMO_CONFIG.items():
             setattr(config, k, v)
+        _TRACING.breaks = dict(counters["graph_break"])
 
 
 def _on_compile_end(args: Any) -> None:
@@ -78,6 +82,12 @@ def _on_compile_end(args: Any) -> None:
         _TRACING.saved = None
         for k, v in saved.items():
             setattr(torch._dynamo.config, k, v)
+        before, graphs = _TRACING.breaks or {}, _TRACING.graphs
+        _TRACING.breaks = None
+        if graphs is not None:
+            for reason, n in list(counters["graph_break"].items()):
+                if n > before.get(reason, 0):
+                    graphs.note_break(reason, n - before.get(reason, 0))
 
 
 @functools.cache
@@ -100,29 +110,35 @@ def _hook_compiles() -> None:
             handler.register_end_callback(_on_compile_end)
 
 
-def call_traced(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call ``compiled`` (a model ``torch.compile``'d with devgraph's backend), with ``DYNAMO_CONFIG`` set
-    for the traces the call starts."""
+def call_traced(graphs: DynamoGraphs, compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``compiled`` (a model ``torch.compile``'d with ``graphs`` as its backend), with
+    ``DYNAMO_CONFIG`` set for the traces the call starts and their graph breaks noted in ``graphs``."""
     _hook_compiles()
     _TRACING.depth += 1
+    outer, _TRACING.graphs = _TRACING.graphs, graphs
     try:
         return compiled(*args, **kwargs)
     finally:
         _TRACING.depth -= 1
+        _TRACING.graphs = outer
 
 
-def _run(graph: TracedGraph, state: dict[str, Any], *args: Any) -> Any:
-    return graph.run(*args)
-
-
-def _graph_function(graph: TracedGraph) -> Callable[..., Any]:
+class _GraphFunction:
     """``graph.run`` as the function a ``GraphRunner`` serves: its signature names the runner's
-    arguments, and it holds the graph's state tensors (buffers, caches) among its bound arguments,
-    where the capture loop's snapshot finds them and puts them back after the capture's runs."""
-    fn = functools.partial(_run, graph, graph.state)
-    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in graph.arguments]
-    fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    return fn
+    arguments, and it declares the graph's state tensors (buffers, caches it may write in place:
+    ``devgraph_traced_state``), which the capture loop snapshots and puts back after the capture's
+    runs. Dynamo guards every Python value the graph was traced with, so the runner guards none."""
+
+    def __init__(self, graph: TracedGraph) -> None:
+        self.graph = graph
+        params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in graph.arguments]
+        self.__signature__ = inspect.Signature(params)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.graph.run(*args)
+
+    def devgraph_traced_state(self) -> dict[str, Any]:
+        return self.graph.state
 
 
 @attrs.frozen
@@ -152,8 +168,12 @@ class DynamoStats:
     capture_seconds: float = 0.0
     pool_bytes: int = 0
     recaptures: int = 0
+    #: graphs Dynamo traced again because a guard failed (a value the forward reads changed)
+    recompiles: int = 0
     graphs: int = 0
     unservable: dict[str, int] = attrs.field(factory=dict)
+    #: Dynamo's graph breaks by reason (its first line): the code at each runs eagerly at every call
+    graph_breaks: dict[str, int] = attrs.field(factory=dict)
     captured_sizes: tuple[int, ...] = ()
     #: every graph's ``RunnerStats.row_count_rounding`` (rows, bucket, largest difference)
     row_count_rounding: tuple[Any, ...] = ()
@@ -182,6 +202,12 @@ class DynamoGraphs:
         self.python_random = False
         self.eager_on_python_random = False
         self.runners: list[Any] = []
+        #: Dynamo's graph breaks in the traced forward, by reason (the code at each runs eagerly, every call)
+        self.graph_breaks: dict[str, int] = {}
+        #: graphs Dynamo traced again because a guard failed; how many of each code's guard failures
+        #: were seen (``torch._dynamo.utils.guard_failures``)
+        self.recompiles = 0
+        self._failures_seen: dict[Any, int] = {}
         self._unservable: dict[str, int] = {}
         self._eager_calls = 0
         self._warned: set[str] = set()
@@ -194,6 +220,7 @@ class DynamoGraphs:
 
     def __call__(self, gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         """Dynamo's backend: the callable that serves graph ``gm`` (see the module docstring)."""
+        self._note_recompile()
         try:
             graph = TracedGraph(gm, example_inputs, self.batch_dims, self.unbatched)
         except Unservable as why:
@@ -204,7 +231,7 @@ class DynamoGraphs:
         )
         if graph.fixed_batch is not None:  # Dynamo specialised the graph to this size: capture it alone
             config = attrs.evolve(config, batch_sizes=[graph.fixed_batch], max_batch_size=None)
-        runner = GraphRunner(_graph_function(graph), self.device, config)
+        runner = GraphRunner(_GraphFunction(graph), self.device, config)
         with self._lock:
             self.runners.append(runner)
         logger.debug(
@@ -227,12 +254,62 @@ class DynamoGraphs:
             if log is not None:  # clone what a later replay overwrites: the call's batched tensors
                 batched = set(graph.batch_dims)
                 kept = [a.clone() if n in batched else a for n, a in zip(graph.arguments, arguments)]
-            out = runner(*arguments)
+            if runner.captured:
+                out = runner(*arguments)
+            else:  # capture: what it changed must be what the graph says it writes (put back)
+                before = graph.unwritten_versions(args)
+                out = runner(*arguments)
+                wrote = graph.changed_unwritten(args, before)
+                if wrote:
+                    runner.reset()
+                    raise DevgraphError(
+                        f"capturing a graph Dynamo traced wrote {', '.join(wrote[:4])} in place, which devgraph "
+                        "did not find written in the graph (so the capture's runs advanced it and it was not "
+                        "put back). Write model state with in-place tensor methods (buf.add_(1)) the graph "
+                        "shows, or wrap with frontend='raw'"
+                    )
             if log is not None and runner.stats.replays != replays:
                 log.append(Served(graph, runner, kept, [t.clone() for t in out]))
             return graph.assemble(args, out)
 
         return serve
+
+    def _note_recompile(self) -> None:
+        """Count a graph Dynamo traced again because a guard failed (a value the forward read changed),
+        and warn once naming the guard."""
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        reasons = new_guard_failures(self._failures_seen)
+        if compile_id is None or not compile_id.frame_compile_id:
+            return
+        with self._lock:
+            self.recompiles += 1
+            first = "recompile" not in self._warned
+            self._warned.add("recompile")
+        if first:
+            logger.warning(
+                "devgraph: Dynamo traced the forward again: a guard failed (%s). The new graph is captured "
+                "for the new value (stats.recompiles); a value that changes at every call makes Dynamo "
+                "trace again until its recompile limit, then run eagerly (stats.fallbacks['dynamo_untraced']): "
+                "pass such a value as a tensor",
+                "; ".join(reasons[-2:]) or "reason not recorded",
+            )
+
+    def note_break(self, reason: str, n: int) -> None:
+        """Count Dynamo's graph break (its reason, as Dynamo words it) and warn once per reason."""
+        lines = [line.strip() for line in reason.splitlines() if line.strip()]
+        short = lines[0] if lines else "unknown"
+        hint = next((line for line in lines if line.startswith("Hint:")), "")
+        with self._lock:
+            first = short not in self.graph_breaks
+            self.graph_breaks[short] = self.graph_breaks.get(short, 0) + n
+        if first:
+            logger.warning(
+                "devgraph: Dynamo broke the forward's graph (%s): the code there runs eagerly at every call, "
+                "between the graphs devgraph replays (each padded to its bucket and cut on its own). %s "
+                "Pass fullgraph=True to refuse it instead; stats.graph_breaks counts them",
+                short,
+                hint,
+            )
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[list[Served]]:
@@ -274,6 +351,8 @@ class DynamoGraphs:
         """Every graph's counters added up (a new object each time: read it again for new counts)."""
         total = DynamoStats(graphs=len(self.runners) + sum(self._unservable.values()))
         total.unservable = dict(self._unservable)
+        total.graph_breaks = dict(self.graph_breaks)
+        total.recompiles = self.recompiles
         total.eager_calls = self._eager_calls
         sizes: set[int] = set()
         rounding: list[Any] = []
@@ -296,6 +375,17 @@ class DynamoGraphs:
         """Drop every graph's captures (the next call of each captures again)."""
         for runner in self.runners:
             runner.reset()
+
+
+def new_guard_failures(seen: dict[Any, int]) -> list[str]:
+    """Dynamo's guard-failure reasons recorded since ``seen`` (updated), oldest first."""
+    from torch._dynamo.utils import guard_failures
+
+    found: list[str] = []
+    for code, reasons in list(guard_failures.items()):
+        found.extend(str(r) for r in reasons[seen.get(code, 0) :])
+        seen[code] = len(reasons)
+    return found
 
 
 def compile_graph(
@@ -339,5 +429,3 @@ def backend_for(options: dict[str, Any] | None = None, mode: str | None = None) 
         )
     dev = device if isinstance(device, Device) else find_device(device)
     return DynamoGraphs(dev, config)
-
-

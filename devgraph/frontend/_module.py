@@ -38,12 +38,15 @@ class TracedModule(GraphedModule):
     ``torch.compile``'d model; ``reset()`` drops every capture.
     """
 
-    def __init__(self, module: Any, graphs: DynamoGraphs, options: dict[str, Any]) -> None:
+    def __init__(
+        self, module: Any, graphs: DynamoGraphs, options: dict[str, Any], fullgraph: bool = False
+    ) -> None:
         self.module = module
         self.graphs = graphs
         #: the options ``wrap`` was given (a copy of the wrapper is built from them)
         self._options = options
-        self.compiled = torch.compile(module, backend=graphs)
+        self._fullgraph = fullgraph
+        self.compiled = torch.compile(module, backend=graphs, fullgraph=fullgraph)
         graphs.eager_on_python_random = True
         #: the calls no graph served at all (Dynamo ran them as Python, or devgraph ran the model)
         self._accounts = Accounts(graphs.config, RunnerStats(), threading.RLock(), "through Dynamo")
@@ -97,7 +100,17 @@ class TracedModule(GraphedModule):
             self._accounts.note_fallback("python_random", PYTHON_RANDOM)
             return self.module(*args, **kwargs)
         before = self.graphs.served
-        out = call_traced(self.compiled, *args, **kwargs)
+        try:
+            out = call_traced(self.graphs, self.compiled, *args, **kwargs)
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as why:
+            if not self._fullgraph:
+                raise
+            first = str(why).strip().splitlines()[0]
+            raise DevgraphError(
+                f"fullgraph=True: Dynamo cannot trace {type(self.module).__name__}'s forward as one graph: "
+                f"{first}. Drop fullgraph to run that code eagerly between graphs (counted in "
+                "stats.graph_breaks), or change the forward (Dynamo's message has a hint)"
+            ) from why
         if self.graphs.served == before:
             self._note_untraced()
         return out
@@ -145,11 +158,13 @@ def _unpickle(module: Any, device: Any, options: dict[str, Any]) -> TracedModule
 
 
 def _untraced_message(module: Any) -> str:
-    reasons: list[str] = []
-    failures = getattr(torch._dynamo.eval_frame, "guard_failures", {})
-    for code, found in list(failures.items())[-3:]:
-        if found:
-            reasons.append(f"{getattr(code, 'co_name', code)}: {found[-1]}")
+    from torch._dynamo.utils import guard_failures
+
+    reasons = [
+        f"{getattr(code, 'co_name', code)}: {found[-1]}"
+        for code, found in list(guard_failures.items())[-3:]
+        if found
+    ]
     why = f" (the guard that kept failing: {'; '.join(reasons)})" if reasons else ""
     return (
         f"a call of {type(module).__name__} ran without graphs: Dynamo ran it as Python, past its recompile "
@@ -170,7 +185,8 @@ def wrap_traced(model: Any, device: Any, options: dict[str, Any]) -> TracedModul
     """``devgraph.wrap(model, device, **options)`` in ``mode='full'`` (see ``TracedModule``).
 
     ``batch_dims``, ``static_args`` and ``pad_values`` name the forward's arguments; devgraph finds
-    them in each graph Dynamo hands over.
+    them in each graph Dynamo hands over. ``fullgraph=True`` refuses a graph break (a
+    ``DevgraphError`` at the call that traces it) instead of running the code there eagerly.
 
     Raises:
         DevgraphError: ``host_args`` (served by ``frontend='raw'`` only), ``batch_dims``,
@@ -187,6 +203,9 @@ def wrap_traced(model: Any, device: Any, options: dict[str, Any]) -> TracedModul
             "state) or mode='breakable' with breaks=[...] at the ops that read them"
         )
     options.pop("host_args", None)
+    fullgraph = options.pop("fullgraph", False)
+    if not isinstance(fullgraph, bool):
+        raise DevgraphError(f"fullgraph must be True or False, got {fullgraph!r}")
     named = RunnerConfig(
         batch_dims=options.pop("batch_dims", None) or {},
         static_args=options.pop("static_args", None) or (),
@@ -216,4 +235,4 @@ def wrap_traced(model: Any, device: Any, options: dict[str, Any]) -> TracedModul
     bad = {k: v for k, v in batch_dims.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0}
     if bad:
         raise DevgraphError(f"batch_dims must map argument names to dims (ints >= 0), got {bad}")
-    return TracedModule(model, graphs, kept)
+    return TracedModule(model, graphs, kept, fullgraph)

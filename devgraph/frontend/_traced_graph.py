@@ -23,6 +23,7 @@ returned value its inputs' sizes do not determine).
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -116,6 +117,67 @@ def _from_user(node: Any) -> bool:
         source = base
 
 
+#: Python operators Dynamo records for in-place writes (``x += 1``, ``x[i] = v``)
+_INPLACE_OPERATORS = {
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.imod,
+    operator.ipow,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+    operator.ilshift,
+    operator.irshift,
+    operator.imatmul,
+    operator.setitem,
+}
+#: Tensor methods and functions whose result is a view of their first argument (writing it writes that)
+_VIEW_NAMES = {
+    "view", "view_as", "reshape", "reshape_as", "narrow", "select", "t", "transpose", "permute", "expand",
+    "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten", "diagonal", "as_strided", "unbind", "split",
+    "chunk", "detach", "movedim", "swapaxes", "swapdims", "mT", "T", "real", "imag", "unfold", "__getitem__",
+    "getitem", "contiguous", "_get_data_attr",
+}  # fmt: skip
+
+
+def _name(target: Any) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", "")
+
+
+def written_placeholders(gm: Any) -> set[str]:
+    """The placeholders of ``gm`` its graph writes in place, directly or through a view: an in-place
+    method (``add_``, ``copy_``), an in-place operator (``+=``, ``x[i] = v``), ``inplace=True`` or
+    ``out=``. Read from the graph, not guessed: the tensors devgraph must put back after the capture's
+    runs (``TracedGraph.state``)."""
+    bases: dict[Any, set[str]] = {}
+    written: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            bases[node] = {node.name}
+            continue
+        if node.op not in ("call_method", "call_function") or not node.args:
+            continue
+        first = node.args[0]
+        name = _name(node.target)
+        inplace = (
+            node.target in _INPLACE_OPERATORS
+            or (name.endswith("_") and not name.endswith("__"))
+            or node.kwargs.get("inplace") is True
+        )
+        if inplace:
+            written |= bases.get(first, set())
+        out = node.kwargs.get("out")
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            written |= bases.get(o, set())
+        if inplace or name in _VIEW_NAMES:  # the result aliases the first argument
+            if first in bases:
+                bases[node] = bases[first]
+    return written
+
+
 class Unservable(Exception):
     """A Dynamo graph devgraph cannot serve from graphs: it runs as traced, eagerly."""
 
@@ -202,7 +264,8 @@ class TracedGraph:
         self.user_names = {
             n.name: _argument_name(n)
             for n in placeholders
-            if n.name in self.batch_dims and type(getattr(n.meta.get("grapharg"), "source", None)).__name__ == "LocalSource"
+            if n.name in self.batch_dims
+            and type(getattr(n.meta.get("grapharg"), "source", None)).__name__ == "LocalSource"
         }
         #: Dynamo's arguments of the call being served (the "call" slots are read from it)
         self.current: Sequence[Any] = ()
@@ -215,9 +278,11 @@ class TracedGraph:
         self.state_positions = [i for i, slot in enumerate(self.slots) if slot.kind == "state"]
         self._state_names = [_source_name(placeholders[i]) for i in self.state_positions]
         self.state_addresses: list[int] | None = None
-        #: buffers and caches the graph may write in place (parameters are not written by a forward),
-        #: named by Dynamo's source (``L['self']._buffers['steps']``): the capture loop restores them
-        #: after its runs, so they advance once per call. Rebound when they move (``moved``).
+        #: the model-state tensors the graph writes in place (``written_placeholders``: a step
+        #: counter, a cache, a parameter's moving average), by module path: the capture loop restores
+        #: them after its runs, so they advance once per call. Rebound when they move (``moved``).
+        written = written_placeholders(gm)
+        self._written = [placeholders[i].name in written for i in self.state_positions]
         self.state: dict[str, Any] = {}
         self._bind_state(example_inputs)
 
@@ -364,9 +429,19 @@ class TracedGraph:
 
     def _bind_state(self, args: Sequence[Any]) -> None:
         self.state.clear()
-        for name, i in zip(self._state_names, self.state_positions):
-            if not isinstance(args[i], torch.nn.Parameter):
+        for name, i, written in zip(self._state_names, self.state_positions, self._written):
+            if written:
                 self.state[name] = args[i]
+
+    def unwritten_versions(self, args: Sequence[Any]) -> list[int]:
+        """The version counters of the model-state tensors the graph does not write (``state``
+        holds those it does): a capture that changed one wrote where the graph says it does not."""
+        return [args[i]._version for i, w in zip(self.state_positions, self._written) if not w]
+
+    def changed_unwritten(self, args: Sequence[Any], before: list[int]) -> list[str]:
+        """The names of the unwritten state tensors whose version moved since ``before``."""
+        names = [n for n, w in zip(self._state_names, self._written) if not w]
+        return [n for n, v, b in zip(names, self.unwritten_versions(args), before) if v != b]
 
     def assemble(self, args: Sequence[Any], tensors: Sequence[Any]) -> tuple[Any, ...]:
         """The graph's outputs: the served tensors, and each size it returns computed from the call's

@@ -31,7 +31,7 @@ from devgraph.runner._inputs import StaticInputs, ambient
 from devgraph.runner._model_state import capture_warnings
 from devgraph.runner._progress import progress, size_ranges
 from devgraph.runner._ranks import RankCheck, capture_context, check_capture
-from devgraph.runner._snapshot import StateSnapshot
+from devgraph.runner._snapshot import StateSnapshot, traced_state
 
 __all__ = ["CaptureLoop", "Prepare", "gc_frozen", "part_core"]
 
@@ -174,7 +174,7 @@ class CaptureLoop:
             )
         self.inputs.ambient = ambient(self.device.torch_device.type)
         self.inputs.watch.remember(fn)
-        self.guard = AttributeGuard(fn)
+        self.guard = None if traced_state(fn) is not None else AttributeGuard(fn)
 
     def run(
         self,
@@ -247,7 +247,9 @@ class CaptureLoop:
         # this loop runs) spent that time on the capture too: the summary's seconds include it.
         traced = getattr(stats, "compile_seconds", 0.0)
         split = (
-            f" (tracing and compiling {traced:.2f} s, capturing {stats.capture_seconds:.2f} s)" if traced else ""
+            f" (tracing and compiling {traced:.2f} s, capturing {stats.capture_seconds:.2f} s)"
+            if traced
+            else ""
         )
         if sizes:
             announce(  # on stderr by default (devgraph._console), quiet with DEVGRAPH_QUIET=1

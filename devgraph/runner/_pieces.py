@@ -317,7 +317,9 @@ class Pieces:
             example=example,
         )
 
-    def _trace(self, example: Call, size: int, *, run_sizes: list[int] | None = None, static: bool = False) -> Traced:
+    def _trace(
+        self, example: Call, size: int, *, run_sizes: list[int] | None = None, static: bool = False
+    ) -> Traced:
         """Trace the model at ``size`` tokens (the buffers' first rows): symbolic in the token dim,
         refused where it fails at ``run_sizes`` or above (the first trace); a later one is ``static``
         at that size, or becomes so where the forward pins the token count to it."""
@@ -335,7 +337,9 @@ class Pieces:
         tensors.update(example.static)
         dynamic = {n: cfg.batch_dim(n) for n in example.batched}
         host = inputs.padded_host_args({}, size)
-        compiler = DevgraphCompiler(self.device, self.compile_config, host_args=[op for _, op in cfg.host_args])
+        compiler = DevgraphCompiler(
+            self.device, self.compile_config, host_args=[op for _, op in cfg.host_args]
+        )
         return trace_call(
             invoke,
             tensors,

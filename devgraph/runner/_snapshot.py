@@ -293,6 +293,15 @@ def _global_generators(device: torch.device) -> list[tuple[str, Any, Any]]:
     return found
 
 
+def traced_state(fn: object) -> dict[str, Any] | None:
+    """The state a callable Dynamo traced declares (``fn.devgraph_traced_state()``): the tensors its
+    graph may write in place, by name. Dynamo guards the Python values such a callable reads and
+    replays its side effects, so the runner snapshots these tensors only and guards no attribute
+    (``AttributeGuard``). None: an untraced callable (everything reachable from it is walked)."""
+    get = getattr(fn, "devgraph_traced_state", None)
+    return get() if callable(get) else None
+
+
 class StateSnapshot:
     """What ``fn`` holds besides its outputs, as it is now (see the module docstring).
 
@@ -322,7 +331,10 @@ class StateSnapshot:
         return True
 
     def _walk_root(self, fn: object) -> None:
-        if isinstance(fn, torch.nn.Module):
+        traced = traced_state(fn)
+        if traced is not None:  # Dynamo guards its Python values: only the tensors its graph may write
+            self._walk_value("", traced, 0)
+        elif isinstance(fn, torch.nn.Module):
             self._walk_module("", fn)
         elif isinstance(fn, types.MethodType):  # model.forward: the model, and the function's closure
             self._walk_value("", fn.__self__, 0)

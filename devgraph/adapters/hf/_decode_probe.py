@@ -63,7 +63,12 @@ class _CheckedStep:
 
 
 def probe_decode_step(
-    model: Any, num_layers: int, max_cache_len: int, extra_kwargs: dict[str, Any], device_type: str, shadow: bool
+    model: Any,
+    num_layers: int,
+    max_cache_len: int,
+    extra_kwargs: dict[str, Any],
+    device_type: str,
+    shadow: bool,
 ) -> None:
     """Raise when ``model``'s decode step cannot be captured in any mode (see the module docstring).
 
@@ -89,7 +94,9 @@ def probe_decode_step(
     config = route_config()
     try:
         with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # transformers' notes about generation settings: not the user's call
+            warnings.simplefilter(
+                "ignore"
+            )  # transformers' notes about generation settings: not the user's call
             cache.allocate(model, extra_kwargs)
             with decode_route(model, route, config, shadow=shadow):
                 model.generate(

@@ -96,10 +96,14 @@ def _compare(model: Any, num_layers: int, max_cache_len: int, length: int, run: 
         cache = output_cache(dynamic)
         if cache is None:
             raise _NoCache(f"{type(dynamic).__name__} has no {output_field()}")
-        pairs.append((f"decode step {step + 1} after a {length}-token prompt", over_static.logits, dynamic.logits))
+        pairs.append(
+            (f"decode step {step + 1} after a {length}-token prompt", over_static.logits, dynamic.logits)
+        )
     for label, got, want in pairs:
         if got.shape != want.shape:
-            return float("inf"), label.format("any") + f" (logits {tuple(got.shape)}, eagerly {tuple(want.shape)})"
+            return float("inf"), label.format(
+                "any"
+            ) + f" (logits {tuple(got.shape)}, eagerly {tuple(want.shape)})"
         relative = _relative(got, want).flatten()
         if not torch.isfinite(relative).all():
             return float("inf"), label.format(int((~torch.isfinite(relative)).nonzero()[0])) + " (not finite)"

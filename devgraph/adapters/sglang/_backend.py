@@ -41,6 +41,8 @@ WARMUP_RUNS = 2
 def warmup_runs(device: Device) -> int:
     """How many eager runs precede a capture on ``device`` (see ``WARMUP_RUNS``)."""
     return 1 if device.torch_device.type == "cpu" else WARMUP_RUNS
+
+
 """Eager runs before each capture (SGLang's in-tree backends do two as well)."""
 
 
