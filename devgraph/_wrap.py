@@ -61,7 +61,10 @@ def wrap(
     """
     dev = device if isinstance(device, Device) else _device(device)
     refuse_host_weights(model, dev.torch_device)
-    frontend = options.pop("frontend", None)
+    defaults = (
+        {} if _is_hf_model(model) or not hasattr(model, "devgraph_options") else model.devgraph_options()
+    )
+    frontend = options.pop("frontend", defaults.get("frontend"))
     if frontend not in (None, "dynamo", "raw"):
         raise DevgraphError(
             f"frontend must be 'dynamo' (Dynamo traces the forward, devgraph captures its graphs; the default "
@@ -76,8 +79,7 @@ def wrap(
         from devgraph.adapters.hf import wrap_hf
 
         return wrap_hf(model, dev, **options)
-    defaults = model.devgraph_options() if hasattr(model, "devgraph_options") else {}
-    merged = {**defaults, **options}
+    merged = {k: v for k, v in {**defaults, **options}.items() if k != "frontend"}
     mode = merged.get("mode", "full")
     if frontend is None:
         frontend = "dynamo" if mode == "full" else "raw"

@@ -167,6 +167,12 @@ def written_placeholders(gm: Any) -> set[str]:
             or (name.endswith("_") and not name.endswith("__"))
             or node.kwargs.get("inplace") is True
         )
+        schema = getattr(node.target, "_schema", None)  # an op overload (a custom op's mutates_args)
+        if schema is not None:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                    written |= bases.get(value, set())
         if inplace:
             written |= bases.get(first, set())
         out = node.kwargs.get("out")

@@ -292,8 +292,10 @@ class PagedDecoder(nn.Module):
 
     @classmethod
     def devgraph_options(cls) -> dict[str, Any]:
-        """What a graph runner needs to know: pad values and which arguments are host values."""
-        return {"pad_values": cls.pad_values(), "host_args": ("seq_lens_host",)}
+        """What a graph runner needs to know: pad values and which arguments are host values. Host lists
+        reach the graph's updatable tasks through the raw front end (Dynamo would make each list a
+        constant of its graph), which this model opts into: its forward reads no other Python state."""
+        return {"pad_values": cls.pad_values(), "host_args": ("seq_lens_host",), "frontend": "raw"}
 
     def forward(
         self,

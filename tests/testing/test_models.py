@@ -141,7 +141,11 @@ def test_pad_values_and_devgraph_options():
         "slot_mapping": 0,
         "seq_lens_host": 1,
     }
-    assert PagedDecoder.devgraph_options() == {"pad_values": pad, "host_args": ("seq_lens_host",)}
+    assert PagedDecoder.devgraph_options() == {
+        "pad_values": pad,
+        "host_args": ("seq_lens_host",),
+        "frontend": "raw",
+    }
     assert make_decoder().devgraph_options() == PagedDecoder.devgraph_options()
 
 
