@@ -83,10 +83,10 @@ def wrap(
     mode = merged.get("mode", "full")
     if frontend is None:
         frontend = "dynamo" if mode == "full" else "raw"
-    elif frontend == "dynamo" and mode != "full":
+    elif frontend == "dynamo" and mode not in ("full", "breakable", "piecewise"):
         raise DevgraphError(
-            f"frontend='dynamo' serves mode='full'; mode={mode!r} is served from its own trace (drop "
-            "frontend, or use mode='full')"
+            f"frontend='dynamo' serves mode='full', 'breakable' and 'piecewise'; mode={mode!r} routes decode "
+            "batches with is_decode, called with the model's own arguments: drop frontend (or pass 'raw')"
         )
     if frontend == "dynamo":
         from devgraph.frontend import wrap_traced

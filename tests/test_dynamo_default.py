@@ -31,8 +31,8 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _x(n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(-3, 4, (n, 4), generator=torch.Generator().manual_seed(seed)).float()
+def _x(n: int, seed: int = 0, width: int = 4) -> torch.Tensor:
+    return torch.randint(-3, 4, (n, width), generator=torch.Generator().manual_seed(seed)).float()
 
 
 def _quiet(fn, *args, **kwargs):
@@ -257,3 +257,50 @@ def test_a_second_live_thread_is_refused_naming_clone_outputs():
     thread.start()
     thread.join()
     assert len(errors) == 1 and "clone_outputs=True" in errors[0]
+
+
+class AttendsPerRow(nn.Module):
+    """Attention within each row (a piecewise splitting op and a break op), a Python counter, and a
+    branch on the batch size: what the piecewise and breakable modes' own traces cannot follow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q = nn.Linear(8, 8)
+        self.o = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.q(x).view(x.shape[0], 2, 4, 1).expand(-1, -1, -1, 2)  # [rows, heads, 4 tokens, 2]
+        a = torch.nn.functional.scaled_dot_product_attention(h, h, h).reshape(x.shape[0], 16)[:, :8]
+        if x.shape[0] == 1:  # the decode fast path
+            a = a * 2
+        return self.o(a) + self.calls
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "breakable"])
+def test_piecewise_and_breakable_graphs_behind_dynamo_follow_python_state_as_eager(mode):
+    model, twin = AttendsPerRow().eval(), AttendsPerRow().eval()
+    sizes = {"capture_sizes": [2, 4]} if mode == "piecewise" else {"batch_sizes": [2, 4]}
+    graphed = devgraph.wrap(model, device="cpu", mode=mode, frontend="dynamo", **sizes)
+    with torch.no_grad():
+        for i, rows in enumerate((3, 1, 4, 3)):
+            x = _x(rows, i, width=8)
+            torch.testing.assert_close(_quiet(graphed, x), twin(x), rtol=0, atol=1e-5)
+    assert model.calls == twin.calls == 4
+    assert graphed.stats.replays >= 3 and graphed.stats.frontend == "dynamo"
+    runner = graphed.graphs.runners[0]  # the first call's graph (3 rows: dynamic in the batch)
+    assert (runner.pieces is not None) == (mode == "piecewise")
+    assert (runner.breakable is not None) == (mode == "breakable")
+
+
+def test_modes_that_route_by_is_decode_are_not_served_behind_dynamo():
+    with pytest.raises(
+        devgraph.DevgraphError, match=r"frontend='dynamo' serves mode='full', 'breakable' and 'piecewise'"
+    ):
+        devgraph.wrap(nn.Linear(4, 4), device="cpu", mode="full_and_piecewise", frontend="dynamo")
+    from devgraph.frontend import backend_for
+
+    with pytest.raises(devgraph.DevgraphError, match=r"mode='full_and_breakable' is not served with Dynamo"):
+        backend_for({"mode": "full_and_breakable"})

@@ -555,7 +555,7 @@ def test_torch_compiles_mode_is_refused():
     ("options", "match"),
     [
         ({"nonsense": 1}, r"unknown option\(s\) \['nonsense'\]"),
-        ({"mode": "piecewise"}, "captures each graph Dynamo hands it whole"),
+        ({"mode": "full_and_piecewise"}, "is not served with Dynamo in front"),
         ({"static_args": ["x"]}, "read from Dynamo's graph"),
     ],
 )

@@ -34,14 +34,17 @@ from torch._dynamo.utils import counters
 
 from devgraph._errors import DevgraphError
 from devgraph._plugins import device as find_device
+from devgraph.compile import compile_option_names
 from devgraph.frontend._traced_graph import PYTHON_RANDOM, TracedGraph, Unservable
 from devgraph.graph import Device
-from devgraph.runner import GraphRunner, RunnerConfig, make_config
+from devgraph.runner import GraphRunner, RunnerConfig, make_config, piecewise_runner
 
 __all__ = ["DynamoGraphs", "DynamoStats", "Served", "backend_for", "call_traced", "compile_graph"]
 
 logger = logging.getLogger("devgraph")
 
+#: The modes whose graphs are served with Dynamo in front: each graph whole, breakable, or in pieces
+SERVED_MODES = ("full", "breakable", "piecewise")
 #: ``RunnerConfig`` fields a Dynamo graph's runner sets itself (read from the graph)
 _DERIVED = ("batch_dims", "static_args", "host_args", "pad_values")
 #: How Dynamo traces for devgraph (``torch._dynamo.config``, set while Dynamo traces a call of a
@@ -188,9 +191,17 @@ class DynamoGraphs:
     ``devgraph.wrap(..., frontend="dynamo")`` holds one and reads its ``stats``.
     """
 
-    def __init__(self, device: Any, config: Any, batch_dims: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        device: Any,
+        config: Any,
+        batch_dims: dict[str, int] | None = None,
+        compile_options: dict[str, Any] | None = None,
+    ) -> None:
         self.device = device
         self.config = config
+        #: ``CompileConfig`` fields of ``mode='piecewise'`` (each graph is cut and its pieces captured)
+        self.compile_options = dict(compile_options or {})
         #: the batch dim of the compiled function's arguments by name (default 0)
         self.batch_dims = dict(batch_dims or {})
         #: the compiled function's arguments never batched (``static_args``), and the fill value of
@@ -208,6 +219,7 @@ class DynamoGraphs:
         #: were seen (``torch._dynamo.utils.guard_failures``)
         self.recompiles = 0
         self._failures_seen: dict[Any, int] = {}
+        self._frames: set[Any] = set()  # Dynamo's ids of the frames this backend was handed graphs of
         self._unservable: dict[str, int] = {}
         self._eager_calls = 0
         self._warned: set[str] = set()
@@ -231,7 +243,7 @@ class DynamoGraphs:
         )
         if graph.fixed_batch is not None:  # Dynamo specialised the graph to this size: capture it alone
             config = attrs.evolve(config, batch_sizes=[graph.fixed_batch], max_batch_size=None)
-        runner = GraphRunner(_GraphFunction(graph), self.device, config)
+        runner = self._runner(_GraphFunction(graph), config)
         with self._lock:
             self.runners.append(runner)
         logger.debug(
@@ -274,12 +286,34 @@ class DynamoGraphs:
 
         return serve
 
+    def _runner(self, fn: _GraphFunction, config: RunnerConfig) -> GraphRunner:
+        """The runner of one graph, by mode: whole graphs per bucket, breakable graphs (the break ops
+        run eagerly between segments), or pieces (the graph traced once more, as a function of
+        tensors only, cut at the splitting ops, each piece captured per size)."""
+        if config.mode == "piecewise" and fn.graph.fixed_batch is not None:
+            # Specialised by Dynamo to one size (a branch on ``x.shape[0] == 1``): pieces need a
+            # symbolic size to trace, so this graph is captured whole at its size.
+            return GraphRunner(fn, self.device, attrs.evolve(config, mode="full"))
+        if config.mode == "piecewise":
+            options = dict(self.compile_options)
+            if config.batch_sizes is not None and "capture_sizes" not in options:
+                options["capture_sizes"] = config.batch_sizes
+            return piecewise_runner(fn, self.device, config, **options)
+        return GraphRunner(fn, self.device, config)
+
     def _note_recompile(self) -> None:
         """Count a graph Dynamo traced again because a guard failed (a value the forward read changed),
         and warn once naming the guard."""
         compile_id = torch._guards.CompileContext.current_compile_id()
-        reasons = new_guard_failures(self._failures_seen)
-        if compile_id is None or not compile_id.frame_compile_id:
+        # Guard failures of other wrappers' cache entries (another wrapper of the same class) are
+        # not shown; a frame this wrapper traced before is what makes a recompile.
+        reasons = [r for r in new_guard_failures(self._failures_seen) if "BACKEND_MATCH" not in r]
+        if compile_id is None:
+            return
+        with self._lock:
+            again = compile_id.frame_id in self._frames
+            self._frames.add(compile_id.frame_id)
+        if not again:
             return
         with self._lock:
             self.recompiles += 1
@@ -421,11 +455,20 @@ def backend_for(options: dict[str, Any] | None = None, mode: str | None = None) 
             f"option(s) {derived} are read from Dynamo's graph (which tensors are batched, which are "
             "passed as they are); drop them"
         )
-    config = make_config(RunnerConfig, options, extra_valid=(), what=" for torch.compile(backend='devgraph')")
-    if config.mode != "full":
+    names = compile_option_names()
+    compile_options = {k: options.pop(k) for k in list(options) if k in names}
+    config = make_config(
+        RunnerConfig, options, extra_valid=names, what=" for torch.compile(backend='devgraph')"
+    )
+    if config.mode not in SERVED_MODES:
         raise DevgraphError(
-            f"torch.compile(backend='devgraph') captures each graph Dynamo hands it whole (mode='full'); "
-            f"mode={config.mode!r} is served by devgraph.wrap(model, mode={config.mode!r}) without Dynamo"
+            f"mode={config.mode!r} is not served with Dynamo in front: it routes decode batches with is_decode, "
+            "which is called with the model's own arguments. Use devgraph.wrap(model, mode=..., "
+            f"frontend='raw'), or one of {list(SERVED_MODES)}"
+        )
+    if compile_options and config.mode != "piecewise":
+        raise DevgraphError(
+            f"option(s) {sorted(compile_options)} apply to mode='piecewise' only; add mode='piecewise' or drop them"
         )
     dev = device if isinstance(device, Device) else find_device(device)
-    return DynamoGraphs(dev, config)
+    return DynamoGraphs(dev, config, compile_options=compile_options)

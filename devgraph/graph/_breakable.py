@@ -114,6 +114,10 @@ class _Run:
         self.made: set[int] = set()
         self.outside: set[int] = set()
         self.thread = threading.get_ident()
+        # A Dynamo-compiled graph already running when the capture began (Dynamo in front: the
+        # capture runs inside the graph's own callable, which is what is captured): not a region
+        # inside the capture.
+        self.outer_compiled = _compiled_graph_frame()
 
     def open_segment(self) -> None:
         import torch
@@ -218,7 +222,7 @@ class _Run:
                 source=source,
                 remedy="mark the op that calls it as the break instead (devgraph.mark_break('ns::outer_op'))",
             )
-        compiled = _compiled_graph_frame()
+        compiled = _compiled_graph_frame(stop=self.outer_compiled)
         if compiled is not None:
             raise CaptureError(
                 "a break op called from a torch.compile'd graph: compiled code runs (and is captured) as "
@@ -270,11 +274,12 @@ def _torch() -> Any:
     return torch
 
 
-def _compiled_graph_frame() -> FrameType | None:
-    """The frame of the Dynamo-compiled graph running on this thread (its ``disable`` wrapper), or None."""
+def _compiled_graph_frame(stop: FrameType | None = None) -> FrameType | None:
+    """The frame of the Dynamo-compiled graph running on this thread (its ``disable`` wrapper), or
+    None; frames from ``stop`` outwards are not looked at."""
     wrapper = _wrapper_code()
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
+    while frame is not None and frame is not stop:
         if frame.f_code is wrapper:
             return frame
         frame = frame.f_back
