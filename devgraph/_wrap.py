@@ -139,9 +139,12 @@ def warn_untraced(model: Any, mode: str) -> None:
             "frontend='raw' captures the forward as it runs, untraced",
             "the default frontend='dynamo'",
         )
+    elif mode in ("piecewise", "breakable"):
+        how = f"mode={mode!r} is served from one trace or capture of the forward, without Dynamo's guards at each call"
+        instead = "frontend='dynamo' (Dynamo in front of this mode)"
     else:
-        how = f"mode={mode!r} is served from one trace of the forward, without Dynamo's guards at each call"
-        instead = "mode='full' (Dynamo in front, the default)"
+        how = f"mode={mode!r} is served from one trace or capture of the forward, without Dynamo's guards at each call"
+        instead = "mode='full', or 'piecewise' / 'breakable' with frontend='dynamo',"
     warnings.warn(
         f"devgraph: {type(model).__name__}: {how}: {UNTRACED}; {instead} checks all of it "
         "(stats.frontend says 'raw')",
