@@ -29,6 +29,7 @@ from devgraph.runner._config import RunnerConfig
 from devgraph.runner._padding import PaddingVerdict, check_padding
 from devgraph.runner._rounding import RowCountRounding
 from devgraph.runner._snapshot import StateSnapshot
+from devgraph.runner._tensors import same_values, tensor_version
 from devgraph.runner._weights import WeightAddresses, WeightWatch
 
 __all__ = ["StaticInputs", "ambient"]
@@ -115,7 +116,7 @@ class StaticInputs:
 
     def buffer_versions(self) -> dict[str, int | None]:
         """Each buffer's version counter (bumped by every in-place write; None: not tracked)."""
-        return {name: _version(buf) for name, buf in self.buffers.items()}
+        return {name: tensor_version(buf) for name, buf in self.buffers.items()}
 
     def remember(self, example: Call) -> None:
         """Record where the buffers, the example's static tensors and the model's weights live."""
@@ -141,12 +142,14 @@ class StaticInputs:
             args, kwargs = example.bind(self.signature, values)
             # These runs see the example's real rows, where a write that leaves the version counter
             # alone (``x.data``, an extension kernel) changes values that all-padding buffers may not.
-            before = {n: (_version(x), x.clone()) for n, x in batched.items()}
+            before = {n: (tensor_version(x), x.clone()) for n, x in batched.items()}
             out = self.fn(*args, **kwargs)
             self.written_by_model.update(
                 n
                 for n, (version, values) in before.items()
-                if version is None or _version(batched[n]) != version or not _same_values(batched[n], values)
+                if version is None
+                or tensor_version(batched[n]) != version
+                or not same_values(batched[n], values)
             )
             return out
 
@@ -251,23 +254,6 @@ class StaticInputs:
             values = list(host.get(call_name, ()))
             out[op_name] = values + [pad.get(call_name, 0)] * (size - len(values))
         return out
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """``t``'s version counter (bumped by every in-place write), None for an inference tensor."""
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor (made by the caller's code): assume written
-        return None
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` still holds what its copy ``b`` holds (NaN where NaN was)."""
-    if torch.equal(a, b):
-        return True
-    if not (a.is_floating_point() or a.is_complex()):
-        return False
-    return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 #: What a call's results depend on besides its arguments (``ambient``): autocast on, its dtype, the

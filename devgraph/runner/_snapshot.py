@@ -30,6 +30,8 @@ from typing import Any
 import attrs
 import torch
 
+from devgraph.runner._tensors import same_values, tensor_version
+
 __all__ = ["Change", "StateSnapshot"]
 
 #: Values compared by value (immutable): a change is a rebinding, which a graph freezes.
@@ -75,15 +77,6 @@ class Change:
     replayable: bool
 
 
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal values, NaN equal to NaN (a NaN-holding buffer written by nobody is unchanged)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        return bool(((a == b) | (a.isnan() & b.isnan())).all())
-    return torch.equal(a, b)
-
-
 def _checksum(t: torch.Tensor) -> tuple[int, ...]:
     """A value checksum of a tensor too large to copy: the sum of its bytes read as integers,
     whole and over every other element (a write that keeps both is vanishingly unlikely)."""
@@ -96,19 +89,12 @@ def _checksum(t: torch.Tensor) -> tuple[int, ...]:
     return (int(view.sum(dtype=torch.int64)), int(view[::2].sum(dtype=torch.int64)))
 
 
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor: no version counter
-        return None
-
-
 class _TensorRecord:
     """A tensor as it was: identity, version, storage, shape, and its values (or a checksum)."""
 
     def __init__(self, path: str, kind: str, t: torch.Tensor) -> None:
         self.path, self.kind, self.tensor = path, kind, t
-        self.version = _version(t)
+        self.version = tensor_version(t)
         self.geometry = (t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
         self.alias = t.detach()  # the original storage, to put back a tensor whose .data was replaced
         self.meta = t.device.type == "meta"
@@ -130,8 +116,8 @@ class _TensorRecord:
         # Values, not the version: a kernel that writes memory directly (an extension op, ``.data``)
         # leaves the version alone, and a write of the same values changes nothing.
         if self.saved is not None:
-            if not _same_values(self.tensor.detach(), self.saved):
-                bumped = self.version is None or _version(self.tensor) != self.version
+            if not same_values(self.tensor.detach(), self.saved):
+                bumped = self.version is None or tensor_version(self.tensor) != self.version
                 return "written in place" if bumped else "written in place (without a version bump)"
             return None
         if self.checksum is not None and _checksum(self.tensor) != self.checksum:
@@ -143,7 +129,7 @@ class _TensorRecord:
         with torch.no_grad():
             if self.geometry_now() != self.geometry:
                 t.data = self.alias
-            if self.saved is not None and not _same_values(t.detach(), self.saved):
+            if self.saved is not None and not same_values(t.detach(), self.saved):
                 t.copy_(self.saved)
 
 
@@ -480,7 +466,7 @@ class StateSnapshot:
             if rec.saved is None or rec.geometry_now() != rec.geometry:
                 continue
             now = rec.tensor.detach()
-            if _same_values(now, rec.saved):
+            if same_values(now, rec.saved):
                 continue
             differs = now != rec.saved
             if now.is_floating_point() or now.is_complex():
