@@ -81,9 +81,12 @@ def wrap(
         return wrap_hf(model, dev, **options)
     merged = {k: v for k, v in {**defaults, **options}.items() if k != "frontend"}
     mode = merged.get("mode", "full")
+    from devgraph.runner import MODE_TABLE
+
+    routes = mode in MODE_TABLE and MODE_TABLE[mode].routes
     if frontend is None:
         frontend = "dynamo" if mode == "full" else "raw"
-    elif frontend == "dynamo" and mode not in ("full", "breakable", "piecewise"):
+    elif frontend == "dynamo" and routes:
         raise DevgraphError(
             f"frontend='dynamo' serves mode='full', 'breakable' and 'piecewise'; mode={mode!r} routes decode "
             "batches with is_decode, called with the model's own arguments: drop frontend (or pass 'raw')"
@@ -99,7 +102,7 @@ def wrap(
     compile_names = compile_option_names()
     compile_options = {k: merged.pop(k) for k in list(merged) if k in compile_names}
     config = make_config(RunnerConfig, merged, extra_valid=compile_names, arguments=_argument_names(model))
-    if config.mode in ("breakable", "full_and_breakable"):
+    if MODE_TABLE[config.mode].serves == "breakable":
         is_decode = compile_options.pop("is_decode", None)
         if compile_options:
             raise DevgraphError(
@@ -108,7 +111,7 @@ def wrap(
                 "runs eagerly)"
             )
         return GraphedModule(model, GraphRunner(model, dev, config, is_decode=is_decode))
-    if config.mode != "full":
+    if MODE_TABLE[config.mode].serves == "pieces":
         return GraphedModule(model, piecewise_runner(model, dev, config, **compile_options))
     if compile_options:
         raise DevgraphError(

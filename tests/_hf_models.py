@@ -295,6 +295,7 @@ CHECK_FAILS: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
 }
 
+
 #: Fixes of a config after it is built, where a release's modeling code reads a field its config class
 #: does not set (transformers 5.23's DbrxAttention reads ``attn_config.rope_theta``).
 def _dbrx_rope_theta(config: Any) -> None:
@@ -335,6 +336,7 @@ def full_length_static_cache(model: torch.nn.Module, max_cache_len: int) -> Any:
 
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
     return Cache(layers=[StaticLayer(max_cache_len=max_cache_len) for _ in range(layers)])
+
 
 #: Architectures whose attention depends on the static cache's length (GPT-Neo's local window is sliced
 #: by the number of cached keys): refused at wrap by the static-cache check when the window is

@@ -27,7 +27,10 @@ RUNS = {
     "host_overhead": (["--device", "cpu", "--quick"], "host_overhead_quick.json"),
     "npu_update_order": (["--layers", "2", "--iters", "3"], "npu_update_order.json"),  # the simulator
     "breakable": (["--device", "cpu", "--quick"], "breakable_cpu_quick.json"),
-    "hf_generate": (["--device", "cpu", "--quick", "--archs", "llama", "qwen3"], "hf_generate_cpu_quick.json"),
+    "hf_generate": (
+        ["--device", "cpu", "--quick", "--archs", "llama", "qwen3"],
+        "hf_generate_cpu_quick.json",
+    ),
     "hf_static_cache_gap": (
         ["--device", "cpu", "--quick", "--archs", "llama", "minicpm3", "--dtypes", "bfloat16"],
         "hf_static_cache_gap_cpu_quick.json",

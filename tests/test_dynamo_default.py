@@ -54,7 +54,8 @@ def test_wrap_in_full_mode_is_dynamo_in_front_and_raw_says_what_it_leaves_unchec
         raw = devgraph.wrap(model, device="cpu", frontend="raw", batch_sizes=[2, 4])
     assert raw.stats.frontend == "raw" and not isinstance(raw, TracedModule)
     with pytest.warns(
-        UserWarning, match=r"mode='piecewise' is served from one trace or capture.*without Dynamo's guards.*frontend='dynamo'"
+        UserWarning,
+        match=r"mode='piecewise' is served from one trace or capture.*without Dynamo's guards.*frontend='dynamo'",
     ):
         devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4])
 

@@ -37,14 +37,15 @@ from devgraph._plugins import device as find_device
 from devgraph.compile import compile_option_names
 from devgraph.frontend._traced_graph import PYTHON_RANDOM, TracedGraph, Unservable
 from devgraph.graph import Device
-from devgraph.runner import GraphRunner, RunnerConfig, make_config, piecewise_runner
+from devgraph.runner import MODE_TABLE, GraphRunner, RunnerConfig, make_config, piecewise_runner
 
 __all__ = ["DynamoGraphs", "DynamoStats", "Served", "backend_for", "call_traced", "compile_graph"]
 
 logger = logging.getLogger("devgraph")
 
 #: The modes whose graphs are served with Dynamo in front: each graph whole, breakable, or in pieces
-SERVED_MODES = ("full", "breakable", "piecewise")
+#: (those that route by ``is_decode``, called with the model's own arguments, are not)
+SERVED_MODES = tuple(name for name, mode in MODE_TABLE.items() if not mode.routes)
 #: ``RunnerConfig`` fields a Dynamo graph's runner sets itself (read from the graph)
 _DERIVED = ("batch_dims", "static_args", "host_args", "pad_values")
 #: How Dynamo traces for devgraph (``torch._dynamo.config``, set while Dynamo traces a call of a
@@ -290,11 +291,12 @@ class DynamoGraphs:
         """The runner of one graph, by mode: whole graphs per bucket, breakable graphs (the break ops
         run eagerly between segments), or pieces (the graph traced once more, as a function of
         tensors only, cut at the splitting ops, each piece captured per size)."""
-        if config.mode == "piecewise" and fn.graph.fixed_batch is not None:
+        pieces = MODE_TABLE[config.mode].serves == "pieces"
+        if pieces and fn.graph.fixed_batch is not None:
             # Specialised by Dynamo to one size (a branch on ``x.shape[0] == 1``): pieces need a
             # symbolic size to trace, so this graph is captured whole at its size.
             return GraphRunner(fn, self.device, attrs.evolve(config, mode="full"))
-        if config.mode == "piecewise":
+        if pieces:
             options = dict(self.compile_options)
             if config.batch_sizes is not None and "capture_sizes" not in options:
                 options["capture_sizes"] = config.batch_sizes
@@ -466,7 +468,7 @@ def backend_for(options: dict[str, Any] | None = None, mode: str | None = None) 
             "which is called with the model's own arguments. Use devgraph.wrap(model, mode=..., "
             f"frontend='raw'), or one of {list(SERVED_MODES)}"
         )
-    if compile_options and config.mode != "piecewise":
+    if compile_options and MODE_TABLE[config.mode].serves != "pieces":
         raise DevgraphError(
             f"option(s) {sorted(compile_options)} apply to mode='piecewise' only; add mode='piecewise' or drop them"
         )

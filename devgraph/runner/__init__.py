@@ -12,7 +12,15 @@ from devgraph.runner._accounts import Accounts
 from devgraph.runner._breakable import BreakableGraphs, BreakableStats
 from devgraph.runner._buckets import choose_bucket, default_batch_sizes, normalise_batch_sizes
 from devgraph.runner._calls import Call, Unsupported, signature_of
-from devgraph.runner._config import RunnerConfig, RunnerStats, make_config, positive_ints
+from devgraph.runner._config import (
+    MODE_TABLE,
+    MODES,
+    Mode,
+    RunnerConfig,
+    RunnerStats,
+    make_config,
+    positive_ints,
+)
 from devgraph.runner._graphed import GraphedModule
 from devgraph.runner._model_state import capture_warnings
 from devgraph.runner._pieces import Pieces, PiecewiseStats
@@ -22,12 +30,15 @@ from devgraph.runner._threads import ThreadOwner
 from devgraph.runner._whole import WholeGraphs
 
 __all__ = [
+    "MODES",
+    "MODE_TABLE",
     "Accounts",
     "BreakableGraphs",
     "BreakableStats",
     "Call",
     "GraphRunner",
     "GraphedModule",
+    "Mode",
     "Part",
     "Pieces",
     "PiecewiseStats",

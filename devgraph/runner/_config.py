@@ -18,7 +18,16 @@ from devgraph.runner._rounding import RowCountRounding
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["RunnerConfig", "RunnerStats", "make_config", "positive_int", "positive_ints"]
+__all__ = [
+    "MODES",
+    "MODE_TABLE",
+    "Mode",
+    "RunnerConfig",
+    "RunnerStats",
+    "make_config",
+    "positive_int",
+    "positive_ints",
+]
 
 
 # Converters accept their own output too, so ``attrs.evolve(config, ...)`` works.
@@ -77,9 +86,31 @@ def _optional_positive(instance: object, attribute: attrs.Attribute[Any], value:
         positive_int(attribute.name, value)
 
 
-#: The runner's modes: whole graphs, pieces (devgraph.compile), breakable graphs (devgraph.graph), and
-#: the two routers that send uniform decode batches to whole graphs.
-MODES = ("full", "piecewise", "full_and_piecewise", "breakable", "full_and_breakable")
+@attrs.frozen
+class Mode:
+    """One mode of the runner: which part serves its calls (``serves``: ``"whole"`` graphs per
+    bucket, ``"pieces"`` of a traced model (devgraph.compile), ``"breakable"`` graphs
+    (devgraph.graph)) and whether whole graphs serve uniform decode batches first (``routes``: the
+    ``full_and_*`` modes, told by ``is_decode``)."""
+
+    name: str
+    serves: str
+    routes: bool = False
+
+
+#: Every mode, by name: the one table ``wrap``, the runner, the Hugging Face adapter and the Dynamo
+#: front end read.
+MODE_TABLE = {
+    m.name: m
+    for m in (
+        Mode("full", "whole"),
+        Mode("piecewise", "pieces"),
+        Mode("full_and_piecewise", "pieces", routes=True),
+        Mode("breakable", "breakable"),
+        Mode("full_and_breakable", "breakable", routes=True),
+    )
+}
+MODES = tuple(MODE_TABLE)
 
 
 def _break_names(value: Any) -> tuple[str, ...]:
@@ -155,7 +186,7 @@ class RunnerConfig:
     def __attrs_post_init__(self) -> None:
         if self.mode not in MODES:
             raise DevgraphError(f"mode must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}")
-        if self.breaks and "breakable" not in self.mode:
+        if self.breaks and MODE_TABLE[self.mode].serves != "breakable":
             raise DevgraphError(
                 f"breaks={list(self.breaks)} applies to mode='breakable' or 'full_and_breakable' only; "
                 "add mode=... or drop it (piecewise mode cuts at splitting_ops=[...])"

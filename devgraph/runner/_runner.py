@@ -58,7 +58,7 @@ from devgraph.runner._breakable import BreakableGraphs
 from devgraph.runner._buckets import choose_bucket
 from devgraph.runner._calls import Call, Unsupported
 from devgraph.runner._capture_loop import CaptureLoop
-from devgraph.runner._config import RunnerConfig, RunnerStats, positive_int, positive_ints
+from devgraph.runner._config import MODE_TABLE, RunnerConfig, RunnerStats, positive_int, positive_ints
 from devgraph.runner._grad import for_grad
 from devgraph.runner._inputs import StaticInputs
 from devgraph.runner._padding import CATEGORY as PADDING_CATEGORY
@@ -156,11 +156,11 @@ class GraphRunner:
             self.full = WholeGraphs(fn, device, config, shared, self._lock)
             self.part: Part = self.full
             return
-        if mode in ("breakable", "full_and_breakable"):
+        if MODE_TABLE[mode].serves == "breakable":
             self._breakable_parts(fn, device, config, shared, is_decode)
             return
         compile_config = compile_config or CompileConfig(mode=mode)
-        if mode == "full_and_piecewise":
+        if MODE_TABLE[mode].routes:
             self.is_decode = compile_config.is_decode or getattr(fn, "devgraph_is_decode", None)
             if self.is_decode is None:
                 raise DevgraphError(
@@ -191,7 +191,7 @@ class GraphRunner:
     ) -> None:
         """``breakable``: breakable graphs serve every call; ``full_and_breakable``: whole graphs
         serve uniform decode batches (``is_decode``), breakable graphs the rest."""
-        if config.mode == "full_and_breakable":
+        if MODE_TABLE[config.mode].routes:
             self.is_decode = is_decode or getattr(fn, "devgraph_is_decode", None)
             if self.is_decode is None:
                 raise DevgraphError(

@@ -136,7 +136,9 @@ def test_a_one_token_branch_gets_a_trace_of_its_own(device):
 def test_size_one_is_traced_at_one_token_even_without_a_python_branch():
     # A symbolic trace keeps the token dim inductor compiled for: (1, 4) where eager gives (4,).
     model = SqueezesTheTokenDim()
-    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[1, 2, 4], compile_backend="inductor")
+    graphed = devgraph.wrap(
+        model, device="cpu", mode="piecewise", capture_sizes=[1, 2, 4], compile_backend="inductor"
+    )
     _check(graphed, model, [1, 2, 4, 3, 1])
     assert graphed.stats.traces == 2 and graphed.stats.replays == 5
 
@@ -161,7 +163,9 @@ def test_a_region_of_sizes_is_served_by_one_more_trace(device):
 
 def test_a_one_token_call_without_size_one_captured_runs_eagerly_where_pieces_are_compiled():
     model = SqueezesTheTokenDim()
-    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4], compile_backend="inductor")
+    graphed = devgraph.wrap(
+        model, device="cpu", mode="piecewise", capture_sizes=[2, 4], compile_backend="inductor"
+    )
     # (the padding check sees the output's shape change: a 1-token call is not padded to 2 either)
     with pytest.warns(UserWarning, match="padding_changes_result"):
         _check(graphed, model, [2, 4, 1])

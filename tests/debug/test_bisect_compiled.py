@@ -162,7 +162,9 @@ def test_each_compiled_graph_is_one_record_and_eager_ops_between_pair_by_line(ro
 
     report = bisect(lambda inp: forward(inp), x)
     first = report.first
-    assert first is not None and first.location.endswith(f":{_line(Rounding.forward, 'planted')}"), str(report)
+    assert first is not None and first.location.endswith(f":{_line(Rounding.forward, 'planted')}"), str(
+        report
+    )
     assert "compiled graph 1 of 2 the call ran" in first.inside, str(report)
     between = _line(_between, "runs eagerly")
     assert report.largest is not None and report.largest.location.endswith(f":{between}"), str(report)
@@ -221,7 +223,9 @@ def test_a_descent_that_fails_leaves_the_op_level_report_with_a_note(rounding, m
     monkeypatch.setattr(_bisect, "descend", broken)
     report = bisect(torch.compile(rounding), _x())
     assert report.output_max_abs > 0
-    assert any("could not look inside the compiled code" in n and "inductor cannot" in n for n in report.notes)
+    assert any(
+        "could not look inside the compiled code" in n and "inductor cannot" in n for n in report.notes
+    )
 
 
 def test_bisects_from_two_threads_both_find_the_difference(rounding):

@@ -65,6 +65,7 @@ from devgraph.adapters.hf._step import MAX_MASKS, DecodeRoute, DecodeStep
 from devgraph.adapters.hf._steplog import MAX_STEPS, StepLog
 from devgraph.graph import Device
 from devgraph.runner import (
+    MODE_TABLE,
     GraphedModule,
     GraphRunner,
     RunnerConfig,
@@ -91,9 +92,8 @@ RUNNER_OPTIONS = ("strict", "debug", "warmup_iters", "process_group", "check_ran
 #: mask code hides what a sliding or chunked layer must not see).
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
-#: Modes: ``full`` prefills eagerly; the piecewise ones prefill from pieces, the breakable ones from
-#: breakable graphs (cut at attention, no trace). Decode is always full graphs.
-_MODES = ("full", "piecewise", "full_and_piecewise", "breakable", "full_and_breakable")
+# Modes (``MODE_TABLE``): ``full`` prefills eagerly; the piecewise ones prefill from pieces, the
+# breakable ones from breakable graphs (cut at attention, no trace). Decode is always full graphs.
 
 #: CompileConfig fields for the piecewise prefill (``is_decode`` is the adapter's own business).
 _COMPILE_OPTIONS = (
@@ -151,10 +151,10 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
     """
     dev = device if isinstance(device, Device) else _device(device)
     mode = options.pop("mode", "full")
-    if mode not in _MODES:
-        raise DevgraphError(f"mode must be one of {list(_MODES)} for a Hugging Face model, got {mode!r}")
+    if mode not in MODE_TABLE:
+        raise DevgraphError(f"mode must be one of {list(MODE_TABLE)} for a Hugging Face model, got {mode!r}")
     compile_options = {k: options.pop(k) for k in list(options) if k in _COMPILE_OPTIONS}
-    if compile_options and mode not in ("piecewise", "full_and_piecewise"):
+    if compile_options and MODE_TABLE[mode].serves != "pieces":
         raise DevgraphError(
             f"option(s) {sorted(compile_options)} apply to the piecewise prefill: add mode='piecewise' or drop them"
         )
@@ -176,9 +176,9 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
         **{k: v for k, v in options.items() if k in RUNNER_OPTIONS},
     )
     prefill = None
-    if mode in ("breakable", "full_and_breakable"):
+    if MODE_TABLE[mode].serves == "breakable":
         prefill = _breakable_prefill_factory(dev, hf, runner_config)
-    elif mode != "full":
+    elif MODE_TABLE[mode].serves == "pieces":
         prefill = _prefill_factory(dev, hf, runner_config, compile_options)
     return GraphedCausalLM(model, dev, hf, runner_config, prefill)
 

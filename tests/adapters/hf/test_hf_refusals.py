@@ -253,7 +253,9 @@ def test_pieces_that_cannot_be_built_refuse_the_prefill_once_then_it_runs_eagerl
 
     def untraceable(self, kwargs):
         traces.append(1)
-        raise DevgraphError("piecewise mode could not trace the model as one graph with Dynamo: UserError: ...")
+        raise DevgraphError(
+            "piecewise mode could not trace the model as one graph with Dynamo: UserError: ..."
+        )
 
     with monkeypatch.context() as patch:
         patch.setattr(PiecewisePrefill, "__call__", untraceable)

@@ -46,7 +46,13 @@ def test_gpt_neo_whose_window_covers_the_cache_is_served_and_equals_eager():
     model = tiny_model("gpt_neo", window_size=64)
     graphed = devgraph.wrap(model, "cpu", batch_sizes=[1, 2], max_cache_len=32)
     ids, mask = prompts(2, seed=3)
-    call = dict(attention_mask=mask, do_sample=False, max_new_tokens=5, output_logits=True, return_dict_in_generate=True)
+    call = dict(
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=5,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     out, expected = graphed.generate(ids, **call), model.generate(ids, **call)
     assert torch.equal(out.sequences, expected.sequences)
     for got, want in zip(out.logits, expected.logits):
@@ -131,7 +137,10 @@ def test_any_exception_in_the_check_becomes_a_named_refusal():
     with pytest.raises(devgraph.DevgraphError) as info:
         devgraph.wrap(model, "cpu", max_cache_len=32)
     message = str(info.value)
-    assert "decode step 1 after a 3-token prompt over a static cache raised KeyError: 'no static decode here'" in message
+    assert (
+        "decode step 1 after a 3-token prompt over a static cache raised KeyError: 'no static decode here'"
+        in message
+    )
     assert "test_hf_static_cache.py:" in message and "model.generate() runs it eagerly" in message
     assert isinstance(info.value.__cause__, KeyError)
 

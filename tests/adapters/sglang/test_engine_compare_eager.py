@@ -38,7 +38,17 @@ def test_sglang_compiled_steps_are_explained_inside_the_compiled_forward(tmp_pat
     monkeypatch.setenv("DEVGRAPH_COMPARE_EAGER", "4")
     monkeypatch.setenv("DEVGRAPH_COMPARE_EAGER_BISECT", "difference")
     model_dir = tiny_model.build(tmp_path / "model", "qwen3")
-    options = ["--requests", "2", "--max-running", "2", "--max-new-tokens", "10", "--capture", "2", "--compile"]
+    options = [
+        "--requests",
+        "2",
+        "--max-running",
+        "2",
+        "--max-new-tokens",
+        "10",
+        "--capture",
+        "2",
+        "--compile",
+    ]
     out, stats, stderr = _run(model_dir, tmp_path, "graphs", *options)
     assert out, f"engine failed:\n{stderr[-6000:]}"
     assert "DEVGRAPH_SGLANG_COMPILE=1: SGLang compiles the forward of decode sizes [2]" in stderr
