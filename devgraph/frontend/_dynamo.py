@@ -144,6 +144,10 @@ class _GraphFunction:
     def devgraph_traced_state(self) -> dict[str, Any]:
         return self.graph.state
 
+    def devgraph_parameters(self) -> list[torch.Tensor]:
+        """The model's parameters the graph reads (a served output requires grad where one does)."""
+        return self.graph.parameters()
+
 
 @attrs.frozen
 class Served:
@@ -238,6 +242,10 @@ class DynamoGraphs:
             graph = TracedGraph(gm, example_inputs, self.batch_dims, self.unbatched)
         except Unservable as why:
             return self._as_traced(gm, why)
+        if graph.fixed_batch == 0:  # Dynamo specialises a size of 0: nothing to capture or replay
+            return self._as_traced(
+                gm, Unservable("empty_batch", "the call has 0 rows; there is nothing to replay")
+            )
         pad = {n: self.pad_values[u] for n, u in graph.user_names.items() if u in self.pad_values}
         config = attrs.evolve(
             self.config, batch_dims=graph.batch_dims, static_args=graph.static, pad_values=pad
@@ -317,10 +325,14 @@ class DynamoGraphs:
             self._frames.add(compile_id.frame_id)
         if not again:
             return
+        # A size Dynamo had specialised (0 or 1 rows first, then another count) is a new graph for the
+        # batch dimension, expected and counted, not a value that changed: no warning.
+        sizes_only = bool(reasons) and all("size mismatch" in r for r in reasons[-2:])
         with self._lock:
             self.recompiles += 1
-            first = "recompile" not in self._warned
-            self._warned.add("recompile")
+            first = not sizes_only and "recompile" not in self._warned
+            if first:
+                self._warned.add("recompile")
         if first:
             logger.warning(
                 "devgraph: Dynamo traced the forward again: a guard failed (%s). The new graph is captured "

@@ -4,6 +4,7 @@ Dynamo with devgraph's backend (``devgraph.frontend._dynamo``) behind it."""
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 from typing import Any
 
@@ -23,6 +24,9 @@ from devgraph.runner import (
 )
 
 __all__ = ["TracedModule", "wrap_traced"]
+
+#: whether this torch's ``torch.compile`` keeps a compile's cache entries apart (torch >= 2.13)
+_ISOLATES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
 
 class TracedModule(GraphedModule):
@@ -46,7 +50,11 @@ class TracedModule(GraphedModule):
         #: the options ``wrap`` was given (a copy of the wrapper is built from them)
         self._options = options
         self._fullgraph = fullgraph
-        self.compiled = torch.compile(module, backend=graphs, fullgraph=fullgraph)
+        # Dynamo keeps one cache per code object: without isolation every wrapper of the same class
+        # (eight nn.Linear, a model wrapped again) counts against one recompile limit, and wrappers
+        # past it would run eagerly. torch 2.13 isolates a compile's entries when asked.
+        isolate = {"isolate_recompiles": True} if _ISOLATES else {}
+        self.compiled = torch.compile(module, backend=graphs, fullgraph=fullgraph, **isolate)
         graphs.eager_on_python_random = True
         #: the calls no graph served at all (Dynamo ran them as Python, or devgraph ran the model)
         self._accounts = Accounts(graphs.config, RunnerStats(), threading.RLock(), "through Dynamo")

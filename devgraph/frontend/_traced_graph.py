@@ -439,6 +439,11 @@ class TracedGraph:
             if written:
                 self.state[name] = args[i]
 
+    def parameters(self) -> list[torch.Tensor]:
+        """The model's parameters among the graph's state, as of the call being served."""
+        call = self.current
+        return [call[i] for i in self.state_positions if isinstance(call[i], torch.nn.Parameter)]
+
     def unwritten_versions(self, args: Sequence[Any]) -> list[int]:
         """The version counters of the model-state tensors the graph does not write (``state``
         holds those it does): a capture that changed one wrote where the graph says it does not."""

@@ -391,7 +391,10 @@ class GraphRunner:
         """The model's parameters, listed again only after a registration anywhere (a replaced one)."""
         seen, params = self._params
         if seen != registrations[0]:
-            params = tuple(self.fn.parameters()) if isinstance(self.fn, torch.nn.Module) else ()
+            if isinstance(self.fn, torch.nn.Module):
+                params = tuple(self.fn.parameters())
+            else:  # a callable may name the parameters it reads (a Dynamo graph: its lifted weights)
+                params = tuple(getattr(self.fn, "devgraph_parameters", tuple)())
             self._params = (registrations[0], params)
         return params
 
