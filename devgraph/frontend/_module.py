@@ -53,8 +53,8 @@ class TracedModule(GraphedModule):
         # Dynamo keeps one cache per code object: without isolation every wrapper of the same class
         # (eight nn.Linear, a model wrapped again) counts against one recompile limit, and wrappers
         # past it would run eagerly. torch 2.13 isolates a compile's entries when asked.
-        isolate = {"isolate_recompiles": True} if _ISOLATES else {}
-        self.compiled = torch.compile(module, backend=graphs, fullgraph=fullgraph, **isolate)
+        isolate: dict[str, Any] = {"isolate_recompiles": True} if _ISOLATES else {}
+        self.compiled = torch.compile(module, backend=graphs, fullgraph=fullgraph, **isolate)  # type: ignore[call-overload]
         graphs.eager_on_python_random = True
         #: the calls no graph served at all (Dynamo ran them as Python, or devgraph ran the model)
         self._accounts = Accounts(graphs.config, RunnerStats(), threading.RLock(), "through Dynamo")
