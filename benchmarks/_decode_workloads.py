@@ -294,8 +294,11 @@ def build_paged(dev: devgraph.Device, args: argparse.Namespace) -> Workload:
     example = inputs[min(args.batches)]
     graphed, info = capture_devgraph(
         dev,
-        _largest_alone(args, lambda: devgraph.wrap(model, dev, batch_sizes=[largest]).capture(**example)),
-        lambda: devgraph.wrap(model, dev, max_batch_size=largest).capture(**example),
+        # frontend='raw': the decoder's host lengths (host_args) are served without Dynamo only
+        _largest_alone(
+            args, lambda: devgraph.wrap(model, dev, frontend="raw", batch_sizes=[largest]).capture(**example)
+        ),
+        lambda: devgraph.wrap(model, dev, frontend="raw", max_batch_size=largest).capture(**example),
     )
     torch.manual_seed(args.seed + 2)
     with torch.no_grad():

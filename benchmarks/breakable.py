@@ -78,11 +78,12 @@ def build(args: argparse.Namespace, dev: devgraph.Device, config: DecoderConfig)
     results: dict[str, Any] = {}
     for mode in MODES:
         model = make_decoder(config, device=torch_device)
-        options: dict[str, Any] = {"batch_sizes": args.sizes}
+        # mode full: frontend='raw', the decoder's host lengths (host_args) are served without Dynamo only
+        options: dict[str, Any] = {"batch_sizes": args.sizes, "frontend": "raw"}
         if mode == "piecewise":
             options = {"mode": mode, "capture_sizes": args.sizes}
         elif mode == "breakable":
-            options["mode"] = mode
+            options = {"batch_sizes": args.sizes, "mode": mode}
         graphed = devgraph.wrap(model, device=dev, **options)
         gc.collect()
         before = dev.memory_stats().reserved

@@ -74,8 +74,10 @@ def _host_case(
 ) -> dict[str, Any]:
     rows = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor))
     bucket = min(s for s in sizes if s >= rows)
-    raw = devgraph.wrap(model, device="cpu", batch_sizes=sizes)
-    dyn = devgraph.wrap(model, device="cpu", frontend="dynamo", batch_sizes=sizes)
+    raw = devgraph.wrap(model, device="cpu", frontend="raw", batch_sizes=sizes)
+    # host_args=(): the model's devgraph_options name its host lengths, which the Dynamo front end
+    # refuses; through Dynamo the list is a constant of the trace (the same batch every call here)
+    dyn = devgraph.wrap(model, device="cpu", frontend="dynamo", batch_sizes=sizes, host_args=())
     with torch.no_grad():
         raw(**batch)
         dyn(**batch)

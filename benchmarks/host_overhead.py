@@ -120,7 +120,9 @@ def full_cases(
     """One captured model, timed at each batch size of ``batches`` (one case each, as measured)."""
     config = DecoderConfig(num_layers=layers)
     model = make_decoder(config, device=dev.torch_device)
-    graphed = devgraph.wrap(model, device=dev, batch_sizes=sizes)
+    graphed = devgraph.wrap(
+        model, device=dev, frontend="raw", batch_sizes=sizes
+    )  # the decoder's host lengths: served by the raw path only
     graphed.capture(**decode_batch(config, dev.torch_device, 1))
     stub_replay(graph for _, graph in graphed.runner.full.graphs.items())
     for rows in batches:

@@ -136,7 +136,9 @@ def run(
 
     # -- decode: eager vs full vs piecewise -----------------------------------------------------
     full_model = make_decoder(config, device=torch_device)
-    full = devgraph.wrap(full_model, device=dev, batch_sizes=args.decode_sizes)
+    full = devgraph.wrap(
+        full_model, device=dev, frontend="raw", batch_sizes=args.decode_sizes
+    )  # the decoder's host lengths: served by the raw path only
     pw_decode = devgraph.wrap(
         make_decoder(config, device=torch_device),
         device=dev,

@@ -45,6 +45,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.processes)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_caches():
+    """Each test starts with Dynamo's caches empty. Every ``TracedModule`` (``devgraph.wrap`` in
+    mode='full') is compiled through one frame Dynamo shares (torch's ``external_utils.inner``), whose
+    cache gives up after ``recompile_limit`` (8) entries: without this, a wrap in a test would run
+    eagerly or be graphed depending on how many models tests before it in the same worker wrapped.
+    tests/test_dynamo_frontend.py::test_more_wrapped_models_than_dynamos_recompile_limit_are_graphed
+    holds the defect itself (strict xfail) until the front end compiles a frame of its own per model."""
+    torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture
 def fresh_plugins():
     """Forget loaded plugins before and after a test that changes what is installed."""

@@ -27,7 +27,8 @@ def _capture(no_logging=None) -> None:
         no_logging.setattr(logging.getLogger("devgraph"), "handlers", [])
     graphed = devgraph.wrap(torch.nn.Linear(4, 4).eval(), device="cpu", batch_sizes=[1, 2])
     with torch.no_grad():
-        graphed(torch.randn(1, 4))
+        # 2 rows: Dynamo keeps a 1-row call's trace to 1 row (its graph would capture that size alone)
+        graphed(torch.randn(2, 4))
 
 
 def test_the_capture_summary_is_one_line_on_stderr_by_default(no_logging_configured, capsys):

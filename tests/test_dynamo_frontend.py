@@ -718,8 +718,39 @@ def test_the_cases_catch_a_stale_graph(case):
     """The harness above tells a stale replay: the raw front end (its own walkers, no Dynamo) serves
     graphs captured with the old value on these cases (see docs/wrap.md), and the comparison sees it."""
     expected, _ = _run(case, _eager)
-    served, _ = _run(case, lambda m: devgraph.wrap(m, device="cpu", batch_sizes=[1, 2, 4, 8]))
+    served, _ = _run(case, _raw)
     assert any(not torch.equal(got, want) for got, want in zip(served, expected))
+
+
+def _raw(model):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*captures the forward as it runs, untraced")
+        return devgraph.wrap(model, device="cpu", frontend="raw", batch_sizes=[1, 2, 4, 8])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="every TracedModule is compiled through one frame Dynamo shares (torch's external_utils.inner): "
+    "past recompile_limit wrapped models in a process, each new one runs eagerly (dynamo_untraced)",
+)
+def test_more_wrapped_models_than_dynamos_recompile_limit_are_graphed():
+    torch._dynamo.reset()
+    limit = torch._dynamo.config.recompile_limit
+    with torch.no_grad():
+        for i in range(limit + 2):
+            model = nn.Linear(4, 4).eval()
+            graphed = devgraph.wrap(model, device="cpu", batch_sizes=[2, 4])
+            x = torch.randn(3, 4)
+            torch.testing.assert_close(_quiet_fallbacks(graphed, x), model(x))
+            assert graphed.stats.replays == 1 and graphed.stats.eager_calls == 0, (
+                f"model {i}: {graphed.stats}"
+            )
+
+
+def _quiet_fallbacks(fn, *args):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*running eagerly.*")
+        return fn(*args)
 
 
 def test_a_replaced_weight_is_captured_again_counted_and_warned_once():

@@ -46,12 +46,21 @@ def _x(n: int = 3, seed: int = 1) -> torch.Tensor:
 # -- weights replaced after capture ------------------------------------------------------------
 
 
-def test_a_parameter_assigned_after_capture_is_captured_again():
+#: The warning of a replaced weight: the raw path's weight watch names it as a parameter; Dynamo's
+#: graphs name the tensor by its path.
+_REPLACED = {
+    "raw": r"parameter 'lin.weight' was replaced since capture",
+    "dynamo": r"lin.weight was replaced since capture",
+}
+
+
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
+def test_a_parameter_assigned_after_capture_is_captured_again(frontend):
     model = Lin().eval()
-    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    graphed = _quiet(devgraph.wrap, model, device="cpu", batch_sizes=[4], frontend=frontend)
     graphed(_x())
     model.lin.weight = torch.nn.Parameter(torch.randn(4, 4))
-    with pytest.warns(UserWarning, match=r"parameter 'lin.weight' was replaced since capture"):
+    with pytest.warns(UserWarning, match=_REPLACED[frontend]):
         out = graphed(_x())
     torch.testing.assert_close(out, model(_x()))
     assert graphed.stats.recaptures == 1
@@ -92,12 +101,23 @@ def test_in_place_weight_copies_keep_the_graphs():
 
 def test_param_data_replaced_is_refused_in_debug_mode():
     model = Lin().eval()
-    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4], debug=True)
+    graphed = _quiet(devgraph.wrap, model, device="cpu", batch_sizes=[4], debug=True, frontend="raw")
     for _ in range(3):  # the watch has settled: it looks again only after a registration
         graphed(_x())
     model.lin.weight.data = torch.randn(4, 4)  # no registration: only debug mode sees this
     with pytest.raises(DevgraphError, match=r"parameter 'lin.weight'.*capture"):
         graphed(_x())
+
+
+def test_param_data_replaced_is_captured_again_through_dynamo():
+    # Dynamo's graphs take the weights as inputs: one at a new address is captured again, debug or not.
+    model = Lin().eval()
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4], debug=True)
+    for _ in range(3):
+        graphed(_x())
+    model.lin.weight.data = torch.randn(4, 4)
+    torch.testing.assert_close(_quiet(graphed, _x()), model(_x()))
+    assert graphed.stats.recaptures == 1
 
 
 # -- forward side effects at warm-up and capture --------------------------------------------------
@@ -133,10 +153,19 @@ class Position(torch.nn.Module):
 
 def test_a_python_attribute_changed_in_forward_is_refused_by_name():
     model = Position()
-    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    graphed = _quiet(devgraph.wrap, model, device="cpu", batch_sizes=[4], frontend="raw")
     with pytest.raises(DevgraphError, match=r"attribute pos \(0 -> \d+\)"):
         graphed(_x())
     assert model.pos == 0  # put back
+
+
+def test_a_python_attribute_changed_in_forward_advances_as_in_eager_through_dynamo():
+    # Dynamo replays the forward's Python side effects at every call: served, not refused.
+    model, twin = Position(), Position()
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    for i in range(3):
+        torch.testing.assert_close(_quiet(graphed, _x(seed=i)), twin(_x(seed=i)))
+    assert model.pos == twin.pos == 3
 
 
 def test_batch_norm_running_stats_are_not_moved_by_capture():
@@ -150,9 +179,21 @@ def test_batch_norm_running_stats_are_not_moved_by_capture():
 def test_hooks_are_warned_about_once():
     model = Lin().eval()
     model.lin.register_forward_hook(lambda m, i, o: None)
-    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    graphed = _quiet(devgraph.wrap, model, device="cpu", batch_sizes=[4], frontend="raw")
     with pytest.warns(UserWarning, match=r"hooks or pre-hooks on lin run while capturing, not at replay"):
         graphed(_x())
+
+
+def test_hooks_run_at_every_call_through_dynamo():
+    # Dynamo traces the hooks with the forward: they run (and change the output) as in eager.
+    model = Lin().eval()
+    calls = []
+    model.lin.register_forward_hook(lambda m, i, o: calls.append(1) or o * 2)
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    with torch.no_grad():
+        for i in range(3):
+            torch.testing.assert_close(_quiet(graphed, _x(seed=i)), model(_x(seed=i)))
+    assert len(calls) == 6  # three served calls and three eager ones
 
 
 def test_training_mode_is_warned_about_naming_eval():
@@ -181,15 +222,24 @@ class Branches(torch.nn.Module):
         return x * 2 if x.shape[0] > 3 else x * 3
 
 
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
 @pytest.mark.parametrize(
     "model", [Centres(), Branches(), torch.nn.BatchNorm1d(4).train()], ids=["mean", "branch", "bn_train"]
 )
-def test_a_model_that_mixes_rows_is_served_exactly(model):
-    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+def test_a_model_that_mixes_rows_is_served_exactly(model, frontend):
+    graphed = _quiet(devgraph.wrap, model, device="cpu", batch_sizes=[4], frontend=frontend)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         out = graphed(_x(3))
     messages = [str(w.message) for w in seen]
+    if frontend == "dynamo" and isinstance(model, Branches):
+        # Dynamo takes the branch on the call's real size (3 rows: x * 3) and the graph it traced
+        # is padded to bucket 4 exactly: replayed, no fallback.
+        assert not any("(padding_changes_result)" in m for m in messages), messages
+        torch.testing.assert_close(out, model(_x(3)))
+        torch.testing.assert_close(graphed(_x(4)), model(_x(4)))
+        assert graphed.stats.replays == 2 and graphed.stats.fallbacks == {}
+        return
     assert sum("(padding_changes_result)" in m for m in messages) == 1, messages
     # Batch norm in train mode is also warned about, by name; the other two are plain modules.
     assert sum("model is in training mode" in m for m in messages) == isinstance(model, torch.nn.BatchNorm1d)
@@ -273,11 +323,12 @@ class Outputs(torch.nn.Module):
         return y, self.w * 2  # "fixed": a [4, 4] output that is not per row
 
 
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
 @pytest.mark.parametrize("buckets", [[4], [2, 4]])
 @pytest.mark.parametrize("kind", ["count", "flat", "rows", "fixed"])
-def test_outputs_that_are_not_per_row_come_back_as_eager_returns_them(kind, buckets):
+def test_outputs_that_are_not_per_row_come_back_as_eager_returns_them(kind, buckets, frontend):
     model = Outputs(kind).eval()
-    graphed = devgraph.wrap(model, device="cpu", batch_sizes=buckets)
+    graphed = _quiet(devgraph.wrap, model, device="cpu", batch_sizes=buckets, frontend=frontend)
     for n in (3, 4, *buckets[:-1]):
         out = _quiet_fallbacks(graphed, _x(n))
         want = model(_x(n))
@@ -288,6 +339,10 @@ def test_outputs_that_are_not_per_row_come_back_as_eager_returns_them(kind, buck
             torch.testing.assert_close(out, want)
     if kind == "fixed":  # padding is exact: the [4, 4] output is not cut
         assert graphed.stats.replays == len(buckets) + 1
+    elif frontend == "dynamo" and kind in ("count", "rows"):
+        # Dynamo computes x.shape[0] and unbinds the rows from the call's real size (a graph per
+        # row count where the output's length depends on it): every call replayed, none eager.
+        assert graphed.stats.fallbacks == {} and graphed.stats.eager_calls == 0
     else:
         assert graphed.stats.fallbacks == {"padding_changes_result": 1}
 
@@ -351,18 +406,23 @@ class UsesHolder(torch.nn.Module):
         return x + holder.bias
 
 
-def test_a_frozen_dataclass_holding_a_tensor_runs_eagerly():
-    graphed = devgraph.wrap(UsesHolder(), device="cpu", batch_sizes=[4])
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
+def test_a_frozen_dataclass_holding_a_tensor_runs_eagerly(frontend):
+    graphed = _quiet(devgraph.wrap, UsesHolder(), device="cpu", batch_sizes=[4], frontend=frontend)
     holder = Holder(torch.ones(4))
-    with pytest.warns(UserWarning, match="holds a tensor"):
+    if frontend == "raw":
+        with pytest.warns(UserWarning, match="holds a tensor"):
+            out = graphed(_x(), holder)
+    else:  # Dynamo reads the tensor inside the dataclass as a graph input: served, no warning
         out = graphed(_x(), holder)
     torch.testing.assert_close(out, _x() + 1)
     torch.testing.assert_close(_quiet_fallbacks(graphed, _x(), Holder(torch.zeros(4))), _x())
 
 
-def test_autocast_is_part_of_the_template_both_ways():
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
+def test_autocast_is_part_of_the_template_both_ways(frontend):
     model = Lin().eval()
-    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    graphed = _quiet(devgraph.wrap, model, device="cpu", batch_sizes=[4], frontend=frontend)
     assert graphed(_x()).dtype == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         out = _quiet_fallbacks(graphed, _x())
@@ -370,11 +430,14 @@ def test_autocast_is_part_of_the_template_both_ways():
     assert out.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(out, want)
 
-    under = devgraph.wrap(Lin().eval(), device="cpu", batch_sizes=[4])
+    under = _quiet(devgraph.wrap, Lin().eval(), device="cpu", batch_sizes=[4], frontend=frontend)
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         assert under(_x()).dtype == torch.bfloat16
-    assert _quiet_fallbacks(under, _x()).dtype == torch.float32
-    assert under.stats.fallbacks == {"autocast_or_dtype_mismatch": 1}
+    out = _quiet_fallbacks(under, _x())
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, under.module(_x()))
+    # Dynamo guards the autocast state: the other state is another trace and graph, not a fallback
+    assert under.stats.fallbacks == ({"autocast_or_dtype_mismatch": 1} if frontend == "raw" else {})
 
 
 class MakesOnes(torch.nn.Module):
@@ -382,28 +445,39 @@ class MakesOnes(torch.nn.Module):
         return x.double() + torch.ones(x.shape[0], 1)
 
 
-def test_the_default_dtype_is_part_of_the_template():
-    graphed = devgraph.wrap(MakesOnes(), device="cpu", batch_sizes=[4])
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
+def test_the_default_dtype_is_part_of_the_template(frontend):
+    model = MakesOnes()
+    graphed = _quiet(devgraph.wrap, model, device="cpu", batch_sizes=[4], frontend=frontend)
     graphed(_x())
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        _quiet_fallbacks(graphed, _x())
+        out = _quiet_fallbacks(graphed, _x())
+        want = model(_x())
     finally:
         torch.set_default_dtype(before)
-    assert graphed.stats.fallbacks == {"autocast_or_dtype_mismatch": 1}
+    assert out.dtype == want.dtype
+    torch.testing.assert_close(out, want)
+    # Dynamo guards the default dtype: another trace and graph, not a fallback
+    assert graphed.stats.fallbacks == ({"autocast_or_dtype_mismatch": 1} if frontend == "raw" else {})
 
 
 # -- checks a broken runner must fail (mutation tests) ----------------------------------------------
 
 
-def test_a_batched_input_of_another_dtype_is_not_served_from_the_graph():
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
+def test_a_batched_input_of_another_dtype_is_not_served_from_the_graph(frontend):
     model = Scales()
-    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    graphed = _quiet(devgraph.wrap, model, device="cpu", batch_sizes=[4], frontend=frontend)
     graphed(_x())
     out = _quiet_fallbacks(graphed, _x().double())
     assert out.dtype == torch.float64
-    assert graphed.stats.fallbacks == {"signature_mismatch": 1}
+    torch.testing.assert_close(out, model(_x().double()))
+    if frontend == "raw":
+        assert graphed.stats.fallbacks == {"signature_mismatch": 1}
+    else:  # Dynamo guards the dtype: the float64 call is another trace and its own graph
+        assert graphed.stats.fallbacks == {} and graphed.stats.replays == 2
 
 
 class AddsStatic(torch.nn.Module):
@@ -422,7 +496,10 @@ def test_a_static_argument_that_changed_is_not_served_from_the_graph(other):
         "dtype": table.view(torch.int32),  # same address and size
     }[other]
     torch.testing.assert_close(_quiet_fallbacks(graphed, _x(), changed), _x() + changed.float().sum())
-    assert graphed.stats.fallbacks == {"signature_mismatch": 1}
+    if other == "address":  # the same trace: the graph's runner refuses the other tensor
+        assert graphed.stats.fallbacks == {"signature_mismatch": 1}
+    else:  # Dynamo guards shape and dtype: the changed table is another trace and its own graph
+        assert graphed.stats.fallbacks == {} and graphed.stats.replays == 2
 
 
 def _lens(x, lens):

@@ -110,7 +110,8 @@ def _no_group_means_no_exchange(rank, world_size):
 
     # No collectives in this model, so ranks may capture what they like when told not to check.
     graphed = devgraph.wrap(torch.nn.Linear(4, 4), device="cpu", max_batch_size=2 + rank, process_group=None)
-    graphed(torch.randn(1, 4))
+    # 2 rows: Dynamo keeps a 1-row call's trace to 1 row (its graph captures that size alone)
+    graphed(torch.randn(2, 4))
     return graphed.stats.captured_sizes
 
 
@@ -157,13 +158,31 @@ def test_capture_context_is_entered_around_every_capture_and_warm_up():
         yield
         events.append("exit")
 
-    graphed = devgraph.wrap(
-        forward, device="cpu", batch_sizes=[1, 2], warmup_iters=1, capture_context=engine_context
-    )
+    # frontend='raw': the forward itself runs in the capture loop (through Dynamo it runs as traced
+    # Python, and Dynamo replays its list append after the graph)
+    with pytest.warns(UserWarning, match="untraced"):
+        graphed = devgraph.wrap(
+            forward,
+            device="cpu",
+            batch_sizes=[1, 2],
+            warmup_iters=1,
+            capture_context=engine_context,
+            frontend="raw",
+        )
     graphed(torch.randn(2, 4))
     assert events == ["enter", "warm-up", "capture", "warm-up", "capture", "exit"]
     graphed(torch.randn(1, 4))
     assert events[-1] == "exit"  # replays run outside it
+
+    events.clear()  # through Dynamo: entered once around the capture of the graph Dynamo handed over
+    traced = devgraph.wrap(
+        model, device="cpu", batch_sizes=[1, 2], warmup_iters=1, capture_context=engine_context
+    )
+    with torch.no_grad():
+        traced(torch.randn(2, 4))
+        assert events == ["enter", "exit"] and traced.stats.captured_sizes == (1, 2)
+        traced(torch.randn(2, 4))  # (1 row would be another trace: Dynamo specialises size 1)
+    assert events == ["enter", "exit"] and traced.stats.replays == 2  # replays run outside it
 
 
 def test_capture_context_must_be_callable():

@@ -50,7 +50,11 @@ def _reports(caplog) -> list[logging.LogRecord]:
 
 def test_planted_rounding_is_measured_kept_in_stats_reported_once_and_still_replayed(caplog):
     model = RoundsByRowCount()
-    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    # raw: the forward runs as written on the padded batch, so the planted branch on the row count
+    # rounds (Dynamo takes the branch on the call's real size: see the test below)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*captures the forward as it runs, untraced")
+        graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4], frontend="raw")
     x = _rows(3)
     with caplog.at_level(logging.INFO, logger="devgraph"), torch.no_grad():
         out = graphed(x).clone()
@@ -70,6 +74,16 @@ def test_planted_rounding_is_measured_kept_in_stats_reported_once_and_still_repl
     assert f"3 rows padded to 4: up to {worst:.2g} (output leaf 0)" in message
     assert "depend on the padding rows' count, not on their values" in message
     assert PROMISE[:-1] + " (batch_sizes=[...])" in message
+
+
+def test_a_branch_on_the_row_count_is_taken_on_the_calls_rows_through_dynamo(caplog):
+    model = RoundsByRowCount()
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    x = _rows(3)
+    with caplog.at_level(logging.INFO, logger="devgraph"), torch.no_grad():
+        out = graphed(x)
+    assert torch.equal(out, model(x))  # the 3-row branch, bit for bit
+    assert graphed.stats.row_count_rounding == () and graphed.stats.fallbacks == {} and not _reports(caplog)
 
 
 def test_buckets_equal_to_the_sizes_called_are_bitwise_and_report_nothing(caplog):

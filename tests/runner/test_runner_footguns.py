@@ -90,12 +90,33 @@ def test_a_cast_after_capture_captures_again_in_the_new_dtype():
     torch.testing.assert_close(out, model(ids))
 
 
-def test_methods_that_change_nothing_keep_the_graphs():
-    graphed = devgraph.wrap(Scaled().eval(), device="cpu", batch_sizes=[2])
+def _raw(model, **options):
+    """``devgraph.wrap(model, frontend="raw", ...)`` (its one warning of what it leaves unchecked is
+    expected, not counted)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*captures the forward as it runs, untraced")
+        return devgraph.wrap(model, frontend="raw", **options)
+
+
+def _runner(graphed):
+    """The one runner of a wrapper: the raw path's, or that of the one graph Dynamo handed over."""
+    if isinstance(graphed, devgraph.frontend.TracedModule):
+        (runner,) = graphed.graphs.runners
+        return runner
+    return graphed.runner
+
+
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
+def test_methods_that_change_nothing_keep_the_graphs(frontend):
+    graphed = _raw(Scaled().eval(), device="cpu", batch_sizes=[2]) if frontend == "raw" else None
+    graphed = graphed or devgraph.wrap(Scaled().eval(), device="cpu", batch_sizes=[2])
     graphed(*_inputs())
-    graph = graphed.runner.graph(2)
+    runner = _runner(graphed)
+    graph = runner.graph(2)
     graphed.eval().requires_grad_(False).to("cpu")
-    assert graphed.runner.graph(2) is graph
+    assert _runner(graphed) is runner and runner.graph(2) is graph
+    graphed(*_inputs())
+    assert graphed.stats.replays == 2 and graphed.stats.recaptures == 0
 
 
 def test_moving_to_another_device_type_is_refused():
@@ -118,9 +139,18 @@ def test_moving_to_another_device_type_is_refused():
     ],
     ids=lambda o: next(iter(o)),
 )
-def test_an_option_naming_no_argument_is_an_error_listing_the_arguments(option):
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
+def test_an_option_naming_no_argument_is_an_error_listing_the_arguments(option, frontend):
     name = next(iter(option))
-    with pytest.raises(DevgraphError, match=rf"{name} names .* it takes: x, slot"):
+    if frontend == "raw":
+        with pytest.raises(DevgraphError, match=rf"{name} names .* it takes: x, slot"):
+            _raw(Scaled(), device="cpu", **option)
+        return
+    if name == "host_args":  # refused through Dynamo whatever it names, naming the way to serve it
+        match = r"host_args=\['lens'\]: .*Pass frontend='raw'"
+    else:  # Dynamo's front end lists the arguments sorted, as a list
+        match = rf"{name} names \[.*\], which Scaled's forward does not take; it takes \['slot', 'x'\]"
+    with pytest.raises(DevgraphError, match=match):
         devgraph.wrap(Scaled(), device="cpu", **option)
 
 
@@ -140,8 +170,12 @@ def test_a_batch_size_that_is_not_a_positive_integer_is_an_error(option, bad):
 
 def test_integer_like_batch_sizes_are_accepted():
     np = pytest.importorskip("numpy")
-    graphed = devgraph.wrap(Scaled().eval(), device="cpu", batch_sizes=[np.int64(2), 4])
+    graphed = _raw(Scaled().eval(), device="cpu", batch_sizes=[np.int64(2), 4])
     assert graphed.runner.sizes == [2, 4]
+    traced = devgraph.wrap(Scaled().eval(), device="cpu", batch_sizes=[np.int64(2), 4])
+    assert list(traced.graphs.config.batch_sizes) == [2, 4]  # each graph's runner takes these
+    traced(*_inputs(3))
+    assert _runner(traced).sizes == [2, 4] and traced.stats.replays == 1
 
 
 # -- eager fallback errors ------------------------------------------------------------------
