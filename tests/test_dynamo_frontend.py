@@ -728,11 +728,6 @@ def _raw(model):
         return devgraph.wrap(model, device="cpu", frontend="raw", batch_sizes=[1, 2, 4, 8])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="every TracedModule is compiled through one frame Dynamo shares (torch's external_utils.inner): "
-    "past recompile_limit wrapped models in a process, each new one runs eagerly (dynamo_untraced)",
-)
 def test_more_wrapped_models_than_dynamos_recompile_limit_are_graphed():
     torch._dynamo.reset()
     limit = torch._dynamo.config.recompile_limit

@@ -228,6 +228,7 @@ class DynamoGraphs:
         self._unservable: dict[str, int] = {}
         self._eager_calls = 0
         self._warned: set[str] = set()
+        self._runner_warned: set[str] = set()  # what every graph's runner warned about (once for all)
         self._lock = threading.Lock()
         #: calls of any graph's callable, served or eager (a wrapper tells a call Dynamo ran by itself)
         self.served = 0
@@ -253,6 +254,7 @@ class DynamoGraphs:
         if graph.fixed_batch is not None:  # Dynamo specialised the graph to this size: capture it alone
             config = attrs.evolve(config, batch_sizes=[graph.fixed_batch], max_batch_size=None)
         runner = self._runner(_GraphFunction(graph), config)
+        runner.accounts.warned = self._runner_warned  # one warning per reason for all the graphs
         with self._lock:
             self.runners.append(runner)
         logger.debug(

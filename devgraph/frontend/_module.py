@@ -225,7 +225,11 @@ def wrap_traced(model: Any, device: Any, options: dict[str, Any]) -> TracedModul
     graphs.unbatched = frozenset(named.static_args)
     graphs.pad_values = dict(named.pad_values)
     try:
-        taken: set[str] | None = set(signature_of(model).parameters)
+        params = signature_of(model).parameters.values()
+        # a forward taking **kwargs takes any name (passed through to the code it calls)
+        taken: set[str] | None = (
+            None if any(p.kind == p.VAR_KEYWORD for p in params) else {p.name for p in params}
+        )
     except (TypeError, ValueError):
         taken = None
     if taken is not None:

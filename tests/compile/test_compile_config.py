@@ -160,12 +160,6 @@ def test_wrap_routes_piecewise_options_to_the_compile_config():
     assert runner.config.mode == runner.pieces.compile_config.mode == "piecewise"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mode='full' goes through Dynamo's front end, whose refusal reads \"unknown option(s) "
-    "['splitting_ops'] for torch.compile(backend='devgraph'); valid options: ...\": it names the option "
-    "but not that it applies to mode='piecewise', and names torch.compile, which the user did not call",
-)
 def test_wrap_rejects_compile_options_in_full_mode():
     with pytest.raises(DevgraphError, match=r"\['splitting_ops'\] apply to mode='piecewise'"):
         devgraph.wrap(torch.nn.Linear(4, 4), device="cpu", splitting_ops=["aten::mm"])

@@ -241,11 +241,6 @@ def test_tensor_parallel_of_needs_an_initialised_group():
 # -- the example -----------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="devgraph/demo.py wraps the decoder (host_args from its devgraph_options) in mode='full': the "
-    "default frontend='dynamo' refuses host_args",
-)
 def test_the_two_rank_demo_agrees_on_every_rank():
     env = {**os.environ, "DEVGRAPH_TEST_THREADS": "1"}
     run = subprocess.run(

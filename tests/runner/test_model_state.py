@@ -86,17 +86,7 @@ class BiasEma(torch.nn.Module):
 
 @pytest.mark.parametrize(
     "frontend",
-    [
-        "raw",
-        pytest.param(
-            "dynamo",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="frontend='dynamo': the capture's runs write the parameter and it is not put back "
-                "(the first call already differs from eager)",
-            ),
-        ),
-    ],
+    ["raw", "dynamo"],
 )
 def test_a_parameter_written_in_place_advances_as_in_eager(frontend):
     _, model, twin = _served_like_eager(BiasEma(), [4], [4, 4, 4], frontend=frontend)

@@ -268,17 +268,7 @@ def test_an_input_the_forward_only_reads_is_never_written(frontend):
 # -- grad mode --------------------------------------------------------------------------------------
 
 
-#: Through Dynamo, in grad mode, an output computed from parameters that require grad does not require
-#: grad (eager's does), and backward fails with torch's own error, not devgraph's refusal by name.
-_GRAD_LOST = pytest.mark.xfail(
-    strict=True,
-    reason="frontend='dynamo': outputs of parameters that require grad come back with requires_grad=False",
-)
-
-
-@pytest.mark.parametrize(
-    "mode", [pytest.param("full", marks=_GRAD_LOST), "full-raw", "piecewise", "breakable"]
-)
+@pytest.mark.parametrize("mode", ["full", "full-raw", "piecewise", "breakable"])
 def test_in_grad_mode_outputs_require_grad_as_eagers_and_backward_is_refused_by_name(mode):
     model = Lin().eval()
     graphed = _wrap_mode(model, mode)
@@ -307,7 +297,7 @@ def test_an_input_that_requires_grad_makes_the_outputs_require_grad():
         assert not graphed(x).requires_grad
 
 
-@pytest.mark.parametrize("frontend", ["raw", pytest.param("dynamo", marks=_GRAD_LOST)])
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
 def test_integer_and_non_tensor_outputs_are_handed_back_as_they_are_in_grad_mode(frontend):
     class Several(torch.nn.Module):
         def __init__(self) -> None:
