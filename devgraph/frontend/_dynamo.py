@@ -37,7 +37,15 @@ from devgraph._plugins import device as find_device
 from devgraph.compile import compile_option_names
 from devgraph.frontend._traced_graph import PYTHON_RANDOM, TracedGraph, Unservable
 from devgraph.graph import Device
-from devgraph.runner import MODE_TABLE, GraphRunner, RunnerConfig, make_config, piecewise_runner
+from devgraph.runner import (
+    MODE_TABLE,
+    Accounts,
+    GraphRunner,
+    RunnerConfig,
+    RunnerStats,
+    make_config,
+    piecewise_runner,
+)
 
 __all__ = ["DynamoGraphs", "DynamoStats", "Served", "backend_for", "call_traced", "compile_graph"]
 
@@ -213,6 +221,8 @@ class DynamoGraphs:
         #: padded rows of those that are (``pad_values``), by argument name
         self.unbatched: frozenset[str] = frozenset()
         self.pad_values: dict[str, Any] = {}
+        #: the name of the compiled forward's ``**kwargs`` parameter, if it has one
+        self.var_keyword: str | None = None
         #: a graph drew Python random numbers (``PYTHON_RANDOM``); a wrapper that can run the model
         #: eagerly instead sets ``eager_on_python_random`` (else the backend raises)
         self.python_random = False
@@ -229,6 +239,8 @@ class DynamoGraphs:
         self._eager_calls = 0
         self._warned: set[str] = set()
         self._runner_warned: set[str] = set()  # what every graph's runner warned about (once for all)
+        #: the calls no graph's runner served: counted by reason, warned once (``strict`` raises)
+        self.accounts = Accounts(config, RunnerStats(), threading.RLock(), "through Dynamo")
         self._lock = threading.Lock()
         #: calls of any graph's callable, served or eager (a wrapper tells a call Dynamo ran by itself)
         self.served = 0
@@ -240,13 +252,11 @@ class DynamoGraphs:
         """Dynamo's backend: the callable that serves graph ``gm`` (see the module docstring)."""
         self._note_recompile()
         try:
-            graph = TracedGraph(gm, example_inputs, self.batch_dims, self.unbatched)
+            graph = TracedGraph(gm, example_inputs, self.batch_dims, self.unbatched, self.var_keyword)
         except Unservable as why:
             return self._as_traced(gm, why)
         if graph.fixed_batch == 0:  # Dynamo specialises a size of 0: nothing to capture or replay
-            return self._as_traced(
-                gm, Unservable("empty_batch", "the call has 0 rows; there is nothing to replay")
-            )
+            return self._empty(gm)
         pad = {n: self.pad_values[u] for n, u in graph.user_names.items() if u in self.pad_values}
         config = attrs.evolve(
             self.config, batch_dims=graph.batch_dims, static_args=graph.static, pad_values=pad
@@ -371,6 +381,19 @@ class DynamoGraphs:
         finally:
             self._log = None
 
+    def _empty(self, gm: Any) -> Callable[..., Any]:
+        """A graph of 0 rows: run as traced at every call, each counted as the raw path counts it."""
+        forward, owner = gm.forward, weakref.ref(self)
+
+        def empty(*args: Any) -> Any:
+            me = owner()
+            if me is not None:
+                me.served += 1
+                me.accounts.note_fallback("empty_batch", "the call has 0 rows; there is nothing to replay")
+            return forward(*args)
+
+        return empty
+
     def _as_traced(self, gm: Any, why: Unservable) -> Callable[..., Any]:
         if why.category == "python_random":
             self.python_random = True  # a TracedModule runs later calls eagerly, Dynamo not at all
@@ -404,6 +427,9 @@ class DynamoGraphs:
         total.graph_breaks = dict(self.graph_breaks)
         total.recompiles = self.recompiles
         total.eager_calls = self._eager_calls
+        mine = self.accounts.stats
+        total.eager_calls += mine.eager_calls
+        total.fallbacks.update(mine.fallbacks)
         sizes: set[int] = set()
         rounding: list[Any] = []
         for runner in self.runners:

@@ -14,10 +14,8 @@ from devgraph._errors import DevgraphError
 from devgraph.frontend._dynamo import DynamoGraphs, DynamoStats, backend_for, call_traced
 from devgraph.frontend._traced_graph import PYTHON_RANDOM
 from devgraph.runner import (
-    Accounts,
     GraphedModule,
     RunnerConfig,
-    RunnerStats,
     ThreadOwner,
     capture_warnings,
     signature_of,
@@ -57,7 +55,7 @@ class TracedModule(GraphedModule):
         self.compiled = torch.compile(module, backend=graphs, fullgraph=fullgraph, **isolate)  # type: ignore[call-overload]
         graphs.eager_on_python_random = True
         #: the calls no graph served at all (Dynamo ran them as Python, or devgraph ran the model)
-        self._accounts = Accounts(graphs.config, RunnerStats(), threading.RLock(), "through Dynamo")
+        self._accounts = graphs.accounts
         #: the forward's positional parameter names (a positional argument's ``batch_dims`` key)
         self._positional = _positional_names(module)
         #: whether the model's training-mode layers were looked at since the graphs were last dropped
@@ -73,12 +71,7 @@ class TracedModule(GraphedModule):
 
     @property
     def stats(self) -> DynamoStats:  # type: ignore[override]
-        total = self.graphs.stats
-        mine = self._accounts.stats
-        total.eager_calls += mine.eager_calls
-        for reason, n in mine.fallbacks.items():
-            total.fallbacks[reason] = total.fallbacks.get(reason, 0) + n
-        return total
+        return self.graphs.stats
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Serve one call through Dynamo (see the class docstring).
@@ -230,6 +223,7 @@ def wrap_traced(model: Any, device: Any, options: dict[str, Any]) -> TracedModul
         taken: set[str] | None = (
             None if any(p.kind == p.VAR_KEYWORD for p in params) else {p.name for p in params}
         )
+        graphs.var_keyword = next((p.name for p in params if p.kind == p.VAR_KEYWORD), None)
     except (TypeError, ValueError):
         taken = None
     if taken is not None:

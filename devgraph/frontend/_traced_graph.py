@@ -68,12 +68,17 @@ def _is_symbolic(size: Any) -> bool:
     return isinstance(size, torch.SymInt) and not getattr(size.node.expr, "is_Integer", False)
 
 
-def _argument_name(node: Any) -> str:
-    """The compiled function's argument a user input comes from (``x`` for ``L['x']``)."""
+def _argument_name(node: Any, var_keyword: str | None = None) -> str:
+    """The compiled function's argument a user input comes from (``x`` for ``L['x']``; ``bias`` for
+    ``L['kwargs']['bias']`` where ``kwargs`` is the forward's ``**`` parameter, ``var_keyword``)."""
     source = getattr(node.meta.get("grapharg"), "source", None)
+    below = None
     while source is not None and getattr(source, "base", None) is not None:
-        source = source.base
-    return str(getattr(source, "local_name", ""))
+        source, below = source.base, source
+    name = str(getattr(source, "local_name", ""))
+    if var_keyword is not None and name == var_keyword and isinstance(getattr(below, "index", None), str):
+        return str(below.index)  # type: ignore[union-attr]
+    return name
 
 
 def _source_name(node: Any) -> str:
@@ -206,12 +211,15 @@ class TracedGraph:
         example_inputs: Sequence[Any],
         user_dims: dict[str, int] | None = None,
         unbatched: frozenset[str] = frozenset(),
+        var_keyword: str | None = None,
     ) -> None:
         self.gm = gm
         #: the batch dim of the compiled function's arguments by name (default 0)
         self.user_dims = user_dims or {}
         #: the compiled function's arguments that are never batched (``static_args``): passed as they are
         self.unbatched = unbatched
+        #: the name of the forward's ``**kwargs`` parameter: an argument passed through it is named by its key
+        self.var_keyword = var_keyword
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(example_inputs):
             raise Unservable("unsupported_graph", "Dynamo's graph and its example inputs disagree")
@@ -268,7 +276,7 @@ class TracedGraph:
         #: the runner's batched arguments that are a user's argument itself (``x``), by that name: where
         #: the user's ``pad_values`` apply
         self.user_names = {
-            n.name: _argument_name(n)
+            n.name: _argument_name(n, var_keyword)
             for n in placeholders
             if n.name in self.batch_dims
             and type(getattr(n.meta.get("grapharg"), "source", None)).__name__ == "LocalSource"
@@ -297,9 +305,10 @@ class TracedGraph:
     def _user_dim(self, node: Any, fake: Any) -> int | None:
         """The batch dim of a user input (``user_dims`` by argument name, else 0); None: not a user
         input, or a tensor without that dim."""
-        if not _from_user(node) or not fake.dim() or _argument_name(node) in self.unbatched:
+        name = _argument_name(node, self.var_keyword)
+        if not _from_user(node) or not fake.dim() or name in self.unbatched:
             return None
-        d = self.user_dims.get(_argument_name(node), 0)
+        d = self.user_dims.get(name, 0)
         return d if d < fake.dim() else None
 
     def _batch_symbols(self, placeholders: list[Any], fakes: list[Any]) -> frozenset[Any]:

@@ -7,6 +7,8 @@ would either run the eager fallback or record the compiled graph partially (repl
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -197,17 +199,26 @@ def test_wrap_of_varargs_forward_serves_calls_from_graphs():
     assert graphed.stats.fallbacks == {}
 
 
-def test_varargs_call_with_other_constants_falls_back():
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
+def test_varargs_call_with_other_constants_falls_back_or_is_traced_again(frontend):
     model = VarArgs()
     bias = torch.randn(8)
-    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[2], static_args=["bias"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*untraced")
+        graphed = devgraph.wrap(model, device="cpu", batch_sizes=[2], static_args=["bias"], frontend=frontend)
     x, gate = torch.randn(2, 8), torch.randn(2, 1)
     graphed(x, gate, bias=bias, scale=0.5)
-    with pytest.warns(UserWarning, match="scale"):
+    if frontend == "raw":  # the call template names the constant that differs
+        with pytest.warns(UserWarning, match="scale"):
+            got = graphed(x, gate, bias=bias, scale=2.0)
+    else:  # Dynamo guards kwargs['scale']: another trace and graph, served
         got = graphed(x, gate, bias=bias, scale=2.0)
     with torch.no_grad():
         torch.testing.assert_close(got, model(x, gate, bias=bias, scale=2.0))
-    assert graphed.stats.fallbacks == {"signature_mismatch": 1}
+    if frontend == "raw":
+        assert graphed.stats.fallbacks == {"signature_mismatch": 1}
+    else:
+        assert graphed.stats.fallbacks == {} and graphed.stats.recompiles == 1 and graphed.stats.replays == 2
 
 
 def test_piecewise_trace_names_the_host_sync_and_its_line():
