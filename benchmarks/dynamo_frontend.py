@@ -132,7 +132,10 @@ def _first_call(
     start = time.perf_counter()
     try:
         model, call = build()
-        graphed = devgraph.wrap(model, device="cpu", frontend=frontend, max_batch_size=8)
+        # the decoder's devgraph_options name its host lengths (served by the raw front end); through
+        # Dynamo the list is a constant of each trace
+        extra = {"host_args": ()} if frontend == "dynamo" and hasattr(model, "devgraph_options") else {}
+        graphed = devgraph.wrap(model, device="cpu", frontend=frontend, max_batch_size=8, **extra)
         with torch.no_grad():
             call(graphed)
     except devgraph.DevgraphError as e:

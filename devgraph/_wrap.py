@@ -71,10 +71,10 @@ def wrap(
             f"in mode='full') or 'raw' (the forward captured as it runs, untraced), got {frontend!r}"
         )
     if _is_hf_model(model):
-        if frontend is not None:
+        if frontend == "dynamo":
             raise DevgraphError(
-                f"frontend={frontend!r} applies to a plain model's forward; a Hugging Face causal LM's "
-                "generate() steps are captured by its adapter: drop frontend"
+                "frontend='dynamo' serves a plain model's forward; a Hugging Face causal LM's generate() "
+                "steps are captured by its adapter as they run (frontend='raw'): drop frontend"
             )
         from devgraph.adapters.hf import wrap_hf
 

@@ -223,3 +223,11 @@ def test_a_model_in_train_mode_is_warned_about_naming_eval():
     model = tiny_model("llama").train()
     with pytest.warns(UserWarning, match=r"train mode.*model\.eval\(\)"):
         devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=16)
+
+
+def test_a_causal_lm_is_captured_by_its_adapter_not_behind_dynamo():
+    model = tiny_model("llama")
+    with pytest.raises(devgraph.DevgraphError, match=r"frontend='dynamo' serves a plain model's forward"):
+        devgraph.wrap(model, device="cpu", frontend="dynamo")
+    graphed = devgraph.wrap(model, device="cpu", frontend="raw", max_batch_size=2, max_cache_len=32)
+    assert graphed.stats.frontend == "raw"
