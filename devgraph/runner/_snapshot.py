@@ -319,7 +319,8 @@ class StateSnapshot:
     def _walk_root(self, fn: object) -> None:
         traced = traced_state(fn)
         if traced is not None:  # Dynamo guards its Python values: only the tensors its graph may write
-            self._walk_value("", traced, 0)
+            for name, value in traced.items():
+                self._walk_value(name, value, 0)
         elif isinstance(fn, torch.nn.Module):
             self._walk_module("", fn)
         elif isinstance(fn, types.MethodType):  # model.forward: the model, and the function's closure
