@@ -42,6 +42,12 @@ def wrap(
 ) -> GraphedModule:
     """Serve ``model``'s calls from graphs captured per batch-size bucket on ``device``.
 
+    In ``mode='full'`` (the default) Dynamo traces the forward and devgraph captures each graph it
+    hands over (``devgraph.frontend.TracedModule``): Dynamo's guards decide at every call whether a
+    graph may serve it, Python side effects happen at every call, code Dynamo cannot trace runs
+    eagerly between graphs. ``frontend='raw'`` (and, by default, the other modes) captures the
+    forward as it runs, untraced, and warns once what that leaves unchecked.
+
     Args:
         model: an ``nn.Module`` (or callable) taking tensors, or a Hugging Face causal LM (its decode
             step is captured over a static KV cache; ``generate()`` is then graphed).
@@ -53,11 +59,16 @@ def wrap(
             ``capture_context``), with ``mode='piecewise'`` or
             ``'full_and_piecewise'`` also ``devgraph.compile.CompileConfig`` fields (``splitting_ops``,
             ``compile_backend``, ``passes``, ``capture_sizes``, ``capture_budget``, ``traffic``,
-            ``is_decode``), plus adapter options. A model's own ``devgraph_options()`` provides defaults.
+            ``is_decode``), plus adapter options. ``frontend``: ``'dynamo'`` (the default in
+            ``mode='full'``; opt-in for ``'piecewise'`` and ``'breakable'``) or ``'raw'``;
+            ``fullgraph=True`` (Dynamo in front) refuses a graph break. A model's own
+            ``devgraph_options()`` provides defaults (``frontend`` included).
     Raises:
         DevgraphError: an unknown option (the message lists the valid ones), a bad value (batch
             sizes must be positive integers), or ``static_args``/``pad_values``/``batch_dims``/
-            ``host_args`` naming an argument the model does not take (the message lists those it does).
+            ``host_args`` naming an argument the model does not take (the message lists those it does),
+            ``host_args`` with Dynamo in front (pass ``frontend='raw'``), or a mode Dynamo does not
+            serve with ``frontend='dynamo'``.
     """
     dev = device if isinstance(device, Device) else _device(device)
     refuse_host_weights(model, dev.torch_device)
