@@ -2,9 +2,10 @@
 
 Dynamo traces the forward (guards what it read, replays its Python side effects, breaks the graph
 where it cannot follow); devgraph captures and replays each FX graph it hands over with a
-``GraphRunner`` per graph (``DynamoGraphs``, reading each graph with ``TracedGraph``).
-``TracedModule`` is what ``devgraph.wrap(model)`` returns in ``mode='full'``. This layer sits above
-the runner and below debug and the adapters.
+``GraphRunner`` per graph (``DynamoGraphs``, reading each graph with ``TracedGraph``): whole per
+bucket, breakable, or cut into pieces, by mode. ``TracedModule`` is what ``devgraph.wrap(model)``
+returns in ``mode='full'`` (and with ``frontend='dynamo'`` in the piecewise and breakable modes).
+This layer sits above the runner and below debug and the adapters.
 """
 
 from devgraph.frontend._dynamo import (
