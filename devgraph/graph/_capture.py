@@ -222,10 +222,17 @@ def _raise_sync(op: str, remedy: str) -> None:
 
 
 def _modes() -> tuple[type, type]:
-    """Build the mode classes lazily so ``import devgraph`` does not import torch's mode machinery."""
+    """Build the mode classes lazily so ``import devgraph`` does not import torch's mode machinery:
+    the host-sync guard (a function mode) and the capture's dispatch mode."""
+    return _host_sync_guard(), _capture_dispatch_mode()
+
+
+def _host_sync_guard() -> type:
+    """``HostSyncGuard``: refuses, at the torch function level, what a capture cannot record (a host
+    read of a device value, a pageable upload, host data copied to the device) and what a recording
+    backend would not see."""
     import torch
     from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     host_data_factories = {torch.tensor, torch.as_tensor}
 
@@ -306,6 +313,16 @@ def _modes() -> tuple[type, type]:
                 )
             return result
 
+    return HostSyncGuard
+
+
+def _capture_dispatch_mode() -> type:
+    """``CaptureDispatchMode``: every op of the capture, at the dispatch level (updatable ops as
+    tasks, collectives and host syncs refused, Python-bodied custom ops seen inside, higher-order
+    ops of compiled graphs run whole)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     class CaptureDispatchMode(TorchDispatchMode):
         def __init__(self, graph: GuardedGraph, auto_update_ops: Sequence[str]) -> None:
             super().__init__()
@@ -316,7 +333,7 @@ def _modes() -> tuple[type, type]:
             key = {"cpu": "CPU", "cuda": "CUDA"}.get(self.device_type, "PrivateUse1")
             self.key_name = key
             self.keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-            self.host_guard: HostSyncGuard | None = None  # this capture's guard, set by capturing()
+            self.host_guard: Any = None  # this capture's HostSyncGuard, set by capturing()
             self.seen = 0  # ops this mode saw: what a recording backend records
             # Host ops reading pre-capture CPU tensors: frozen on a device graph (the reference records them).
             self.host_compute = host_compute_for(self.device_type)
@@ -389,7 +406,7 @@ def _modes() -> tuple[type, type]:
                     "attention), or use mode='piecewise', which compiles the pieces between such ops",
                 )
 
-    return HostSyncGuard, CaptureDispatchMode
+    return CaptureDispatchMode
 
 
 def _is_tensor_method(func: Callable[..., Any]) -> bool:
