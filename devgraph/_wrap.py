@@ -99,7 +99,7 @@ def wrap(
         # A model the user compiled already has Dynamo in front of their compiler: captured as it runs
         # (its compiled code recorded whole), not traced again with devgraph's backend instead.
         compiled = type(model).__name__ == "OptimizedModule"
-        frontend = "dynamo" if mode == "full" and not compiled else "raw"
+        frontend = "dynamo" if mode in ("full", "breakable", "piecewise") and not compiled else "raw"
     elif frontend == "dynamo" and routes:
         raise DevgraphError(
             f"frontend='dynamo' serves mode='full', 'breakable' and 'piecewise'; mode={mode!r} routes decode "

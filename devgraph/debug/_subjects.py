@@ -179,8 +179,6 @@ def served_plan(graphed: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     served once first: a call the runner serves eagerly is refused, and its output is what the
     report's ``reproduces`` compares with.
     """
-    from devgraph.runner import BreakableGraphs, Pieces, WholeGraphs
-
     runner = graphed.runner
     parts = [p for p in (runner.full, runner.pieces, runner.breakable) if p is not None]
     before = [p.stats.replays for p in parts]
@@ -197,17 +195,23 @@ def served_plan(graphed: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         )
     # The part whose replays moved served it (full_and_piecewise: the full graphs of a decode batch).
     part = next(p for p, b, a in zip(parts, before, after) if a != b)
-    if isinstance(part, BreakableGraphs):  # a WholeGraphs whose graphs are breakable
-        breaks = part.config.breaks
-        plan = _full_plan(part, args, kwargs, lambda: BreakableGraph(part.device, breaks), "breakable graph")
-    elif isinstance(part, WholeGraphs):
-        plan = _full_plan(part, args, kwargs)
-    elif isinstance(part, Pieces):
-        plan = _piecewise_plan(part, args, kwargs)
-    else:
-        raise DevgraphError(f"bisect does not know the part {type(part).__name__}; bisect graphed.module")
+    plan = _part_plan(part, args, kwargs)
     plan.served = served
     return plan
+
+
+def _part_plan(part: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+    """The plan of the runner part that served a call: its bucket captured again with the probe."""
+    from devgraph.runner import BreakableGraphs, Pieces, WholeGraphs
+
+    if isinstance(part, BreakableGraphs):  # a WholeGraphs whose graphs are breakable
+        breaks = part.config.breaks
+        return _full_plan(part, args, kwargs, lambda: BreakableGraph(part.device, breaks), "breakable graph")
+    if isinstance(part, WholeGraphs):
+        return _full_plan(part, args, kwargs)
+    if isinstance(part, Pieces):
+        return _piecewise_plan(part, args, kwargs)
+    raise DevgraphError(f"bisect does not know the part {type(part).__name__}; bisect graphed.module")
 
 
 def traced_plans(traced: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Plan]:
@@ -230,7 +234,7 @@ def traced_plans(traced: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     for k, served in enumerate(log):
         graph, runner = served.graph, served.runner
         graph.interpret = True
-        plan = _full_plan(runner.full, tuple(served.arguments), {})
+        plan = _part_plan(runner.part, tuple(served.arguments), {})
         plan.cleanup.append(functools.partial(setattr, graph, "interpret", False))
         plan.served = tuple(served.outputs)
         which = (

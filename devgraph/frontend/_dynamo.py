@@ -195,6 +195,13 @@ class DynamoStats:
     row_count_rounding: tuple[Any, ...] = ()
     #: how the forward was read: ``"dynamo"`` (traced, guarded; ``"raw"`` is ``RunnerStats``')
     frontend: str = "dynamo"
+    #: ``mode='piecewise'``: every graph's pieces, splitting ops met, traces, compile seconds and
+    #: matches per pass, added up (``PiecewiseStats``)
+    pieces: int = 0
+    splitting_ops: int = 0
+    traces: int = 0
+    compile_seconds: float = 0.0
+    passes: dict[str, int] = attrs.field(factory=dict)
 
 
 class DynamoGraphs:
@@ -435,6 +442,12 @@ class DynamoGraphs:
         for runner in self.runners:
             s = runner.stats
             rounding.extend(s.row_count_rounding)
+            total.pieces += getattr(s, "pieces", 0)
+            total.splitting_ops += getattr(s, "splitting_ops", 0)
+            total.traces += getattr(s, "traces", 0)
+            total.compile_seconds += getattr(s, "compile_seconds", 0.0)
+            for name, n in getattr(s, "passes", {}).items():
+                total.passes[name] = total.passes.get(name, 0) + n
             total.replays += s.replays
             total.eager_calls += s.eager_calls
             total.capture_seconds += s.capture_seconds
@@ -513,4 +526,11 @@ def backend_for(options: dict[str, Any] | None = None, mode: str | None = None) 
             f"option(s) {sorted(compile_options)} apply to mode='piecewise' only; add mode='piecewise' or drop them"
         )
     dev = device if isinstance(device, Device) else find_device(device)
+    if MODE_TABLE[config.mode].serves == "pieces":
+        # A compiler the device lacks, an unknown pass, a bad size: refused now, not at the first trace
+        piecewise_runner(_no_model, dev, config, **dict(compile_options))
     return DynamoGraphs(dev, config, compile_options=compile_options)
+
+
+def _no_model(*args: Any) -> None:
+    """What ``backend_for`` builds a piecewise runner over to check its options (never called)."""
