@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from devgraph._source import is_user_path, render, skip_dirs
+from devgraph.frontend import node_meta_at
 from devgraph.graph import CompiledRegions, is_view, written_tensors
 
 __all__ = ["COMPILED", "OpRecord", "OpProbe", "module_names"]
@@ -76,6 +77,13 @@ def meta_source(meta: Mapping[str, Any]) -> str | None:
     frames = _FRAME.findall(meta.get("stack_trace") or "")
     skip = skip_dirs()
     for path, line, code in reversed(frames):
+        name = os.path.basename(path)
+        if name.startswith("<eval_with_key>"):  # a Dynamo graph's code traced again: its node's line
+            outer = node_meta_at(name, int(line))
+            found = meta_source(outer) if outer is not None else None
+            if found is not None:
+                return found
+            continue
         if is_user_path(os.path.abspath(path), skip):
             return f"{path}:{line}: {code.strip()}"
     return None
@@ -115,9 +123,12 @@ def _where(modules: Mapping[int, str], skip: tuple[str, str]) -> tuple[str | Non
     frame = sys._getframe(2)
     while frame is not None and (source is None or (modules and module is None)):
         if source is None:
-            path = os.path.abspath(frame.f_code.co_filename)
-            if is_user_path(path, skip):
-                source = render(path, frame.f_lineno)
+            name = frame.f_code.co_filename
+            if name.startswith("<eval_with_key>"):  # a Dynamo graph's code run (pieces): its node's line
+                outer = node_meta_at(name, frame.f_lineno)
+                source = meta_source(outer) if outer is not None else None
+            elif is_user_path(os.path.abspath(name), skip):
+                source = render(os.path.abspath(name), frame.f_lineno)
         if modules and module is None:
             owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
             if owner is not None:

@@ -233,7 +233,9 @@ def traced_plans(traced: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     plans = []
     for k, served in enumerate(log):
         graph, runner = served.graph, served.runner
-        graph.interpret = True
+        # run node by node under each node's meta (ops named at the user's lines), except where the
+        # part traces the graph again (pieces: Dynamo does not trace torch.fx's interpreter)
+        graph.interpret = runner.pieces is None
         plan = _part_plan(runner.part, tuple(served.arguments), {})
         plan.cleanup.append(functools.partial(setattr, graph, "interpret", False))
         plan.served = tuple(served.outputs)
@@ -242,9 +244,8 @@ def traced_plans(traced: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             if len(log) > 1
             else "the graph Dynamo traced"
         )
-        plan.subject = (
-            f"{_describe(traced.module)} through Dynamo, {which}: {plan.subject.split(' wrapped, ', 1)[1]}"
-        )
+        what = plan.subject.split(" wrapped", 1)[-1].lstrip(" ,")  # "the graph of bucket 4 serving ..."
+        plan.subject = f"{_describe(traced.module)} through Dynamo, {which}: {what}"
         plans.append(plan)
     return plans
 

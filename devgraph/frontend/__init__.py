@@ -18,7 +18,7 @@ from devgraph.frontend._dynamo import (
     compile_graph,
 )
 from devgraph.frontend._module import TracedModule, wrap_traced
-from devgraph.frontend._traced_graph import PYTHON_RANDOM, TracedGraph, Unservable
+from devgraph.frontend._traced_graph import PYTHON_RANDOM, TracedGraph, Unservable, node_meta_at
 
 __all__ = [
     "DYNAMO_CONFIG",
@@ -32,5 +32,6 @@ __all__ = [
     "backend_for",
     "call_traced",
     "compile_graph",
+    "node_meta_at",
     "wrap_traced",
 ]

@@ -23,15 +23,41 @@ returned value its inputs' sizes do not determine).
 
 from __future__ import annotations
 
+import linecache
 import operator
 import re
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import torch
 
-__all__ = ["PYTHON_RANDOM", "TracedGraph", "Unservable"]
+__all__ = ["PYTHON_RANDOM", "TracedGraph", "Unservable", "node_meta_at"]
+
+#: Dynamo's graphs devgraph was handed: where a bisect of pieces, which run a graph's generated code
+#: (``<eval_with_key>.N``) traced once more, finds the node (and the user's line) of an op
+_GRAPHS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _code_file(gm: Any) -> str:
+    """The file name of ``gm``'s generated code (a lazy graph module's once it ran)."""
+    code = getattr(getattr(type(gm), "forward", None), "__code__", None)
+    return str(getattr(code, "co_filename", ""))
+
+
+def node_meta_at(filename: str, line: int) -> dict[str, Any] | None:
+    """The meta of the node of a Dynamo graph that line ``line`` of its generated code (``filename``,
+    ``<eval_with_key>.N``) computes (``name = op(...)``), or None where no such graph or node is known."""
+    gm = next((g for g in list(_GRAPHS) if _code_file(g) == filename), None)
+    if gm is None:
+        return None
+    match = re.match(r"\s*(\w+)\s*=", linecache.getline(filename, line))
+    if match is None:
+        return None
+    node = next((n for n in gm.graph.nodes if n.name == match.group(1)), None)
+    return None if node is None else dict(node.meta)
+
 
 PYTHON_RANDOM = (
     "the forward draws Python random numbers (random.random(), a random.Random's methods): Dynamo draws "
@@ -214,6 +240,7 @@ class TracedGraph:
         var_keyword: str | None = None,
     ) -> None:
         self.gm = gm
+        _GRAPHS.add(gm)
         #: the batch dim of the compiled function's arguments by name (default 0)
         self.user_dims = user_dims or {}
         #: the compiled function's arguments that are never batched (``static_args``): passed as they are
