@@ -42,11 +42,12 @@ def wrap(
 ) -> GraphedModule:
     """Serve ``model``'s calls from graphs captured per batch-size bucket on ``device``.
 
-    In ``mode='full'`` (the default) Dynamo traces the forward and devgraph captures each graph it
-    hands over (``devgraph.frontend.TracedModule``): Dynamo's guards decide at every call whether a
-    graph may serve it, Python side effects happen at every call, code Dynamo cannot trace runs
-    eagerly between graphs. ``frontend='raw'`` (and, by default, the other modes) captures the
-    forward as it runs, untraced, and warns once what that leaves unchecked.
+    In the ``full`` (default), ``piecewise`` and ``breakable`` modes Dynamo traces the forward and
+    devgraph captures each graph it hands over (``devgraph.frontend.TracedModule``): Dynamo's guards
+    decide at every call whether a graph may serve it, Python side effects happen at every call, code
+    Dynamo cannot trace runs eagerly between graphs. ``frontend='raw'`` (and, by default, the
+    ``full_and_*`` modes) captures the forward as it runs, untraced, and warns once what that leaves
+    unchecked.
 
     Args:
         model: an ``nn.Module`` (or callable) taking tensors, or a Hugging Face causal LM (its decode
@@ -59,8 +60,8 @@ def wrap(
             ``capture_context``), with ``mode='piecewise'`` or
             ``'full_and_piecewise'`` also ``devgraph.compile.CompileConfig`` fields (``splitting_ops``,
             ``compile_backend``, ``passes``, ``capture_sizes``, ``capture_budget``, ``traffic``,
-            ``is_decode``), plus adapter options. ``frontend``: ``'dynamo'`` (the default in
-            ``mode='full'``; opt-in for ``'piecewise'`` and ``'breakable'``) or ``'raw'``;
+            ``is_decode``), plus adapter options. ``frontend``: ``'dynamo'`` (the default but in
+            the ``full_and_*`` modes) or ``'raw'``;
             ``fullgraph=True`` (Dynamo in front) refuses a graph break. A model's own
             ``devgraph_options()`` provides defaults (``frontend`` included).
     Raises:

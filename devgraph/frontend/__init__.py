@@ -4,7 +4,7 @@ Dynamo traces the forward (guards what it read, replays its Python side effects,
 where it cannot follow); devgraph captures and replays each FX graph it hands over with a
 ``GraphRunner`` per graph (``DynamoGraphs``, reading each graph with ``TracedGraph``): whole per
 bucket, breakable, or cut into pieces, by mode. ``TracedModule`` is what ``devgraph.wrap(model)``
-returns in ``mode='full'`` (and with ``frontend='dynamo'`` in the piecewise and breakable modes).
+returns in the ``full``, ``piecewise`` and ``breakable`` modes (``frontend='dynamo'``, the default).
 This layer sits above the runner and below debug and the adapters.
 """
 
