@@ -159,7 +159,7 @@ def warn_untraced(model: Any, mode: str) -> None:
         )
     elif mode in ("piecewise", "breakable"):
         how = f"mode={mode!r} is served from one trace or capture of the forward, without Dynamo's guards at each call"
-        instead = "frontend='dynamo' (Dynamo in front of this mode)"
+        instead = "the default frontend='dynamo' (Dynamo in front of this mode)"
     else:
         how = f"mode={mode!r} is served from one trace or capture of the forward, without Dynamo's guards at each call"
         instead = "mode='full', or 'piecewise' / 'breakable' with frontend='dynamo',"

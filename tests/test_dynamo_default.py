@@ -57,7 +57,10 @@ def test_wrap_in_full_mode_is_dynamo_in_front_and_raw_says_what_it_leaves_unchec
         UserWarning,
         match=r"mode='piecewise' is served from one trace or capture.*without Dynamo's guards.*frontend='dynamo'",
     ):
-        devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4])
+        devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4], frontend="raw")
+    assert isinstance(
+        devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4]), TracedModule
+    )
 
 
 SEEN: list[float] = []
@@ -284,7 +287,7 @@ class AttendsPerRow(nn.Module):
 def test_piecewise_and_breakable_graphs_behind_dynamo_follow_python_state_as_eager(mode):
     model, twin = AttendsPerRow().eval(), AttendsPerRow().eval()
     sizes = {"capture_sizes": [2, 4]} if mode == "piecewise" else {"batch_sizes": [2, 4]}
-    graphed = devgraph.wrap(model, device="cpu", mode=mode, frontend="dynamo", **sizes)
+    graphed = devgraph.wrap(model, device="cpu", mode=mode, **sizes)  # Dynamo in front: the default
     with torch.no_grad():
         for i, rows in enumerate((3, 1, 4, 3)):
             x = _x(rows, i, width=8)
