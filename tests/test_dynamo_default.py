@@ -57,10 +57,12 @@ def test_wrap_in_full_mode_is_dynamo_in_front_and_raw_says_what_it_leaves_unchec
         UserWarning,
         match=r"mode='piecewise' is served from one trace or capture.*without Dynamo's guards.*frontend='dynamo'",
     ):
-        devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4], frontend="raw")
-    assert isinstance(
-        devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4]), TracedModule
-    )
+        devgraph.wrap(model, device="cpu", mode="piecewise", frontend="raw", capture_sizes=[2, 4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Dynamo in front of piecewise mode by default: no warning
+        assert isinstance(
+            devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4]), TracedModule
+        )
 
 
 SEEN: list[float] = []

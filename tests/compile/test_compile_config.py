@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import attrs
 import pytest
 import torch
@@ -140,22 +142,32 @@ def test_compile_option_names_exclude_the_shared_mode():
     )
 
 
-def test_wrap_routes_piecewise_options_to_the_compile_config():
+@pytest.mark.parametrize("frontend", ["dynamo", "raw"])
+def test_wrap_routes_piecewise_options_to_the_compile_config(frontend):
     model = torch.nn.Linear(4, 4)
-    graphed = devgraph.wrap(
-        model,
-        device="cpu",
-        mode="piecewise",
-        splitting_ops=["aten::scaled_dot_product_attention"],
-        compile_backend="eager",
-        passes=["add_rms_norm"],
-        capture_sizes=[2, 4],
-        max_batch_size=8,
-    )
-    runner = graphed.runner
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "devgraph: .*without Dynamo's guards", UserWarning)  # raw
+        graphed = devgraph.wrap(
+            model,
+            device="cpu",
+            mode="piecewise",
+            frontend=frontend,
+            splitting_ops=["aten::scaled_dot_product_attention"],
+            compile_backend="eager",
+            passes=["add_rms_norm"],
+            capture_sizes=[2, 4],
+            max_batch_size=8,
+        )
+    if frontend == "raw":
+        runner = graphed.runner
+    else:  # Dynamo's graphs get their runners as it hands them over, at the first call
+        with torch.no_grad():
+            torch.testing.assert_close(graphed(torch.ones(3, 4)), model(torch.ones(3, 4)))
+        (runner,) = graphed.graphs.runners
     assert runner.pieces is not None and runner.full is None
     assert runner.pieces.compile_config.splitting_ops == ("aten::scaled_dot_product_attention",)
     assert runner.pieces.compile_config.passes == ("add_rms_norm",)
+    assert runner.pieces.compile_config.compile_backend == "eager"
     assert runner.sizes == [2, 4] and runner.config.max_batch_size == 8
     assert runner.config.mode == runner.pieces.compile_config.mode == "piecewise"
 

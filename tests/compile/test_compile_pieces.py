@@ -1,4 +1,11 @@
-"""Per-piece capture mechanics on the CPU reference backend, with tiny toy models."""
+"""Per-piece capture mechanics on the CPU reference backend, with tiny toy models.
+
+Both front ends serve the pieces with one ``GraphRunner`` per traced graph: ``frontend='raw'`` (one
+trace of the forward, ``graphed.runner``) and the default Dynamo front end (``graphed.graphs.runners``).
+Tests of what only the raw trace does (one trace for every call, host lists reaching its splitting
+ops, its refusals, its rollback and reset) pass ``frontend='raw'``; the staging and weak references of
+the pieces are checked on both.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import devgraph
 from devgraph import DevgraphError
 from devgraph.backends.cpu._pool import block_of
 from devgraph.compile import CompileConfig, DevgraphCompiler
+from devgraph.frontend import TracedModule
 from devgraph.runner import GraphRunner, RunnerConfig
 
 _lib = torch.library.Library("devgraph_test", "FRAGMENT")
@@ -42,20 +50,39 @@ class Toy(torch.nn.Module):
         return {"y": self.lin2(h) * 2, "scale": 3, "first": h[:, :2]}
 
 
+#: The one warning of a wrap served without Dynamo in front (``frontend='raw'``).
+UNTRACED = "without Dynamo's guards"
+
+
+def _wrap(model, **options):
+    """``devgraph.wrap(model, mode='piecewise')``; with ``frontend='raw'``, its one warning expected."""
+    if options.get("frontend") != "raw":
+        return devgraph.wrap(model, device="cpu", mode="piecewise", **options)
+    with pytest.warns(UserWarning, match=UNTRACED):
+        return devgraph.wrap(model, device="cpu", mode="piecewise", **options)
+
+
+def _runner(graphed) -> GraphRunner:
+    """The runner serving the pieces: the raw trace's, or that of the latest graph Dynamo handed over
+    with a dynamic token count (a call of one token gets a graph of its own, captured whole; a module
+    fixture's model is traced again after the reset of Dynamo between tests)."""
+    if isinstance(graphed, TracedModule):
+        return [r for r in graphed.graphs.runners if r.pieces is not None][-1]
+    return graphed.runner
+
+
 def _toy(**options):
-    import devgraph.ops
+    import devgraph.ops  # noqa: F401  (registers devgraph::rms_norm)
 
     model = Toy().requires_grad_(False)
     options.setdefault("capture_sizes", [2, 4, 8])
-    graphed = devgraph.wrap(
-        model, device="cpu", mode="piecewise", splitting_ops=["devgraph::rms_norm"], **options
-    )
+    graphed = _wrap(model, splitting_ops=["devgraph::rms_norm"], **options)
     return model, graphed
 
 
-@pytest.fixture(scope="module")
-def toy():
-    return _toy()
+@pytest.fixture(scope="module", params=["dynamo", "raw"])
+def toy(request):
+    return _toy(frontend=request.param)
 
 
 def _x(n: int, seed: int = 0) -> torch.Tensor:
@@ -75,15 +102,15 @@ def test_output_structure_and_values_match_eager(toy, n):
 def test_eager_splitting_op_outputs_are_copied_into_the_captured_inputs(toy):
     _, graphed = toy
     graphed(_x(2))
-    before = graphed.runner.pieces.module.input_copies
+    before = _runner(graphed).pieces.module.input_copies
     graphed(_x(3))
-    assert graphed.runner.pieces.module.input_copies == before + 1
+    assert _runner(graphed).pieces.module.input_copies == before + 1
 
 
 def test_piece_outputs_are_weak_references_so_the_pool_can_reuse_them(toy):
     _, graphed = toy
     graphed(_x(4))
-    module = graphed.runner.pieces.module
+    module = _runner(graphed).pieces.module
     outputs = [
         t
         for piece in module.piece_graphs
@@ -137,17 +164,22 @@ class Scaled(torch.nn.Module):
 
 def test_call_that_differs_from_the_traced_one_falls_back_with_a_warning():
     model = Scaled().requires_grad_(False)
-    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[4])
+    graphed = _wrap(model, frontend="raw", capture_sizes=[4])
     x = _x(3)
     torch.testing.assert_close(graphed(x), model(x))
     with pytest.warns(UserWarning, match="signature_mismatch"):
         got = graphed(x, scale=3.0)
     torch.testing.assert_close(got, model(x, scale=3.0))
     assert graphed.stats.fallbacks == {"signature_mismatch": 1}
+    # With Dynamo in front its guard on ``scale`` fails instead: a trace of its own, replayed.
+    traced = _wrap(model, capture_sizes=[4])
+    torch.testing.assert_close(traced(x), model(x))
+    torch.testing.assert_close(traced(x, scale=3.0), model(x, scale=3.0))
+    assert traced.stats.fallbacks == {} and traced.stats.traces == 2 and traced.stats.replays == 2
 
 
-def test_reset_then_capture_builds_again(toy):
-    _, graphed = toy
+def test_reset_then_capture_builds_again():
+    _, graphed = _toy(frontend="raw")
     graphed.runner.reset()
     assert graphed.runner.pieces.module is None
     graphed.capture(_x(2))
@@ -167,24 +199,25 @@ class HostScaled(torch.nn.Module):
 
 def test_host_lists_reach_splitting_ops_with_each_calls_values():
     model = HostScaled().requires_grad_(False)
-    graphed = devgraph.wrap(
-        model,
-        device="cpu",
-        mode="piecewise",
+    options = dict(
         capture_sizes=[4],
         host_args=["factors"],
         pad_values={"factors": 0},
         splitting_ops=["devgraph_test::scale_rows"],
     )
+    graphed = _wrap(model, frontend="raw", **options)
     for factors in ([1, 2, 3], [5, 0, 7]):
         x = _x(3)
         torch.testing.assert_close(graphed(x, factors), model(x, factors))
     assert graphed.stats.replays == 2
+    # Through Dynamo a host list is a constant of its graph: host_args is refused there.
+    with pytest.raises(DevgraphError, match=r"host_args=.*frontend='raw'"):
+        _wrap(model, **options)
 
 
 def test_host_list_frozen_inside_a_captured_piece_is_a_clear_error():
     model = HostScaled().requires_grad_(False)
-    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[4], host_args=["factors"])
+    graphed = _wrap(model, frontend="raw", capture_sizes=[4], host_args=["factors"])
     with pytest.raises(
         DevgraphError, match=r"host argument 'factors' reaches devgraph_test::scale_rows.*splitting_ops"
     ):
@@ -198,9 +231,16 @@ def test_graph_breaks_are_a_clear_error():
                 return x + 1
             return x - 1
 
-    graphed = devgraph.wrap(Breaks(), device="cpu", mode="piecewise", capture_sizes=[4])
+    graphed = _wrap(Breaks(), frontend="raw", capture_sizes=[4])
     with pytest.raises(DevgraphError, match="could not trace the model as one graph"):
         graphed(_x(3))
+    # With Dynamo in front the host read runs eagerly between the graphs, counted, at every call.
+    traced = _wrap(Breaks(), capture_sizes=[4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the graph break and the fallback each say so once
+        for seed in (0, 1):
+            torch.testing.assert_close(traced(_x(3, seed)), Breaks()(_x(3, seed)))
+    assert traced.stats.graph_breaks
 
 
 def test_more_models_than_dynamos_recompile_limit_are_traced_in_one_process():
@@ -254,7 +294,7 @@ def test_a_failed_capture_leaves_nothing_half_captured(monkeypatch):
     from devgraph import CaptureError
     from devgraph.compile._pieces import PieceGraphs
 
-    model, graphed = _toy(capture_sizes=[2, 4, 8])
+    model, graphed = _toy(frontend="raw", capture_sizes=[2, 4, 8])
     real = PieceGraphs._capture
     seen = []
 
@@ -296,21 +336,20 @@ class ViewBetweenSplits(torch.nn.Module):
         return self.lin2(g.reshape(-1, 8)) + v.reshape(-1, 8)
 
 
-def test_a_view_of_an_eager_output_read_by_a_later_piece_is_held_strongly():
+@pytest.mark.parametrize("frontend", ["dynamo", "raw"])
+def test_a_view_of_an_eager_output_read_by_a_later_piece_is_held_strongly(frontend):
     import gc
 
-    import devgraph.ops
+    import devgraph.ops  # noqa: F401  (registers devgraph::rms_norm)
 
     model = ViewBetweenSplits().requires_grad_(False)
-    graphed = devgraph.wrap(
-        model, device="cpu", mode="piecewise", splitting_ops=["devgraph::rms_norm"], capture_sizes=[4, 8]
-    )
+    graphed = _wrap(model, frontend=frontend, splitting_ops=["devgraph::rms_norm"], capture_sizes=[4, 8])
     for n, seed in [(3, 0), (8, 1), (4, 2), (5, 3)]:
         got = graphed(_x(n, seed))
         gc.collect()
         [torch.full((64,), 7.0) for _ in range(64)]  # churn: reuse any memory that was freed
         torch.testing.assert_close(got, model(_x(n, seed)))
-    runner = graphed.runner
+    runner = _runner(graphed)
     assert [p.does_work for p in runner.pieces.traced.compiled.split.pieces if not p.is_splitting_op] == [
         True,
         False,
@@ -371,21 +410,20 @@ class LaterAttention(torch.nn.Module):
 _COMBINES = ["cat", "add3", "read_late", "untouched"]
 
 
-def _later(combine: str):
+def _later(combine: str, frontend: str = "dynamo"):
     model = LaterAttention(combine).requires_grad_(False)
-    return model, devgraph.wrap(
+    return model, _wrap(
         model,
-        device="cpu",
-        mode="piecewise",
+        frontend=frontend,
         splitting_ops=["aten::scaled_dot_product_attention"],
         capture_sizes=[4, 8],
         debug=False,  # debug mode copies every input that moved, which hid the stale one
     )
 
 
-@pytest.fixture(scope="module", params=_COMBINES)
+@pytest.fixture(scope="module", params=[(c, f) for f in ("dynamo", "raw") for c in _COMBINES], ids=str)
 def later_attention(request):
-    return _later(request.param)
+    return _later(*request.param)
 
 
 def _x16(n: int, seed: int) -> torch.Tensor:
@@ -409,7 +447,7 @@ def test_every_staged_piece_input_is_copied_at_every_replay(later_attention):
     # does not copy into (DiffLlama's first attention output once was) is read stale, silently.
     _, graphed = later_attention
     graphed(_x16(5, 0))
-    module = graphed.runner.pieces.module
+    module = _runner(graphed).pieces.module
     for piece in module.piece_graphs:
         staged = {b.untyped_storage().data_ptr() for b in piece.staging.values()}
         for size, entry in piece.entries.items():
@@ -419,13 +457,14 @@ def test_every_staged_piece_input_is_copied_at_every_replay(later_attention):
                     assert i in moving, f"{piece.piece.name} input {i} (size {size}) is staged, never copied"
 
 
-def test_a_later_piece_reads_an_earlier_pieces_view_of_attention_where_that_piece_leaves_it():
+@pytest.mark.parametrize("frontend", ["dynamo", "raw"])
+def test_a_later_piece_reads_an_earlier_pieces_view_of_attention_where_that_piece_leaves_it(frontend):
     # DiffLlama's shape: the piece between the two attention calls returns a view of its staged input
     # (the first attention output, transposed); the last piece reads that view in place, not a copy
     # of it made once at capture.
-    _, graphed = _later("cat")
+    _, graphed = _later("cat", frontend)
     graphed(_x16(8, 0))
-    between, last = graphed.runner.pieces.module.piece_graphs[1:]
+    between, last = _runner(graphed).pieces.module.piece_graphs[1:]
     (buffer,) = between.staging.values()
     (second,) = last.staging.values()  # the second attention output only
     for entry in last.entries.values():
@@ -434,10 +473,11 @@ def test_a_later_piece_reads_an_earlier_pieces_view_of_attention_where_that_piec
         assert second.untyped_storage().data_ptr() in storages
 
 
-def test_eager_outputs_are_staged_in_one_buffer_per_argument_for_all_sizes():
-    _, graphed = _toy(capture_sizes=[2, 4, 8])
+@pytest.mark.parametrize("frontend", ["dynamo", "raw"])
+def test_eager_outputs_are_staged_in_one_buffer_per_argument_for_all_sizes(frontend):
+    _, graphed = _toy(frontend=frontend, capture_sizes=[2, 4, 8])
     graphed(_x(3))
-    last = graphed.runner.pieces.module.piece_graphs[-1]
+    last = _runner(graphed).pieces.module.piece_graphs[-1]
     assert len(last.staging) == 1
     (index, buffer), *_ = last.staging.items()
     assert buffer.numel() == 8 * 8  # the largest size's rms_norm output
@@ -456,10 +496,13 @@ def test_an_output_flattened_over_tokens_is_a_clear_error():
         def forward(self, x):
             return torch.ops.devgraph.rms_norm(self.lin(x), torch.ones(8), 1e-6).reshape(-1)
 
-    graphed = devgraph.wrap(Flat().requires_grad_(False), device="cpu", mode="piecewise", capture_sizes=[4])
+    graphed = _wrap(Flat().requires_grad_(False), frontend="raw", capture_sizes=[4])
     with pytest.raises(DevgraphError, match=r"output 0 .*depends on the token count without being it"):
         graphed(_x(3))
     assert not graphed.runner.captured
+    traced = _wrap(Flat().requires_grad_(False), capture_sizes=[4])  # Dynamo's graph refused alike
+    with pytest.raises(DevgraphError, match=r"output 0 .*depends on the token count without being it"):
+        traced(_x(3))
 
 
 def test_a_call_of_zero_tokens_falls_back_as_an_empty_batch():

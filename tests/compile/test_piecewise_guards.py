@@ -6,11 +6,16 @@ sizes where the first trace goes the other way get a trace of their own, size 1 
 decides size-1 questions inside its ops without a guard), an uncaptured call runs the trace that
 holds at its size or eagerly (a branch failing only above the captured sizes bounds what the pieces
 serve), and a forward needing too many traces is refused naming the user's line.
+
+That is ``frontend='raw'``, passed here explicitly. With Dynamo in front (the default) its guards
+decide at every call: a branch is taken at the call's real size (a trace of its own), never a
+"token_count_branch" fallback; the promises both keep (each call equals eager) are checked on both.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -83,6 +88,14 @@ class SqueezesTheTokenDim(torch.nn.Module):
         return self.lin(x).unsqueeze(0).squeeze(1).sum(0)
 
 
+def _wrap(model, frontend: str = "raw", **options):
+    """``devgraph.wrap(model, mode='piecewise')``: the raw trace (its one warning, what it leaves
+    unguarded, filtered) or Dynamo in front."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "devgraph: .*without Dynamo's guards", UserWarning)
+        return devgraph.wrap(model, mode="piecewise", frontend=frontend, **options)
+
+
 def _branch_line(cls: type) -> str:
     lines, first = inspect.getsourcelines(cls.forward)
     offset = next(i for i, line in enumerate(lines) if "the branch under test" in line)
@@ -115,17 +128,18 @@ BRANCHES = {
 }
 
 
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
 @pytest.mark.parametrize("branch", list(BRANCHES))
-def test_every_captured_size_replays_what_eager_computes(device, branch):
+def test_every_captured_size_replays_what_eager_computes(device, branch, frontend):
     model = Branching(BRANCHES[branch], device.torch_device)
-    graphed = devgraph.wrap(model, device=device, mode="piecewise", capture_sizes=[1, 2, 3, 4])
+    graphed = _wrap(model, frontend, device=device, capture_sizes=[1, 2, 3, 4])
     _check(graphed, model, [1, 2, 3, 4, 1, 2], device.torch_device)
     assert graphed.stats.replays == 6 and graphed.stats.fallbacks == {}
 
 
 def test_a_one_token_branch_gets_a_trace_of_its_own(device):
     model = Branching(BRANCHES["== 1"], device.torch_device)
-    graphed = devgraph.wrap(model, device=device, mode="piecewise", capture_sizes=[1, 2, 4])
+    graphed = _wrap(model, device=device, capture_sizes=[1, 2, 4])
     _check(graphed, model, [4, 1, 2, 1], device.torch_device)
     pieces = graphed.runner.pieces
     assert graphed.stats.traces == 2
@@ -136,24 +150,23 @@ def test_a_one_token_branch_gets_a_trace_of_its_own(device):
 def test_size_one_is_traced_at_one_token_even_without_a_python_branch():
     # A symbolic trace keeps the token dim inductor compiled for: (1, 4) where eager gives (4,).
     model = SqueezesTheTokenDim()
-    graphed = devgraph.wrap(
-        model, device="cpu", mode="piecewise", capture_sizes=[1, 2, 4], compile_backend="inductor"
-    )
+    graphed = _wrap(model, device="cpu", capture_sizes=[1, 2, 4], compile_backend="inductor")
     _check(graphed, model, [1, 2, 4, 3, 1])
     assert graphed.stats.traces == 2 and graphed.stats.replays == 5
 
 
-def test_eager_pieces_serve_size_one_from_the_one_trace_when_nothing_branches(device):
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
+def test_eager_pieces_serve_size_one_from_the_one_trace_when_nothing_branches(device, frontend):
     # Eager pieces run the traced aten ops, which decide size-1 questions again at run time.
     model = Branching(lambda n: False, device.torch_device)
-    graphed = devgraph.wrap(model, device=device, mode="piecewise", capture_sizes=[1, 2, 4])
+    graphed = _wrap(model, frontend, device=device, capture_sizes=[1, 2, 4])
     _check(graphed, model, [1, 2, 4], device.torch_device)
     assert graphed.stats.traces == 1 and graphed.stats.replays == 3
 
 
 def test_a_region_of_sizes_is_served_by_one_more_trace(device):
     model = SmallOnly().to(device.torch_device)
-    graphed = devgraph.wrap(model, device=device, mode="piecewise", capture_sizes=[2, 4, 8, 128])
+    graphed = _wrap(model, device=device, capture_sizes=[2, 4, 8, 128])
     _check(graphed, model, [128, 2, 8, 100, 3, 130], device.torch_device)
     # the first trace (at 128) fails at 2, 4 and 8: one more trace, made at 2, holds at all three
     assert graphed.stats.traces == 2
@@ -163,9 +176,7 @@ def test_a_region_of_sizes_is_served_by_one_more_trace(device):
 
 def test_a_one_token_call_without_size_one_captured_runs_eagerly_where_pieces_are_compiled():
     model = SqueezesTheTokenDim()
-    graphed = devgraph.wrap(
-        model, device="cpu", mode="piecewise", capture_sizes=[2, 4], compile_backend="inductor"
-    )
+    graphed = _wrap(model, device="cpu", capture_sizes=[2, 4], compile_backend="inductor")
     # (the padding check sees the output's shape change: a 1-token call is not padded to 2 either)
     with pytest.warns(UserWarning, match="padding_changes_result"):
         _check(graphed, model, [2, 4, 1])
@@ -175,7 +186,7 @@ def test_a_one_token_call_without_size_one_captured_runs_eagerly_where_pieces_ar
 
 def test_a_one_token_call_without_size_one_captured_runs_eagerly():
     model = SpecialCasesOne()
-    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4])
+    graphed = _wrap(model, device="cpu", capture_sizes=[2, 4])
     # The padding check's probe (one row padded to two) takes the one-token branch: padded sizes run
     # uncaptured; a 1-token call has no trace made at 1, so it runs eagerly (the traced pieces would
     # keep the branch of 2 tokens).
@@ -190,7 +201,7 @@ def test_an_uncaptured_size_no_trace_holds_at_runs_eagerly_and_is_counted():
     # 100 is above the captured sizes and between the sizes the capture-time check tries (up to
     # 2 * 4 + 64, then powers of two and their neighbours): each call's size is checked again.
     model = Branching(lambda n: n == 100)
-    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[1, 2, 4])
+    graphed = _wrap(model, device="cpu", capture_sizes=[1, 2, 4])
     with pytest.warns(UserWarning, match="token_count_branch"):
         _check(graphed, model, [4, 100, 99, 100])
     assert graphed.stats.fallbacks == {"token_count_branch": 2, "size_not_captured": 1}
@@ -198,7 +209,7 @@ def test_an_uncaptured_size_no_trace_holds_at_runs_eagerly_and_is_counted():
 
 def test_a_branch_failing_above_the_captured_sizes_bounds_what_the_pieces_serve():
     model = SmallOnly()
-    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4])
+    graphed = _wrap(model, device="cpu", capture_sizes=[2, 4])
     with torch.no_grad():
         for n in (3, 64):  # 64: uncaptured, the pieces still hold
             torch.testing.assert_close(graphed(_x(n)), model(_x(n)))
@@ -226,7 +237,7 @@ class IndexesIn32Bits(torch.nn.Module):
 
 def test_a_guard_failing_far_above_the_captured_sizes_serves_up_to_its_exact_bound():
     model = IndexesIn32Bits()
-    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4])
+    graphed = _wrap(model, device="cpu", capture_sizes=[2, 4])
     limit = (2**31 - 1) // 2816  # 762600: between two sampled powers of two
     with torch.no_grad():
         x = torch.ones(limit + 1, 4)
@@ -238,9 +249,10 @@ def test_a_guard_failing_far_above_the_captured_sizes_serves_up_to_its_exact_bou
     assert graphed.stats.fallbacks == {"size_not_captured": 1, "token_count_branch": 1}
 
 
-def test_a_branch_between_captured_sizes_is_served_by_a_trace_per_side():
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
+def test_a_branch_between_captured_sizes_is_served_by_a_trace_per_side(frontend):
     model = SmallOnly()
-    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 128])
+    graphed = _wrap(model, frontend, device="cpu", capture_sizes=[2, 128])
     with torch.no_grad():
         for n in (2, 3, 64, 65, 128):
             torch.testing.assert_close(graphed(_x(n)), model(_x(n)))
@@ -262,7 +274,7 @@ def test_a_branch_needing_too_many_traces_is_refused_naming_the_line():
             return self.lin(x)
 
     # traces at 8, and at 2, 3 and 5 (each pinned): 7 would need a fifth
-    graphed = devgraph.wrap(EveryFew(None), device="cpu", mode="piecewise", capture_sizes=[1, 2, 3, 5, 7, 8])
+    graphed = _wrap(EveryFew(None), device="cpu", capture_sizes=[1, 2, 3, 5, 7, 8])
     with pytest.raises(DevgraphError, match="branches on the token count") as info:
         graphed.capture(_x(2))
     assert _branch_line(EveryFew) in str(info.value)
@@ -272,7 +284,7 @@ def test_a_branch_needing_too_many_traces_is_refused_naming_the_line():
 
 def test_a_pinned_size_is_traced_at_that_size():
     model = Branching(BRANCHES["== 2"])
-    graphed = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[2, 4, 8])
+    graphed = _wrap(model, device="cpu", capture_sizes=[2, 4, 8])
     with pytest.warns(UserWarning, match="padding_changes_result"):  # 2 rows padded to 4 differ
         _check(graphed, model, [8, 2, 4, 3])
     assert graphed.stats.traces == 2 and graphed.runner.pieces.trace_for(2).static_size == 2
@@ -285,3 +297,39 @@ def test_full_mode_captures_each_branch_per_batch_size():
     with torch.no_grad():
         for n in (1, 2, 3):
             torch.testing.assert_close(graphed(_x(n)), model(_x(n)))
+
+
+class BranchesAtFewSizes(Branching):
+    def forward(self, x):
+        n = x.shape[0]
+        if n == 2:
+            return self.lin(x) + 1
+        if n == 3:
+            return self.lin(x) + 2
+        if n == 5:
+            return self.lin(x) + 3
+        if n == 7:
+            return self.lin(x) + 4
+        return self.lin(x)
+
+
+@pytest.mark.parametrize(
+    ("make", "sizes", "capture_sizes"),
+    [
+        (SpecialCasesOne, [2, 1, 3, 4, 9, 1], [2, 4]),
+        (SmallOnly, [3, 64, 65], [2, 4]),
+        (lambda: Branching(lambda n: n == 100), [4, 100, 99, 100], [1, 2, 4]),
+        (lambda: BranchesAtFewSizes(None), [2, 3, 5, 7, 8, 4], [1, 2, 3, 5, 7, 8]),
+    ],
+    ids=["one_token", "above_the_captured_sizes", "uncaptured_size", "many_branches"],
+)
+def test_with_dynamo_in_front_each_call_takes_the_branch_of_its_own_size(make, sizes, capture_sizes):
+    # What the raw trace's tests above refuse or run eagerly (token_count_branch): Dynamo's guards
+    # fail at the call's size, which gets a trace of its own; nothing is baked in, nothing refused.
+    model = make()
+    graphed = _wrap(model, "dynamo", device="cpu", capture_sizes=capture_sizes)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _check(graphed, model, sizes)
+    assert "token_count_branch" not in graphed.stats.fallbacks
+    assert not [w for w in record if "token_count_branch" in str(w.message)]

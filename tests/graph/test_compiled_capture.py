@@ -231,12 +231,21 @@ def test_piecewise_trace_names_the_host_sync_and_its_line():
             y = self.lin(x)
             return y * y.abs().max().item()
 
-    graphed = devgraph.wrap(Syncing(), device="cpu", mode="piecewise", capture_sizes=[4])
+    with pytest.warns(UserWarning, match="without Dynamo's guards"):
+        graphed = devgraph.wrap(Syncing(), device="cpu", mode="piecewise", frontend="raw", capture_sizes=[4])
     with pytest.raises(CaptureError) as info:
         graphed(torch.randn(3, 8))
     assert info.value.op == "Tensor.item"
     assert "test_compiled_capture.py" in info.value.source
     assert "y.abs().max().item()" in info.value.source
+    # With Dynamo in front (the default) the host read is a graph break, run eagerly at every call.
+    model = Syncing().requires_grad_(False)
+    traced = devgraph.wrap(model, device="cpu", mode="piecewise", capture_sizes=[4])
+    x = torch.randn(3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the graph break is named once
+        torch.testing.assert_close(traced(x), model(x))
+    assert traced.stats.graph_breaks
 
 
 def test_unrecognised_compiled_code_is_refused_not_recorded_in_part(monkeypatch):
