@@ -319,9 +319,15 @@ class DynamoGraphs:
         run eagerly between segments), or pieces (the graph traced once more, as a function of
         tensors only, cut at the splitting ops, each piece captured per size)."""
         pieces = MODE_TABLE[config.mode].serves == "pieces"
-        if pieces and fn.graph.fixed_batch is not None:
-            # Specialised by Dynamo to one size (a branch on ``x.shape[0] == 1``): pieces need a
-            # symbolic size to trace, so this graph is captured whole at its size.
+        whole = fn.graph.fixed_batch is not None or fn.graph.untraceable is not None
+        if pieces and whole:
+            # Specialised by Dynamo to one size (a branch on ``x.shape[0] == 1``: pieces need a
+            # symbolic size to trace), or holding what Dynamo cannot trace again (a ``.data`` read):
+            # this graph is captured whole, each size on its own.
+            logger.debug(
+                "devgraph: a Dynamo graph captured whole in piecewise mode (%s)",
+                "one size" if fn.graph.fixed_batch is not None else fn.graph.untraceable,
+            )
             return GraphRunner(fn, self.device, attrs.evolve(config, mode="full"))
         if pieces:
             options = dict(self.compile_options)

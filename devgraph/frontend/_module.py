@@ -201,7 +201,7 @@ def wrap_traced(model: Any, device: Any, options: dict[str, Any]) -> TracedModul
             f"host_args={options['host_args']!r}: a host list through Dynamo is a constant of its graph "
             "(one graph per value), so devgraph serves host arguments without Dynamo only. Pass "
             "frontend='raw' (the forward captured untraced: you promise it reads and changes no Python "
-            "state) or mode='breakable' with breaks=[...] at the ops that read them"
+            "state), in mode='full' or with mode='breakable' and breaks=[...] at the ops that read them"
         )
     options.pop("host_args", None)
     fullgraph = options.pop("fullgraph", False)

@@ -174,6 +174,10 @@ _VIEW_NAMES = {
 }  # fmt: skip
 
 
+#: Calls Dynamo puts in a graph but cannot trace when it traces that graph again (pieces)
+_NOT_RETRACEABLE = {"_get_data_attr"}
+
+
 def _name(target: Any) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", "")
 
@@ -313,6 +317,11 @@ class TracedGraph:
         #: run node by node, each op under its FX node's meta (a bisect names the user's line)
         self.interpret = False
         self.where = where
+        #: a call in the graph Dynamo cannot trace again (``.data``: ``_get_data_attr``), so its pieces
+        #: cannot be made from it; None where there is none
+        self.untraceable = next(
+            (_name(n.target) for n in gm.graph.nodes if _name(n.target) in _NOT_RETRACEABLE), None
+        )
         self.outputs = self._outputs()
         self._only_tensors = all(kind == "tensor" for kind, _ in self.outputs)
         #: positions of the model-state placeholders, their names, and their addresses as captured

@@ -203,21 +203,7 @@ def _raw(model, **options):
         return devgraph.wrap(model, frontend="raw", **options)
 
 
-@pytest.mark.parametrize(
-    "frontend",
-    [
-        "raw",
-        pytest.param(
-            "dynamo",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=IndexError,
-                reason="devgraph.debug._subjects.traced_plans splits the plan's subject at ' wrapped, ', "
-                "which a piecewise plan's subject ('... wrapped piecewise, the pieces of size ...') lacks",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("frontend", ["raw", "dynamo"])
 def test_piecewise_pieces_are_bisected(frontend):
     model = _exact(BatchDependent())
     with warnings.catch_warnings():
