@@ -110,9 +110,13 @@ def _ints(*shape: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def test_uninitialised_padded_rows_are_named_at_the_kernel(any_device):
+    # The raw front end: whether the graph's unwritten rows differ from eager's NaN poison depends on
+    # what the allocator hands the capture (memory a poisoned eager run freed reads NaN too); through
+    # Dynamo the capture's allocations differ, and one run in several (npu-sim, after the rest of
+    # this file) found NaN there. tests/debug/test_bisect_traced.py plants the same rows through Dynamo.
     dev = any_device
     model = _exact(PaddedRows()).to(dev.torch_device)
-    graphed = devgraph.wrap(model, device=dev, batch_sizes=[4])
+    graphed = _raw(model, device=dev, batch_sizes=[4])
     x = _ints(3, 16, device=dev.torch_device)
     valid = torch.ones(3, dtype=torch.int64, device=dev.torch_device)
     report = bisect(graphed, x, valid)
