@@ -310,3 +310,16 @@ def test_modes_that_route_by_is_decode_are_not_served_behind_dynamo():
 
     with pytest.raises(devgraph.DevgraphError, match=r"mode='full_and_breakable' is not served with Dynamo"):
         backend_for({"mode": "full_and_breakable"})
+
+
+def test_a_model_built_under_inference_mode_is_served_and_its_state_advances():
+    """Its tensors are inference tensors, without version counters: the capture's check of what it
+    wrote must not read one (it raised RuntimeError)."""
+    with torch.inference_mode():
+        model = Writes("method").eval()
+    twin = copy.deepcopy(model)
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[4])
+    with torch.inference_mode():
+        for i in range(3):
+            assert torch.equal(_quiet(graphed, _x(4, i)), twin(_x(4, i)))
+    assert torch.equal(model.n, twin.n) and graphed.stats.replays == 3

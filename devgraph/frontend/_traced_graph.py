@@ -33,6 +33,8 @@ from typing import Any
 import attrs
 import torch
 
+from devgraph.runner import tensor_version
+
 __all__ = ["PYTHON_RANDOM", "TracedGraph", "Unservable", "node_meta_at"]
 
 #: Dynamo's graphs devgraph was handed: where a bisect of pieces, which run a graph's generated code
@@ -489,12 +491,12 @@ class TracedGraph:
         call = self.current
         return [call[i] for i in self.state_positions if isinstance(call[i], torch.nn.Parameter)]
 
-    def unwritten_versions(self, args: Sequence[Any]) -> list[int]:
+    def unwritten_versions(self, args: Sequence[Any]) -> list[int | None]:
         """The version counters of the model-state tensors the graph does not write (``state``
         holds those it does): a capture that changed one wrote where the graph says it does not."""
-        return [args[i]._version for i, w in zip(self.state_positions, self._written) if not w]
+        return [tensor_version(args[i]) for i, w in zip(self.state_positions, self._written) if not w]
 
-    def changed_unwritten(self, args: Sequence[Any], before: list[int]) -> list[str]:
+    def changed_unwritten(self, args: Sequence[Any], before: list[int | None]) -> list[str]:
         """The names of the unwritten state tensors whose version moved since ``before``."""
         names = [n for n, w in zip(self._state_names, self._written) if not w]
         return [n for n, v, b in zip(names, self.unwritten_versions(args), before) if v != b]

@@ -26,6 +26,7 @@ from devgraph.runner._model_state import capture_warnings
 from devgraph.runner._pieces import Pieces, PiecewiseStats
 from devgraph.runner._rounding import RowCountRounding
 from devgraph.runner._runner import GraphRunner, Part, piecewise_runner
+from devgraph.runner._tensors import tensor_version
 from devgraph.runner._threads import ThreadOwner
 from devgraph.runner._whole import WholeGraphs
 
@@ -56,4 +57,5 @@ __all__ = [
     "piecewise_runner",
     "positive_ints",
     "signature_of",
+    "tensor_version",
 ]
