@@ -218,26 +218,12 @@ def wrap_traced(model: Any, device: Any, options: dict[str, Any]) -> TracedModul
     graphs.unbatched = frozenset(named.static_args)
     graphs.pad_values = dict(named.pad_values)
     try:
-        params = signature_of(model).parameters.values()
-        # a forward taking **kwargs takes any name (passed through to the code it calls)
-        taken: set[str] | None = (
-            None if any(p.kind == p.VAR_KEYWORD for p in params) else {p.name for p in params}
-        )
-        graphs.var_keyword = next((p.name for p in params if p.kind == p.VAR_KEYWORD), None)
+        params = list(signature_of(model).parameters.values())
     except (TypeError, ValueError):
-        taken = None
-    if taken is not None:
-        for option, names in (
-            ("batch_dims", batch_dims),
-            ("static_args", named.static_args),
-            ("pad_values", graphs.pad_values),
-        ):
-            unknown = sorted(set(names) - taken)
-            if unknown:
-                raise DevgraphError(
-                    f"{option} names {unknown}, which {type(model).__name__}'s forward does not take; it "
-                    f"takes {sorted(taken)}"
-                )
+        params = None
+    graphs.var_keyword = next((p.name for p in params or () if p.kind == p.VAR_KEYWORD), None)
+    if params is not None and graphs.var_keyword is None:  # **kwargs takes any name (passed through)
+        named.check_arguments([p.name for p in params])
     bad = {k: v for k, v in batch_dims.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0}
     if bad:
         raise DevgraphError(f"batch_dims must map argument names to dims (ints >= 0), got {bad}")
