@@ -163,13 +163,16 @@ class CompileConfig:
         return getattr(device, "capture_stream_budget", None) if device is not None else None
 
     def check_device(self, device: Device) -> None:
-        """Raise ``DevgraphError`` when ``device`` has no such compiler.
+        """Raise ``DevgraphError`` when ``device`` has no such compiler, or a pass named is unknown
+        (refused when a runner is built, not at its first trace).
 
         ``eager`` and ``inductor`` run anywhere torch does; a backend adds its device's own through
         ``devgraph_register_compilers`` (``torchair``: the NPU backend).
         """
         from devgraph.compile._compilers import compilers_for
+        from devgraph.compile.passes import resolve_passes
 
+        resolve_passes(self.passes, device)
         backend = self.compiler_for(device)
         available = compilers_for(device)
         if backend not in available:

@@ -44,6 +44,7 @@ from devgraph.runner import (
     RunnerConfig,
     RunnerStats,
     make_config,
+    piecewise_config,
     piecewise_runner,
 )
 
@@ -533,10 +534,6 @@ def backend_for(options: dict[str, Any] | None = None, mode: str | None = None) 
         )
     dev = device if isinstance(device, Device) else find_device(device)
     if MODE_TABLE[config.mode].serves == "pieces":
-        # A compiler the device lacks, an unknown pass, a bad size: refused now, not at the first trace
-        piecewise_runner(_no_model, dev, config, **dict(compile_options))
+        # A bad size, a compiler the device lacks, an unknown pass: refused now, not at the first trace
+        piecewise_config(config.mode, compile_options).check_device(dev)
     return DynamoGraphs(dev, config, compile_options=compile_options)
-
-
-def _no_model(*args: Any) -> None:
-    """What ``backend_for`` builds a piecewise runner over to check its options (never called)."""

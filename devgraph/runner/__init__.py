@@ -25,7 +25,7 @@ from devgraph.runner._graphed import GraphedModule
 from devgraph.runner._model_state import capture_warnings
 from devgraph.runner._pieces import Pieces, PiecewiseStats
 from devgraph.runner._rounding import RowCountRounding
-from devgraph.runner._runner import GraphRunner, Part, piecewise_runner
+from devgraph.runner._runner import GraphRunner, Part, piecewise_config, piecewise_runner
 from devgraph.runner._tensors import tensor_version
 from devgraph.runner._threads import ThreadOwner
 from devgraph.runner._whole import WholeGraphs
@@ -54,6 +54,7 @@ __all__ = [
     "default_batch_sizes",
     "make_config",
     "normalise_batch_sizes",
+    "piecewise_config",
     "piecewise_runner",
     "positive_ints",
     "signature_of",

@@ -111,10 +111,7 @@ class Pieces:
         full_sizes: list[int] | None = None,
         full_stats: RunnerStats | None = None,
     ) -> None:
-        from devgraph.compile.passes import resolve_passes
-
-        compile_config.check_device(device)
-        resolve_passes(compile_config.passes, device)  # unknown pass names fail here, not at trace
+        compile_config.check_device(device)  # its compiler and passes: refused here, not at trace
         self.fn = fn
         self.device = device
         self.config = config

@@ -488,11 +488,21 @@ def piecewise_runner(
     ``capture_sizes``, ``capture_budget``, ``traffic``, ``is_decode``); the mode is ``config.mode``.
 
     Raises:
-        DevgraphError: ``capture_sizes`` or ``capture_budget`` not positive integers (``2.5``, ``"4"``
-            and ``True`` included), or what ``GraphRunner`` raises.
+        DevgraphError: what ``piecewise_config`` and ``GraphRunner`` raise.
     """
+    return GraphRunner(fn, device, config, piecewise_config(config.mode, options))
+
+
+def piecewise_config(mode: str, options: Mapping[str, Any]) -> CompileConfig:
+    """The ``CompileConfig`` of ``wrap``'s compile ``options`` in ``mode``.
+
+    Raises:
+        DevgraphError: ``capture_sizes`` or ``capture_budget`` not positive integers (``2.5``, ``"4"``
+            and ``True`` included), or an option ``CompileConfig`` refuses.
+    """
+    options = dict(options)
     if options.get("capture_sizes") is not None:
         options["capture_sizes"] = positive_ints("capture_sizes", options["capture_sizes"])
     if options.get("capture_budget") is not None:
         options["capture_budget"] = positive_int("capture_budget", options["capture_budget"])
-    return GraphRunner(fn, device, config, CompileConfig(mode=config.mode, **options))
+    return CompileConfig(mode=mode, **options)
