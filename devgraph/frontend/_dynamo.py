@@ -212,19 +212,13 @@ class DynamoGraphs:
     ``devgraph.wrap(..., frontend="dynamo")`` holds one and reads its ``stats``.
     """
 
-    def __init__(
-        self,
-        device: Any,
-        config: Any,
-        batch_dims: dict[str, int] | None = None,
-        compile_options: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, device: Any, config: Any, compile_options: dict[str, Any] | None = None) -> None:
         self.device = device
         self.config = config
         #: ``CompileConfig`` fields of ``mode='piecewise'`` (each graph is cut and its pieces captured)
         self.compile_options = dict(compile_options or {})
         #: the batch dim of the compiled function's arguments by name (default 0)
-        self.batch_dims = dict(batch_dims or {})
+        self.batch_dims: dict[str, int] = {}
         #: the compiled function's arguments never batched (``static_args``), and the fill value of
         #: padded rows of those that are (``pad_values``), by argument name
         self.unbatched: frozenset[str] = frozenset()
@@ -397,16 +391,21 @@ class DynamoGraphs:
 
     def _empty(self, gm: Any) -> Callable[..., Any]:
         """A graph of 0 rows: run as traced at every call, each counted as the raw path counts it."""
+        return self._eager(gm, lambda me: me.accounts.note_fallback("empty_batch", _EMPTY))
+
+    def _eager(self, gm: Any, count: Callable[[DynamoGraphs], None]) -> Callable[..., Any]:
+        """``gm`` run as Dynamo traced it, eagerly, each call served and counted by ``count`` (held by
+        weak reference: Dynamo's cache keeps the callable, which must not keep the backend alive)."""
         forward, owner = gm.forward, weakref.ref(self)
 
-        def empty(*args: Any) -> Any:
+        def eager(*args: Any) -> Any:
             me = owner()
             if me is not None:
                 me.served += 1
-                me.accounts.note_fallback("empty_batch", "the call has 0 rows; there is nothing to replay")
+                count(me)
             return forward(*args)
 
-        return empty
+        return eager
 
     def _as_traced(self, gm: Any, why: Unservable) -> Callable[..., Any]:
         if why.category == "python_random":
@@ -421,17 +420,7 @@ class DynamoGraphs:
             raise DevgraphError(f"devgraph cannot serve a graph Dynamo traced: {why.detail}")
         if first:
             logger.warning("devgraph: a graph Dynamo traced runs eagerly (%s): %s", why.category, why.detail)
-        forward = gm.forward
-        owner = weakref.ref(self)
-
-        def eager(*args: Any) -> Any:
-            me = owner()
-            if me is not None:
-                me._eager_calls += 1
-                me.served += 1
-            return forward(*args)
-
-        return eager
+        return self._eager(gm, _count_eager_call)
 
     @property
     def stats(self) -> DynamoStats:
@@ -471,6 +460,13 @@ class DynamoGraphs:
         """Drop every graph's captures (the next call of each captures again)."""
         for runner in self.runners:
             runner.reset()
+
+
+_EMPTY = "the call has 0 rows; there is nothing to replay"
+
+
+def _count_eager_call(graphs: DynamoGraphs) -> None:
+    graphs._eager_calls += 1
 
 
 def new_guard_failures(seen: dict[Any, int]) -> list[str]:
