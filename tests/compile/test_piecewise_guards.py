@@ -259,25 +259,26 @@ def test_a_branch_between_captured_sizes_is_served_by_a_trace_per_side(frontend)
     assert graphed.stats.traces == 2
 
 
-def test_a_branch_needing_too_many_traces_is_refused_naming_the_line():
-    class EveryFew(Branching):
-        def forward(self, x):
-            n = x.shape[0]
-            if n == 2:  # the branch under test
-                return self.lin(x) + 1
-            if n == 3:
-                return self.lin(x) + 2
-            if n == 5:
-                return self.lin(x) + 3
-            if n == 7:
-                return self.lin(x) + 4
-            return self.lin(x)
+class BranchesAtFewSizes(Branching):
+    def forward(self, x):
+        n = x.shape[0]
+        if n == 2:  # the branch under test
+            return self.lin(x) + 1
+        if n == 3:
+            return self.lin(x) + 2
+        if n == 5:
+            return self.lin(x) + 3
+        if n == 7:
+            return self.lin(x) + 4
+        return self.lin(x)
 
+
+def test_a_branch_needing_too_many_traces_is_refused_naming_the_line():
     # traces at 8, and at 2, 3 and 5 (each pinned): 7 would need a fifth
-    graphed = _wrap(EveryFew(None), device="cpu", capture_sizes=[1, 2, 3, 5, 7, 8])
+    graphed = _wrap(BranchesAtFewSizes(None), device="cpu", capture_sizes=[1, 2, 3, 5, 7, 8])
     with pytest.raises(DevgraphError, match="branches on the token count") as info:
         graphed.capture(_x(2))
-    assert _branch_line(EveryFew) in str(info.value)
+    assert _branch_line(BranchesAtFewSizes) in str(info.value)
     assert "capture_sizes without 2" in str(info.value)
     assert not graphed.runner.captured
 
@@ -297,20 +298,6 @@ def test_full_mode_captures_each_branch_per_batch_size():
     with torch.no_grad():
         for n in (1, 2, 3):
             torch.testing.assert_close(graphed(_x(n)), model(_x(n)))
-
-
-class BranchesAtFewSizes(Branching):
-    def forward(self, x):
-        n = x.shape[0]
-        if n == 2:
-            return self.lin(x) + 1
-        if n == 3:
-            return self.lin(x) + 2
-        if n == 5:
-            return self.lin(x) + 3
-        if n == 7:
-            return self.lin(x) + 4
-        return self.lin(x)
 
 
 @pytest.mark.parametrize(

@@ -196,29 +196,18 @@ def test_an_unmarked_host_list_op_is_refused_and_a_marked_one_is_served(any_devi
     model = _HostListModel().to(any_device.torch_device)
     with pytest.raises(DevgraphError, match=r"host_args=.*frontend='raw'"):
         devgraph.wrap(model, device=any_device, mode="breakable", batch_sizes=[2, 4], host_args=["factors"])
-    with pytest.warns(UserWarning, match="without Dynamo's guards"):
-        refused = devgraph.wrap(
-            model,
-            device=any_device,
-            mode="breakable",
-            frontend="raw",
-            batch_sizes=[2, 4],
-            host_args=["factors"],
-        )
+
+    def raw(**options):
+        with pytest.warns(UserWarning, match="without Dynamo's guards"):
+            return devgraph.wrap(
+                model, device=any_device, mode="breakable", frontend="raw", batch_sizes=[2, 4], **options
+            )
+
+    refused = raw(host_args=["factors"])
     with torch.no_grad(), pytest.raises(CaptureError, match="mark it as a break") as err:
         refused(torch.randn(3, 4, device=any_device.torch_device), [1, 2, 3])
     assert err.value.op == "devgraph_testing::scale_rows" and "test_breakable_mode.py" in err.value.source
-    with pytest.warns(UserWarning, match="without Dynamo's guards"):
-        graphed = devgraph.wrap(
-            model,
-            device=any_device,
-            mode="breakable",
-            frontend="raw",
-            batch_sizes=[2, 4],
-            host_args=["factors"],
-            pad_values={"factors": 1},
-            breaks=["devgraph_testing::scale_rows"],
-        )
+    graphed = raw(host_args=["factors"], pad_values={"factors": 1}, breaks=["devgraph_testing::scale_rows"])
     with torch.no_grad():
         for rows, factors in [(3, [1, 2, 3]), (1, [5]), (4, [2, 2, 0, 7])]:
             x = torch.randn(rows, 4, device=any_device.torch_device)
