@@ -166,6 +166,8 @@ class Writes(nn.Module):
             n.add_(1)
         elif how == "custom_op":
             _bump(n)
+        elif how == "foreach":  # a list of tensors written in place
+            torch._foreach_add_([n, self.lin.bias], 1)
         elif how == "parameter":
             with torch.no_grad():
                 self.lin.bias.mul_(0.5).add_(1)
@@ -173,7 +175,19 @@ class Writes(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "how", ["method", "operator", "setitem", "view", "data", "out", "inplace_kwarg", "custom_op", "parameter"]
+    "how",
+    [
+        "method",
+        "operator",
+        "setitem",
+        "view",
+        "data",
+        "out",
+        "inplace_kwarg",
+        "custom_op",
+        "parameter",
+        "foreach",
+    ],
 )
 def test_the_models_tensors_a_graph_writes_advance_once_per_call_as_in_eager(how):
     model = Writes(how).eval()

@@ -184,6 +184,20 @@ def _name(target: Any) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", "")
 
 
+def _bases_of(value: Any, bases: dict[Any, set[str]]) -> set[str]:
+    """The placeholders the nodes in ``value`` (a node, or lists, tuples and dicts of them) alias."""
+    import torch.fx
+
+    found: set[str] = set()
+
+    def note(node: Any) -> Any:
+        found.update(bases.get(node, ()))
+        return node
+
+    torch.fx.node.map_arg(value, note)
+    return found
+
+
 def written_placeholders(gm: Any) -> set[str]:
     """The placeholders of ``gm`` its graph writes in place, directly or through a view: an in-place
     method (``add_``, ``copy_``), an in-place operator (``+=``, ``x[i] = v``), ``inplace=True`` or
@@ -209,12 +223,10 @@ def written_placeholders(gm: Any) -> set[str]:
             for i, arg in enumerate(schema.arguments):
                 if arg.alias_info is not None and arg.alias_info.is_write:
                     value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-                    written |= bases.get(value, set())
-        if inplace:
-            written |= bases.get(first, set())
-        out = node.kwargs.get("out")
-        for o in out if isinstance(out, (tuple, list)) else (out,):
-            written |= bases.get(o, set())
+                    written |= _bases_of(value, bases)
+        if inplace:  # the first argument, or each tensor of a list (torch._foreach_add_)
+            written |= _bases_of(first, bases)
+        written |= _bases_of(node.kwargs.get("out"), bases)
         if inplace or name in _VIEW_NAMES:  # the result aliases the first argument
             if first in bases:
                 bases[node] = bases[first]
