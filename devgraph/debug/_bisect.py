@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from devgraph._errors import DevgraphError
 from devgraph.debug._compare import Diff, align, diff_tensors, max_difference
 from devgraph.debug._compiled import COMPILED, descend, truly_eager
+from devgraph.debug._poison import new_run, unmatched_poison
 from devgraph.debug._probe import OpProbe, OpRecord, module_names
 from devgraph.debug._report import BisectReport, OpDifference
 from devgraph.debug._steps import ServesSteps, first_differing_step, step_plan
@@ -146,11 +147,11 @@ def _run_eager(call: Call, probe: OpProbe) -> Any:
 
 
 def _eager_side(
-    name: str, call: Call, modules: dict[int, str], graph: list[OpRecord]
+    name: str, call: Call, modules: dict[int, str], graph: list[OpRecord], run: int
 ) -> tuple[_Side, Any, list[str]]:
     outs, runs = [], []
     for _ in range(2):  # twice: what differs between two eager runs is the noise floor
-        probe = OpProbe(modules, poison=True)
+        probe = OpProbe(modules, poison=run)
         outs.append(_run_eager(call, probe))
         runs.append(probe.records)
     # Around a compiled graph (one record for many eager ops) op names alone can pair an op after it
@@ -163,10 +164,11 @@ def _hint(d: Diff, g: torch.Tensor, e: torch.Tensor, flagged: list[str], sides: 
     """What this kind of difference usually means."""
     at = d.where
     inside = len(at) == e.dim() and all(i < n for i, n in zip(at, e.shape))
-    if inside and bool(torch.isnan(e[at])) and not bool(torch.isnan(g[at])):
+    if inside and bool(unmatched_poison(g[at], e[at]).any()):
         return (
-            "eager reads NaN here, memory no op wrote (eager runs fill uninitialised memory with NaN); "
-            "the graph replays whatever that memory held: an op leaves part of its output unwritten"
+            "eager reads its NaN poison here, memory no op wrote (eager runs fill uninitialised memory "
+            "with a marked NaN); the graph replays whatever that memory held: an op leaves part of its "
+            "output unwritten"
         )
     if any(name.startswith("the padded batch") for name in flagged):
         return (
@@ -326,10 +328,11 @@ def _run(plan: Plan, options: BisectOptions) -> BisectReport:
         eager = _on_cpu(eager, fn)
         padded_call = _on_cpu(padded_call, fn) if padded_call is not None else None
         where = " on the CPU"
-    call_side, eager_out, unmatched = _eager_side("the call" + where, eager, modules, records)
+    run = new_run()  # after the graph's run: no memory its capture was handed holds this run's poison
+    call_side, eager_out, unmatched = _eager_side("the call" + where, eager, modules, records, run)
     sides.append(call_side)
     if padded_call is not None:
-        padded, _, _ = _eager_side("the padded batch" + where, padded_call, modules, records)
+        padded, _, _ = _eager_side("the padded batch" + where, padded_call, modules, records, run)
         sides.append(padded)
     atol, rtol = options.atol, options.rtol
     found: list[OpDifference] = []

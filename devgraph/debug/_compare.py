@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import torch
 
+from devgraph.debug._poison import unmatched_poison
 from devgraph.debug._probe import OpRecord
 
 __all__ = ["Diff", "align", "diff_tensors", "max_difference"]
@@ -53,16 +54,18 @@ def _lined_up(g: torch.Tensor, e: torch.Tensor) -> torch.Tensor | None:
 def diff_tensors(g: torch.Tensor, e: torch.Tensor) -> Diff:
     """The difference of ``g`` (cut to ``e``'s shape where it is padded) from ``e``.
 
-    NaN on both sides counts as equal (memory both runs left unwritten the same way); NaN or inf on
-    one side only is an infinite difference.
+    NaN on both sides counts as equal (both computed NaN there), except where eager holds its marked
+    poison (memory no op wrote, ``_poison``) and the graph other bits; NaN or inf on one side only is
+    an infinite difference.
     """
     cut = _lined_up(g, e.to(g.device) if e.device != g.device else e)
     if cut is None:
         return Diff(0.0, 0.0, 0.0, (), comparable=False)
-    a, b = _as_float(cut), _as_float(e.to(cut.device))
+    e = e.to(cut.device)
+    a, b = _as_float(cut), _as_float(e)
     if a.numel() == 0:
         return Diff(0.0, 0.0, 0.0, ())
-    both_nan = torch.isnan(a) & torch.isnan(b)
+    both_nan = torch.isnan(a) & torch.isnan(b) & ~unmatched_poison(cut, e)
     finite = torch.isfinite(a) & torch.isfinite(b)
     same_inf = ~finite & (a == b)
     delta = torch.where(finite, (a - b).abs(), torch.full_like(a, math.inf))
@@ -71,7 +74,9 @@ def diff_tensors(g: torch.Tensor, e: torch.Tensor) -> Diff:
     max_abs = float(delta.reshape(-1)[flat])
     scale = float(b[torch.isfinite(b)].abs().max()) if bool(torch.isfinite(b).any()) else 0.0
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), cut.shape)) if cut.dim() else ()
+    # ``a`` views a complex tensor as real pairs (one more dim): index it, keep ``cut``'s dims
+    at = torch.unravel_index(torch.tensor(flat), a.shape)[: cut.dim()]
+    where = tuple(int(i) for i in at)
     return Diff(max_abs, max_rel, scale, where)
 
 

@@ -5,8 +5,8 @@ of the captured work: the capture records them (on the CPU reference its op reco
 NPU the capture stream), they land in the graph's pool, and every replay refills them with the
 replayed values. That is what makes the probe backend-neutral: it asks nothing of a backend but the
 graph contract. Entered around an eager run it keeps the eager values, and it fills the memory of
-ops that return it uninitialised (``empty``) with NaN, so a later read of memory no op wrote shows
-as a difference instead of passing by chance.
+ops that return it uninitialised (``empty``) with a marked NaN (``_poison``), so a later read of
+memory no op wrote shows as a difference instead of passing by chance.
 
 Compiled code (``torch.compile``) runs compiled under the probe, as it runs in the graph: a compiled
 graph is recorded whole, as one ``COMPILED`` record holding its outputs (its fused kernels have no
@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from devgraph._source import is_user_path, render, skip_dirs
+from devgraph.debug._poison import fill_poison
 from devgraph.frontend import node_meta_at
 from devgraph.graph import CompiledRegions, is_view, written_tensors
 
@@ -142,8 +143,9 @@ class OpProbe(TorchDispatchMode):
 
     Args:
         modules: ``id(submodule) -> name`` (``module_names``) for the records' module path.
-        poison: fill uninitialised outputs with NaN (eager runs; never inside a capture, where the
-            fill would be captured and hide what a replay leaves in that memory).
+        poison: the run number (``_poison.new_run``) whose marked NaN fills uninitialised outputs;
+            0 leaves them (eager runs poison; never inside a capture, where the fill would be
+            captured and hide what a replay leaves in that memory).
         records: the list to append to (default: a new one).
     """
 
@@ -151,7 +153,7 @@ class OpProbe(TorchDispatchMode):
         self,
         modules: Mapping[int, str] | None = None,
         *,
-        poison: bool = False,
+        poison: int = 0,
         records: list[OpRecord] | None = None,
     ) -> None:
         super().__init__()
@@ -216,8 +218,7 @@ class OpProbe(TorchDispatchMode):
         if name in UNINITIALISED:
             if self.poison:
                 for t in leaves:
-                    if t.is_floating_point() or t.is_complex():
-                        t.fill_(float("nan"))
+                    fill_poison(t, self.poison)
             return out
         source, module = _where(self.modules, self._skip)
         copies = [t.detach().clone() for t in leaves]

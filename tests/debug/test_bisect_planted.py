@@ -110,10 +110,8 @@ def _ints(*shape: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def test_uninitialised_padded_rows_are_named_at_the_kernel(any_device):
-    # The raw front end: whether the graph's unwritten rows differ from eager's NaN poison depends on
-    # what the allocator hands the capture (memory a poisoned eager run freed reads NaN too); through
-    # Dynamo the capture's allocations differ, and one run in several (npu-sim, after the rest of
-    # this file) found NaN there. tests/debug/test_bisect_traced.py plants the same rows through Dynamo.
+    # Eager runs fill unwritten memory with this bisect run's marked NaN; whatever the capture was
+    # handed (NaN an earlier poisoned run freed, or anything else) differs from it bit for bit.
     dev = any_device
     model = _exact(PaddedRows()).to(dev.torch_device)
     graphed = _raw(model, device=dev, batch_sizes=[4])
@@ -126,7 +124,7 @@ def test_uninitialised_padded_rows_are_named_at_the_kernel(any_device):
     assert first.location.endswith(f"test_bisect_planted.py:{_line(PaddedRows.forward, 'rows_kernel(out')}")
     assert first.against == "the padded batch"
     assert first.where[0] == 3  # the padding row
-    assert first.max_abs == float("inf")  # eager's unwritten row reads NaN: memory no op wrote
+    assert first.max_abs == float("inf")  # eager's unwritten row reads its poison: memory no op wrote
     assert report.output_max_abs == 0  # the real rows agree: only the padding row differs
 
 
