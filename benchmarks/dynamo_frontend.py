@@ -12,8 +12,8 @@ keyword arguments as an engine does) and on a small MLP:
   guard evaluation and frame, devgraph's marking of dynamic dimensions, splitting Dynamo's arguments,
   assembling the outputs): its share is reported. Targets recorded: 1.5x the hand-written loop.
 * wrap plus first call (trace, capture of every bucket, the call), wall-clock seconds, both front
-  ends; a tiny Hugging Face Llama too, whose ``generate`` the Dynamo front end does not serve yet
-  (reported as refused).
+  ends; a tiny Hugging Face Llama too (``generate`` of 4 new tokens: its decode steps traced by
+  Dynamo, or captured as they run).
 
 The paged decoder takes a Python list (``seq_lens_host``, one value per row): Dynamo specialises on a
 list, so with ``frontend="dynamo"`` each batch size is its own graph, captured at that size alone.

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 import sys
 import sysconfig
+from collections.abc import Callable, Mapping
 from types import TracebackType
+from typing import Any
 
-__all__ = ["user_source_line", "user_stacklevel"]
+__all__ = ["meta_source", "set_generated_meta", "user_source_line", "user_stacklevel"]
 
 _DEVGRAPH_DIR = os.path.dirname(os.path.abspath(__file__))
 _TESTING_DIR = os.path.join(_DEVGRAPH_DIR, "testing")
@@ -55,8 +58,49 @@ def render(path: str, lineno: int) -> str:
     return f"{path}:{lineno}: {code}" if code else f"{path}:{lineno}"
 
 
+#: ``(filename, line) -> node meta`` of the FX graph whose generated code (``<eval_with_key>.N``) a
+#: frame runs, set by the layer that knows the graphs (``devgraph.frontend``); None: not known
+_generated_meta: Callable[[str, int], Mapping[str, Any] | None] | None = None
+
+_GENERATED = "<eval_with_key>"
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
+
+
+def set_generated_meta(find: Callable[[str, int], Mapping[str, Any] | None]) -> None:
+    """Let errors name the user's line of an op run by an FX graph's generated code: ``find(filename,
+    line)`` returns the meta of the node that line computes (its ``stack_trace``)."""
+    global _generated_meta
+    _generated_meta = find
+
+
+def meta_source(meta: Mapping[str, Any]) -> str | None:
+    """``file:LINE: code`` of the innermost user frame of an FX node's ``stack_trace`` (the op's own
+    line, not torch's: an ``nn.Linear``'s op is named at the line calling the layer)."""
+    frames = _FRAME.findall(meta.get("stack_trace") or "")
+    skip = skip_dirs()
+    for path, line, code in reversed(frames):
+        name = os.path.basename(path)
+        if name.startswith(_GENERATED):  # a Dynamo graph's code traced again: its node's line
+            found = _generated_line(name, int(line))
+            if found is not None:
+                return found
+            continue
+        if is_user_path(os.path.abspath(path), skip):
+            return f"{path}:{line}: {code.strip()}"
+    return None
+
+
+def _generated_line(filename: str, line: int) -> str | None:
+    """The user's line behind line ``line`` of an FX graph's generated code, where it is known."""
+    if _generated_meta is None or not os.path.basename(filename).startswith(_GENERATED):
+        return None
+    meta = _generated_meta(os.path.basename(filename), line)
+    return meta_source(meta) if meta is not None else None
+
+
 def user_source_line(tb: TracebackType | None = None) -> str | None:
-    """``"file.py:LINE: code"`` of the innermost user frame (outside torch, devgraph and the stdlib).
+    """``"file.py:LINE: code"`` of the innermost user frame (outside torch, devgraph and the stdlib);
+    a frame of an FX graph's generated code counts as the user's line its node was traced from.
 
     Walks the current stack, or the traceback ``tb`` of an exception when given.
     """
@@ -64,18 +108,23 @@ def user_source_line(tb: TracebackType | None = None) -> str | None:
     if tb is not None:
         found = None
         while tb is not None:
-            path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-            if is_user_path(path, skip):
-                found = render(path, tb.tb_lineno)
+            found = _frame_line(tb.tb_frame.f_code.co_filename, tb.tb_lineno, skip) or found
             tb = tb.tb_next
         return found
     frame = sys._getframe(1)
     while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if is_user_path(path, skip):
-            return render(path, frame.f_lineno)
+        found = _frame_line(frame.f_code.co_filename, frame.f_lineno, skip)
+        if found is not None:
+            return found
         frame = frame.f_back  # type: ignore[assignment]
     return None
+
+
+def _frame_line(filename: str, line: int, skip: tuple[str, str]) -> str | None:
+    if filename.startswith("<"):
+        return _generated_line(filename, line)
+    path = os.path.abspath(filename)
+    return render(path, line) if is_user_path(path, skip) else None
 
 
 def user_stacklevel() -> int:

@@ -83,14 +83,11 @@ def wrap(
             f"in mode='full') or 'raw' (the forward captured as it runs, untraced), got {frontend!r}"
         )
     if _is_hf_model(model):
-        if frontend == "dynamo":
-            raise DevgraphError(
-                "frontend='dynamo' serves a plain model's forward; a Hugging Face causal LM's generate() "
-                "steps are captured by its adapter as they run (frontend='raw'): drop frontend"
-            )
         from devgraph.adapters.hf import wrap_hf
 
-        return wrap_hf(model, dev, **options)
+        if frontend == "raw":
+            warn_untraced(model, "full")
+        return wrap_hf(model, dev, frontend=frontend or "dynamo", **options)
     merged = {k: v for k, v in {**defaults, **options}.items() if k != "frontend"}
     mode = merged.get("mode", "full")
     from devgraph.runner import MODE_TABLE

@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from devgraph._source import is_user_path, render, skip_dirs
+from devgraph._source import is_user_path, meta_source, render, skip_dirs
 from devgraph.debug._poison import fill_poison
 from devgraph.frontend import node_meta_at
 from devgraph.graph import CompiledRegions, is_view, written_tensors
@@ -67,27 +67,6 @@ def module_names(target: Any) -> dict[int, str]:
     if named is None:
         return {}
     return {id(m): (name or type(m).__name__) for name, m in named()}
-
-
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
-
-
-def meta_source(meta: Mapping[str, Any]) -> str | None:
-    """``file:LINE: code`` of the innermost user frame of an FX node's ``stack_trace`` (the op's own
-    line, not torch's: an ``nn.Linear``'s op is named at the line calling the layer)."""
-    frames = _FRAME.findall(meta.get("stack_trace") or "")
-    skip = skip_dirs()
-    for path, line, code in reversed(frames):
-        name = os.path.basename(path)
-        if name.startswith("<eval_with_key>"):  # a Dynamo graph's code traced again: its node's line
-            outer = node_meta_at(name, int(line))
-            found = meta_source(outer) if outer is not None else None
-            if found is not None:
-                return found
-            continue
-        if is_user_path(os.path.abspath(path), skip):
-            return f"{path}:{line}: {code.strip()}"
-    return None
 
 
 def meta_module(meta: Mapping[str, Any]) -> str | None:

@@ -34,7 +34,7 @@ class ServedStep:
     Attributes:
         name: what the step was, for the report (``"decode step 3 of generate"``).
         runner: the ``GraphRunner`` that served it (``runner.fn`` is the step's function).
-        kwargs: the runner's call (tensors cloned before the step ran).
+        kwargs: the runner's call (tensors cloned before the step ran), ``shared`` aside.
         output: what the runner returned (cloned).
         written: ``read_written()`` right after the step (cloned): the state it wrote.
         restore: puts back the state the step started from (the KV cache before it).
@@ -49,6 +49,9 @@ class ServedStep:
     written: list[torch.Tensor]
     restore: Callable[[], None]
     read_written: Callable[[], list[torch.Tensor]]
+    #: arguments passed as they are, never cloned: the state the step reads and writes when the
+    #: runner's function takes it as arguments (a graph Dynamo traced lifts the KV cache's tensors)
+    shared: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -88,7 +91,7 @@ def step_difference(step: ServedStep, atol: float, rtol: float) -> str | None:
     """None, or how ``step`` run eagerly over the state it started from differs from its graph."""
     step.restore()
     with torch.no_grad(), truly_eager():
-        out = step.runner.fn(**clone_tensors(step.kwargs))
+        out = step.runner.fn(**clone_tensors(step.kwargs), **step.shared)
     written = [t.clone() for t in step.read_written()]
     return _difference(step.output, out, "its output", atol, rtol) or _difference(
         step.written, written, "the KV cache it writes", atol, rtol
@@ -109,9 +112,13 @@ def step_plan(step: ServedStep) -> tuple[Plan, list[str]]:
     (``_piecewise_plan`` for pieces, ``_full_plan`` for whole or breakable graphs), with the state the
     step started from put back before the capture, the replay and each eager run; and notes for the
     report (kept out of the plan's own notes, which say that host values differ)."""
-    runner, kwargs = step.runner, dict(step.kwargs)
+    runner, kwargs = step.runner, {**step.kwargs, **step.shared}
     notes: list[str] = []
     step.restore()
+    # a graph Dynamo traced runs node by node on the eager side: each op named at the user's line
+    traced = getattr(runner.fn, "graph", None)
+    if traced is not None and runner.pieces is None:
+        traced.interpret = True
     if runner.pieces is not None:
         plan = _piecewise_plan(runner.pieces, (), kwargs)
         tokens = runner.pieces.inputs.read((), kwargs).batch
@@ -153,4 +160,6 @@ def step_plan(step: ServedStep) -> tuple[Plan, list[str]]:
 
         plan.padded = padded_restored
     plan.served = step.output
+    if traced is not None:
+        plan.cleanup.append(lambda: setattr(traced, "interpret", False))
     return plan, notes

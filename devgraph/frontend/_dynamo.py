@@ -147,7 +147,9 @@ class _GraphFunction:
         params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in graph.arguments]
         self.__signature__ = inspect.Signature(params)
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:  # called by argument name (a bisect's eager run of a recorded step)
+            args = (*args, *(kwargs[name] for name in self.graph.arguments[len(args) :]))
         return self.graph.run(*args)
 
     def devgraph_traced_state(self) -> dict[str, Any]:
@@ -225,6 +227,10 @@ class DynamoGraphs:
         self.pad_values: dict[str, Any] = {}
         #: the name of the compiled forward's ``**kwargs`` parameter, if it has one
         self.var_keyword: str | None = None
+        #: FX passes (``devgraph.compile.passes.Pass``) run over each graph Dynamo hands over, before
+        #: it is read and captured (an adapter's rewrite of an op that cannot be captured as traced);
+        #: a ``DevgraphError`` from one makes that graph run as traced, eagerly, with its message
+        self.graph_passes: tuple[Any, ...] = ()
         #: a graph drew Python random numbers (``PYTHON_RANDOM``); a wrapper that can run the model
         #: eagerly instead sets ``eager_on_python_random`` (else the backend raises)
         self.python_random = False
@@ -254,6 +260,7 @@ class DynamoGraphs:
         """Dynamo's backend: the callable that serves graph ``gm`` (see the module docstring)."""
         self._note_recompile()
         try:
+            self._rewrite(gm)
             graph = TracedGraph(gm, example_inputs, self.batch_dims, self.unbatched, self.var_keyword)
         except Unservable as why:
             return self._as_traced(gm, why)
@@ -308,6 +315,17 @@ class DynamoGraphs:
             return graph.assemble(args, out)
 
         return serve
+
+    def _rewrite(self, gm: Any) -> None:
+        """Run ``graph_passes`` over ``gm`` (raises ``Unservable`` with a pass's refusal)."""
+        changed = 0
+        for graph_pass in self.graph_passes:
+            try:
+                changed += graph_pass(gm.graph)
+            except DevgraphError as why:
+                raise Unservable(graph_pass.name, str(why)) from why
+        if changed:
+            gm.recompile()
 
     def _runner(self, fn: _GraphFunction, config: RunnerConfig) -> GraphRunner:
         """The runner of one graph, by mode: whole graphs per bucket, breakable graphs (the break ops

@@ -41,7 +41,12 @@ class TracedModule(GraphedModule):
     """
 
     def __init__(
-        self, module: Any, graphs: DynamoGraphs, options: dict[str, Any], fullgraph: bool = False
+        self,
+        module: Any,
+        graphs: DynamoGraphs,
+        options: dict[str, Any],
+        fullgraph: bool = False,
+        caller_serialises: bool = False,
     ) -> None:
         self.module = module
         self.graphs = graphs
@@ -62,7 +67,7 @@ class TracedModule(GraphedModule):
         self._checked = False
         #: the one live thread served while outputs are views of graph memory (every graph's: a second
         #: thread's call of any of them is refused, as one runner's is)
-        self._threads = ThreadOwner(graphs.config, caller_serialises=False)
+        self._threads = ThreadOwner(graphs.config, caller_serialises=caller_serialises)
         self._claiming = threading.Lock()
 
     @property
@@ -72,6 +77,16 @@ class TracedModule(GraphedModule):
     @property
     def stats(self) -> DynamoStats:  # type: ignore[override]
         return self.graphs.stats
+
+    @property
+    def captured(self) -> bool:
+        """Whether any graph Dynamo handed over holds captures."""
+        return any(runner.captured for runner in self.graphs.runners)
+
+    def note_fallback(self, reason: str, detail: str) -> None:
+        """Count a call the wrapper's owner ran eagerly (by ``reason``; warned once, raised when
+        ``strict``), as ``GraphRunner.note_fallback`` does."""
+        self._accounts.note_fallback(reason, detail)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Serve one call through Dynamo (see the class docstring).
@@ -182,12 +197,16 @@ def _positional_names(model: Any) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
-def wrap_traced(model: Any, device: Any, options: dict[str, Any]) -> TracedModule:
+def wrap_traced(
+    model: Any, device: Any, options: dict[str, Any], *, caller_serialises: bool = False
+) -> TracedModule:
     """``devgraph.wrap(model, device, **options)`` in ``mode='full'`` (see ``TracedModule``).
 
     ``batch_dims``, ``static_args`` and ``pad_values`` name the forward's arguments; devgraph finds
     them in each graph Dynamo hands over. ``fullgraph=True`` refuses a graph break (a
     ``DevgraphError`` at the call that traces it) instead of running the code there eagerly.
+    ``caller_serialises``: the caller keeps one call in flight and reads the outputs before the next
+    (an adapter's step under its own lock): no thread owner is claimed.
 
     Raises:
         DevgraphError: ``host_args`` (served by ``frontend='raw'`` only), ``batch_dims``,
@@ -227,4 +246,4 @@ def wrap_traced(model: Any, device: Any, options: dict[str, Any]) -> TracedModul
     bad = {k: v for k, v in batch_dims.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0}
     if bad:
         raise DevgraphError(f"batch_dims must map argument names to dims (ints >= 0), got {bad}")
-    return TracedModule(model, graphs, kept, fullgraph)
+    return TracedModule(model, graphs, kept, fullgraph, caller_serialises)

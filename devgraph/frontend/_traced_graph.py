@@ -33,6 +33,7 @@ from typing import Any
 import attrs
 import torch
 
+from devgraph._source import set_generated_meta
 from devgraph.runner import tensor_version
 
 __all__ = ["PYTHON_RANDOM", "TracedGraph", "Unservable", "node_meta_at"]
@@ -60,6 +61,9 @@ def node_meta_at(filename: str, line: int) -> dict[str, Any] | None:
     node = next((n for n in gm.graph.nodes if n.name == match.group(1)), None)
     return None if node is None else dict(node.meta)
 
+
+# errors raised while a graph's generated code runs (a capture refused) name the user's line of the op
+set_generated_meta(node_meta_at)
 
 PYTHON_RANDOM = (
     "the forward draws Python random numbers (random.random(), a random.Random's methods): Dynamo draws "

@@ -8,8 +8,11 @@ runs ``model.generate`` itself — transformers' loop, logits processors, stoppi
 * the KV cache is devgraph's: one static cache (transformers ``StaticLayer``s, ``max_cache_len``
   slots) for the largest bucket, shared by every bucket; a batch of ``n`` rows prefills into its
   first ``n`` rows (``SharedStaticCache``);
-* every decode forward (one token per row) is served by a ``GraphRunner`` replaying the step
-  captured for the batch's bucket (``DecodeRoute``/``DecodeStep``). The prefill runs eagerly (or,
+* every decode forward (one token per row) is served from the graph captured for the batch's
+  bucket (``DecodeRoute``/``DecodeStep``): by default the step is traced by Dynamo, which guards what
+  it reads, and devgraph captures the graph Dynamo hands over (``frontend='dynamo'``, a
+  ``TracedModule`` of the step); ``frontend='raw'`` captures it as it runs with a ``GraphRunner``
+  (untraced, warned once). The prefill runs eagerly (or,
   with ``mode="piecewise"``/``"full_and_piecewise"``, from pieces split at attention; with
   ``mode="breakable"``/``"full_and_breakable"``, from breakable graphs cut at attention).
 
@@ -52,6 +55,7 @@ from devgraph._errors import CaptureError, DevgraphError
 from devgraph._fallback_fixes import fallback_fix
 from devgraph._plugins import device as _device
 from devgraph._source import user_stacklevel
+from devgraph.adapters.hf import _moe
 from devgraph.adapters.hf._cache import SharedStaticCache
 from devgraph.adapters.hf._checks import decode_hook_reachable, position_bias_source
 from devgraph.adapters.hf._compat import cache_kwarg
@@ -63,6 +67,7 @@ from devgraph.adapters.hf._route import decode_route, route_config
 from devgraph.adapters.hf._static_check import check_static_cache
 from devgraph.adapters.hf._step import MAX_MASKS, DecodeRoute, DecodeStep
 from devgraph.adapters.hf._steplog import MAX_STEPS, StepLog
+from devgraph.frontend import wrap_traced
 from devgraph.graph import Device
 from devgraph.runner import (
     MODE_TABLE,
@@ -150,6 +155,12 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
             cannot capture (the message says why and what to change).
     """
     dev = device if isinstance(device, Device) else _device(device)
+    frontend = options.pop("frontend", "dynamo")
+    if frontend not in ("dynamo", "raw"):
+        raise DevgraphError(
+            "frontend must be 'dynamo' (each decode step traced by Dynamo, its graphs captured; the default) "
+            f"or 'raw' (the decode step captured as it runs, untraced), got {frontend!r}"
+        )
     mode = options.pop("mode", "full")
     if mode not in MODE_TABLE:
         raise DevgraphError(f"mode must be one of {list(MODE_TABLE)} for a Hugging Face model, got {mode!r}")
@@ -180,7 +191,17 @@ def wrap_hf(model: Any, device: str | Device | None = None, **options: Any) -> G
         prefill = _breakable_prefill_factory(dev, hf, runner_config)
     elif MODE_TABLE[mode].serves == "pieces":
         prefill = _prefill_factory(dev, hf, runner_config, compile_options)
-    return GraphedCausalLM(model, dev, hf, runner_config, prefill)
+    return GraphedCausalLM(model, dev, hf, runner_config, prefill, frontend)
+
+
+def _traced_options(config: RunnerConfig) -> dict[str, Any]:
+    """``config`` as the options of ``wrap_traced`` (the fields the adapter or its caller set)."""
+    default = RunnerConfig()
+    return {
+        f.name: getattr(config, f.name)
+        for f in attrs.fields(RunnerConfig)
+        if getattr(config, f.name) != getattr(default, f.name)
+    }
 
 
 def _prefill_factory(dev: Device, hf: HFOptions, runner_config: RunnerConfig, options: dict[str, Any]) -> Any:
@@ -196,11 +217,9 @@ def _prefill_factory(dev: Device, hf: HFOptions, runner_config: RunnerConfig, op
     config = attrs.evolve(runner_config, mode="piecewise", batch_sizes=None, max_batch_size=None)
 
     def build(row: Any) -> Any:
-        from devgraph.adapters.hf._moe import GroupedMmRouting, eager_uses_grouped_mm
-
         # Always last, whatever passes the caller chose: without it a mixture-of-experts piece would
         # replay the routing of capture time (see _moe).
-        routing = GroupedMmRouting(eager_uses_grouped_mm(row.model))
+        routing = _moe.GroupedMmRouting(_moe.eager_uses_grouped_mm(row.model))
         passes = options["passes"]
         named = {**options, "passes": (*(() if passes is None else passes), routing)}
         if passes is None:  # None: the built-in and contributed passes, then the routing rewrite
@@ -244,7 +263,9 @@ class GraphedCausalLM(GraphedModule):
     by ``capture()``); ``stats`` counts replays and eager fallbacks by reason.
     """
 
-    runner: GraphRunner  # the decode steps' runner
+    #: the decode steps' server: a ``TracedModule`` of the step (``frontend='dynamo'``, the default:
+    #: Dynamo traces each step, its graphs are captured per bucket) or a ``GraphRunner`` (``'raw'``)
+    runner: Any
 
     def __init__(
         self,
@@ -253,6 +274,7 @@ class GraphedCausalLM(GraphedModule):
         options: HFOptions,
         runner_config: RunnerConfig,
         prefill_factory: Any = None,
+        frontend: str = "dynamo",
     ) -> None:
         layers = _check_model(model, device)
         check_static_cache(model, layers, options.max_cache_len)
@@ -264,16 +286,27 @@ class GraphedCausalLM(GraphedModule):
             model, layers, options.max_cache_len, extra, device.torch_device.type, shadow=self._shadow_hook
         )
         self.options = options
-        largest = normalise_batch_sizes(runner_config.batch_sizes, runner_config.max_batch_size)[-1]
-        self.cache = SharedStaticCache(layers, largest, options.max_cache_len)
+        #: the batch-size buckets (one decode graph each, all over one shared KV cache)
+        self._sizes = tuple(normalise_batch_sizes(runner_config.batch_sizes, runner_config.max_batch_size))
+        self.cache = SharedStaticCache(layers, self._sizes[-1], options.max_cache_len)
         step = DecodeStep(model, self.cache, extra)
         # generate() reads every step's logits under self._lock: threads may share the wrapper.
-        super().__init__(model, GraphRunner(step, device, runner_config, caller_serialises=True))
+        runner: Any
+        if frontend == "dynamo":
+            runner = wrap_traced(step, device, _traced_options(runner_config), caller_serialises=True)
+            # a mixture-of-experts layer's grouped matmul, as Dynamo traces it, routes on the host:
+            # rewritten to the op eager runs (or the graph runs as traced, eagerly; see _moe)
+            runner.graphs.graph_passes = (_moe.GroupedMmRouting(_moe.eager_uses_grouped_mm(model)),)
+        else:
+            runner = GraphRunner(step, device, runner_config, caller_serialises=True)
+        super().__init__(model, runner)
         self._step = step
         self.prefill = (
             None if prefill_factory is None else PiecewisePrefill(model, self.cache, prefill_factory)
         )
-        self._route = DecodeRoute(model, step, self.runner, self.runner.note_fallback, self.prefill)
+        self._route = DecodeRoute(
+            model, step, self.runner, self.runner.note_fallback, self.prefill, traced=frontend == "dynamo"
+        )
         #: why the decode step (the prefill pieces) could not be captured; such calls then run eagerly
         self.refused: str | None = None
         self.prefill_refused: str | None = None
@@ -313,7 +346,7 @@ class GraphedCausalLM(GraphedModule):
     @property
     def sizes(self) -> list[int]:
         """The batch-size buckets (one captured decode step each, all over one shared KV cache)."""
-        return list(self.runner.sizes)
+        return list(self._sizes)
 
     def capture(self) -> GraphedCausalLM:  # type: ignore[override]
         """Capture every bucket's decode step (and the prefill pieces) now: a short greedy generation.
@@ -345,7 +378,7 @@ class GraphedCausalLM(GraphedModule):
         model = self.module
         call = read_generate_call(args, kwargs)
         _check_inputs(call.named, model)
-        why, config = eager_reason(model, call, self.runner.sizes[-1], self.options.max_cache_len)
+        why, config = eager_reason(model, call, self._sizes[-1], self.options.max_cache_len)
         if why is None and self.refused is not None:
             why = ("capture_refused", self.refused)
         if why is not None:
@@ -410,8 +443,7 @@ class GraphedCausalLM(GraphedModule):
                 kwargs.setdefault("max_new_tokens", 4)
         caches = [self.cache] + ([self.prefill.scratch] if self.prefill is not None else [])
         log = StepLog(caches, max_steps)
-        counters = [self.runner.stats] + ([self.prefill.runner.stats] if self.prefill is not None else [])
-        before = [dict(c.fallbacks) for c in counters]
+        before = self._fallbacks()
         with self._lock:
             self._route.log = log
             if self.prefill is not None:
@@ -422,9 +454,7 @@ class GraphedCausalLM(GraphedModule):
                 self._route.log = None
                 if self.prefill is not None:
                     self.prefill.log = None
-        reasons = sorted(
-            {k for c, b in zip(counters, before) for k, v in c.fallbacks.items() if v != b.get(k, 0)}
-        )
+        reasons = sorted({k for k, v in self._fallbacks().items() if v != before.get(k, 0)})
         eager = [f"{r} (Fix: {fallback_fix(r)})" for r in reasons]
         if self.refused is not None:
             eager.append(self.refused)
@@ -440,6 +470,15 @@ class GraphedCausalLM(GraphedModule):
         if self.prefill is None:
             notes.append("mode='full': the prefill runs eagerly, so only the decode steps are compared")
         return StepsServed(f"{type(self.module).__name__} generate()", log.steps, eager, notes)
+
+    def _fallbacks(self) -> dict[str, int]:
+        """The decode steps' and the prefill's fallbacks by reason, added up (read anew: a traced
+        step's stats are a new object at each read)."""
+        total = dict(self.runner.stats.fallbacks)
+        if self.prefill is not None:
+            for reason, n in self.prefill.runner.stats.fallbacks.items():
+                total[reason] = total.get(reason, 0) + n
+        return total
 
     def _refuse(self, err: CaptureError) -> CaptureError:
         """Remember that the decode step (or the prefill pieces) cannot be captured; the error to raise.
@@ -494,7 +533,7 @@ class GraphedCausalLM(GraphedModule):
     def __repr__(self) -> str:
         return (
             f"<GraphedCausalLM {type(self.module).__name__} on {self.runner.device}, "
-            f"sizes {self.runner.sizes}, max_cache_len {self.options.max_cache_len}>"
+            f"sizes {list(self._sizes)}, max_cache_len {self.options.max_cache_len}>"
         )
 
 

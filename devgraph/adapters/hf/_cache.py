@@ -84,23 +84,33 @@ class SharedStaticCache:
             layer.cumulative_length.copy_(value)
 
     def view(self, n: int) -> Any:
-        """A ``Cache`` over the first ``n`` rows (built once per ``n``; needs ``allocate`` first)."""
+        """A ``Cache`` over the first ``n`` rows (built once per ``n``; needs ``allocate`` first).
+
+        While Dynamo traces (the decode step behind ``frontend='dynamo'``), ``n`` is the symbolic batch
+        size: the view is built inside the trace, slicing the big tensors, so that one graph serves
+        every batch size instead of one per ``n`` (a dict lookup by ``n`` would specialise it).
+        """
+        if torch.compiler.is_compiling():
+            return self._sliced(n)
         cache = self._views.get(n)
         if cache is None:
-            from transformers.cache_utils import Cache
-
             if not 1 <= n <= self.rows:
                 raise ValueError(f"a view of {n} rows of a {self.rows}-row cache")
-            layers = []
-            for big in self.base.layers:
-                layer = copy.copy(big)  # shares cumulative_length: one write position for all views
-                layer.keys = big.keys[:n]
-                layer.values = big.values[:n]
-                layer.batch_size = n
-                layers.append(layer)
-            cache = Cache(layers=layers)
+            cache = self._sliced(n)
             self._views[n] = cache
         return cache
+
+    def _sliced(self, n: Any) -> Any:
+        from transformers.cache_utils import Cache
+
+        layers = []
+        for big in self.base.layers:
+            layer = copy.copy(big)  # shares cumulative_length: one write position for all views
+            layer.keys = big.keys[:n]
+            layer.values = big.values[:n]
+            layer.batch_size = n
+            layers.append(layer)
+        return Cache(layers=layers)
 
     def owns(self, cache: Any) -> bool:
         return any(cache is view for view in self._views.values())

@@ -71,6 +71,16 @@ def grouped_mm_op() -> Any:
     return _OP
 
 
+def _op_name(target: Any) -> str | None:
+    """``ns::name`` of a custom op an FX node calls: an overload (an aten-level graph, the pieces') or
+    the packet (a Dynamo graph, the decode step's)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
 class GroupedMmRouting(Pass):
     """Replace ``transformers::grouped_mm_fallback(x, w, offs)`` by ``torch._grouped_mm(x, w, offs=offs)``.
 
@@ -88,18 +98,15 @@ class GroupedMmRouting(Pass):
     def __call__(self, graph: fx.Graph) -> int:
         count = 0
         for node in list(graph.nodes):
-            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-                continue
-            if node.target._schema.name != FALLBACK_OP:
+            if node.op != "call_function" or _op_name(node.target) != FALLBACK_OP:
                 continue
             if not self.eager_grouped_mm:
                 raise DevgraphError(
-                    f"piecewise mode cannot capture {FALLBACK_OP} (the mixture-of-experts layers' grouped "
+                    f"devgraph cannot capture {FALLBACK_OP} (the mixture-of-experts layers' grouped "
                     "matmul as transformers traces it): its Python body reads the expert offsets on the host "
-                    "(offs.tolist()), so a captured piece would replay the routing of capture time, and eager "
+                    "(offs.tolist()), so a graph would replay the routing of capture time, and eager "
                     "on this device and dtype does not run torch._grouped_mm, which devgraph would use "
-                    "instead. Use mode='full' (decode graphs, eager prefill), or bf16 weights, or "
-                    "model.config._experts_implementation = 'batched_mm'"
+                    "instead. Use bf16 weights, or model.config._experts_implementation = 'batched_mm'"
                 )
             x, w, offs = [*node.args, node.kwargs.get("offs")][:3]
             node.target = grouped_mm_op()

@@ -103,8 +103,19 @@ class DecodeRoute:
     decode call that had to run eagerly (it counts and warns).
     """
 
-    def __init__(self, model: Any, step: DecodeStep, runner: Any, on_eager: Any, prefill: Any = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        step: DecodeStep,
+        runner: Any,
+        on_eager: Any,
+        prefill: Any = None,
+        traced: bool = False,
+    ) -> None:
         self.model = model
+        #: the runner is a ``TracedModule``: Dynamo traces the step and its graphs capture at the first
+        #: call (the state the capture's runs write put back by the graphs' own snapshot)
+        self.traced = traced
         self.step = step
         self.runner = runner
         self.on_eager = on_eager
@@ -135,7 +146,7 @@ class DecodeRoute:
             )
             return self.model(**kwargs)
         named = {f"mask{i}": m for i, m in enumerate(masks)}
-        if not self.runner.captured:
+        if not self.traced and not self.runner.captured:
             self._capture(kwargs["input_ids"], kwargs.get("position_ids"), named)
         call = {"input_ids": kwargs["input_ids"], "position_ids": kwargs.get("position_ids"), **named}
         logits = (

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from devgraph._errors import DevgraphError
 from devgraph.adapters.hf._cache import SharedStaticCache
 
 __all__ = ["StepLog"]
@@ -55,24 +56,46 @@ class StepLog:
         from devgraph.debug import ServedStep
 
         saved = [t.clone() for t in self._tensors()]
-        arguments = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        out = runner(**kwargs)
 
         def restore() -> None:
             for dst, src in zip(self._tensors(), saved, strict=True):
                 dst.copy_(src)
 
-        self.steps.append(
-            ServedStep(
-                name=name,
-                runner=runner,
-                kwargs=arguments,
-                output=out.clone(),
-                written=[t.clone() for t in written()],
-                restore=restore,
-                read_written=written,
+        def record(step_runner: Any, arguments: dict[str, Any], output: Any, shared: dict[str, Any]) -> None:
+            self.steps.append(
+                ServedStep(
+                    name=name,
+                    runner=step_runner,
+                    kwargs=arguments,
+                    output=output,
+                    written=[t.clone() for t in written()],
+                    restore=restore,
+                    read_written=written,
+                    shared=shared,
+                )
             )
-        )
+
+        graphs = getattr(runner, "graphs", None)
+        if graphs is not None:  # a TracedModule: the step is the graph Dynamo traced for it
+            with graphs.recording() as served:
+                out = runner(**kwargs)
+            if len(served) > 1:
+                raise DevgraphError(
+                    f"{name} was served by {len(served)} graphs (Dynamo broke the decode step's graph: see "
+                    "graphed.stats.graph_breaks); a step is bisected as one graph. Bisect a wrapper made "
+                    "with frontend='raw', which captures the step whole"
+                )
+            if served:
+                graph = served[0].graph
+                batched = set(graph.batch_dims)
+                named = dict(zip(graph.arguments, served[0].arguments, strict=True))
+                arguments = {k: v for k, v in named.items() if k in batched}
+                shared = {k: v for k, v in named.items() if k not in batched}
+                record(served[0].runner, arguments, list(served[0].outputs), shared)
+            return out
+        arguments = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        out = runner(**kwargs)
+        record(runner, arguments, out.clone(), {})
         return out
 
     def decode(self, runner: Any, cache: SharedStaticCache, kwargs: dict[str, Any]) -> Any:

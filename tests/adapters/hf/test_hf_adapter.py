@@ -225,9 +225,36 @@ def test_a_model_in_train_mode_is_warned_about_naming_eval():
         devgraph.wrap(model, "cpu", batch_sizes=[1], max_cache_len=16)
 
 
-def test_a_causal_lm_is_captured_by_its_adapter_not_behind_dynamo():
+_SCALE = {"norm": 1.0}
+
+
+def _scale_norm(module, args, output):
+    return output * _SCALE["norm"]  # a module-level value the decode step reads at every call
+
+
+def test_decode_steps_are_traced_by_dynamo_and_a_value_they_read_is_guarded():
     model = tiny_model("llama")
-    with pytest.raises(devgraph.DevgraphError, match=r"frontend='dynamo' serves a plain model's forward"):
-        devgraph.wrap(model, device="cpu", frontend="dynamo")
-    graphed = devgraph.wrap(model, device="cpu", frontend="raw", max_batch_size=2, max_cache_len=32)
+    model.model.norm.register_forward_hook(_scale_norm)
+    graphed = devgraph.wrap(model, device="cpu", batch_sizes=[1, 2], max_cache_len=32)
+    assert graphed.stats.frontend == "dynamo"
+    ids, mask = prompts(2, seed=5)
+    call = dict(attention_mask=mask, do_sample=False, max_new_tokens=6)
+    try:
+        before = model.generate(ids, **call)
+        assert torch.equal(graphed.generate(ids, **call), before)
+        _SCALE["norm"] = -1.0  # Dynamo's guard on the dict item fails: the step is traced again
+        after = model.generate(ids, **call)
+        assert not torch.equal(after, before)  # the value matters to the tokens
+        assert torch.equal(graphed.generate(ids, **call), after)
+    finally:
+        _SCALE["norm"] = 1.0
+    assert graphed.stats.recompiles >= 1 and graphed.stats.replays == 10
+
+
+def test_the_raw_frontend_is_an_explicit_opt_in_that_warns():
+    model = tiny_model("llama")
+    with pytest.warns(UserWarning, match="frontend='raw' captures the forward as it runs, untraced"):
+        graphed = devgraph.wrap(model, device="cpu", frontend="raw", max_batch_size=2, max_cache_len=32)
     assert graphed.stats.frontend == "raw"
+    with pytest.raises(devgraph.DevgraphError, match="frontend must be 'dynamo'"):
+        devgraph.wrap(model, device="cpu", frontend="traced")

@@ -95,3 +95,19 @@ def test_moe_fallback_op_is_refused_where_eager_would_not_run_grouped_mm(monkeyp
     ids, mask = prompts(1, seed=3, length=5)
     with pytest.raises(DevgraphError, match=r"transformers::grouped_mm_fallback.*offs\.tolist"):
         graphed.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+
+
+def test_moe_decode_graph_runs_as_traced_where_eager_would_not_run_grouped_mm(monkeypatch, caplog):
+    # The decode step behind Dynamo meets the same op: that graph runs as traced, eagerly (the
+    # routing read at every step), counted and warned, never captured with capture time's routing.
+    import devgraph.adapters.hf._moe as moe
+
+    monkeypatch.setattr(moe, "eager_uses_grouped_mm", lambda model: False)
+    model = tiny_model("mixtral")
+    graphed = devgraph.wrap(model, "cpu", batch_sizes=[2], max_cache_len=16)
+    ids, mask = prompts(2, seed=3, length=5)
+    call = dict(attention_mask=mask, do_sample=False, max_new_tokens=4)
+    out = graphed.generate(ids, **call)
+    assert "a graph Dynamo traced runs eagerly (hf_grouped_mm_routing)" in caplog.text
+    assert torch.equal(out, model.generate(ids, **call))
+    assert graphed.stats.unservable == {"hf_grouped_mm_routing": 1} and graphed.stats.replays == 0
