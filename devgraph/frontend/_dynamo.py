@@ -231,6 +231,9 @@ class DynamoGraphs:
         #: it is read and captured (an adapter's rewrite of an op that cannot be captured as traced);
         #: a ``DevgraphError`` from one makes that graph run as traced, eagerly, with its message
         self.graph_passes: tuple[Any, ...] = ()
+        #: a wrapper owns the calling thread for every graph (``TracedModule``): the graphs' runners
+        #: claim none of their own
+        self.caller_serialises = False
         #: a graph drew Python random numbers (``PYTHON_RANDOM``); a wrapper that can run the model
         #: eagerly instead sets ``eager_on_python_random`` (else the backend raises)
         self.python_random = False
@@ -341,13 +344,17 @@ class DynamoGraphs:
                 "devgraph: a Dynamo graph captured whole in piecewise mode (%s)",
                 "one size" if fn.graph.fixed_batch is not None else fn.graph.untraceable,
             )
-            return GraphRunner(fn, self.device, attrs.evolve(config, mode="full"))
+            return GraphRunner(
+                fn, self.device, attrs.evolve(config, mode="full"), caller_serialises=self.caller_serialises
+            )
         if pieces:
             options = dict(self.compile_options)
             if config.batch_sizes is not None and "capture_sizes" not in options:
                 options["capture_sizes"] = config.batch_sizes
-            return piecewise_runner(fn, self.device, config, **options)
-        return GraphRunner(fn, self.device, config)
+            return piecewise_runner(
+                fn, self.device, config, caller_serialises=self.caller_serialises, **options
+            )
+        return GraphRunner(fn, self.device, config, caller_serialises=self.caller_serialises)
 
     def _note_recompile(self) -> None:
         """Count a graph Dynamo traced again because a guard failed (a value the forward read changed),

@@ -59,6 +59,7 @@ class TracedModule(GraphedModule):
         isolate: dict[str, Any] = {"isolate_recompiles": True} if _ISOLATES else {}
         self.compiled = torch.compile(module, backend=graphs, fullgraph=fullgraph, **isolate)  # type: ignore[call-overload]
         graphs.eager_on_python_random = True
+        graphs.caller_serialises = True  # this wrapper's one thread owner serves every graph
         #: the calls no graph served at all (Dynamo ran them as Python, or devgraph ran the model)
         self._accounts = graphs.accounts
         #: the forward's positional parameter names (a positional argument's ``batch_dims`` key)

@@ -480,7 +480,12 @@ class GraphRunner:
 
 
 def piecewise_runner(
-    fn: Callable[..., Any], device: Device, config: RunnerConfig, **options: Any
+    fn: Callable[..., Any],
+    device: Device,
+    config: RunnerConfig,
+    *,
+    caller_serialises: bool = False,
+    **options: Any,
 ) -> GraphRunner:
     """The runner ``devgraph.wrap`` builds for ``mode='piecewise'`` / ``'full_and_piecewise'``.
 
@@ -490,7 +495,9 @@ def piecewise_runner(
     Raises:
         DevgraphError: what ``piecewise_config`` and ``GraphRunner`` raise.
     """
-    return GraphRunner(fn, device, config, piecewise_config(config.mode, options))
+    return GraphRunner(
+        fn, device, config, piecewise_config(config.mode, options), caller_serialises=caller_serialises
+    )
 
 
 def piecewise_config(mode: str, options: Mapping[str, Any]) -> CompileConfig:
