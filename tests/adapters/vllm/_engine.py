@@ -71,6 +71,8 @@ ALL_RUNS = (
     ("llama", "breakable:FULL_AND_PIECEWISE", "cpu"),
     ("mixtral", "eager", None),
     ("mixtral", "breakable:FULL_AND_PIECEWISE", "cpu"),
+    # As users run it: no DEVGRAPH_DEBUG, only the first replay of each graph checks its inputs.
+    ("llama", "no-debug:default", "cpu"),
 )
 
 

@@ -11,6 +11,7 @@ graphs captured and replayed, FULL replays task-updated, and eager steps.
 from __future__ import annotations
 
 import pytest
+from _engine import HERE, engine_env, run_python
 
 FULL_MODES = ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
@@ -129,3 +130,35 @@ def test_full_decode_graphs_give_vllms_own_logprobs_bit_for_bit(engine, model, m
     assert run["stats"].get("replay.FULL", 0) > 0
     assert run["tokens"] == plain["tokens"]
     assert run["logprobs"] == plain["logprobs"]
+
+
+def test_without_debug_each_graphs_first_replay_checks_its_inputs_and_the_run_passes(engine):
+    # The other engine runs check every replay (DEVGRAPH_DEBUG=1); users run without it, and then the
+    # first replay of each graph checks its inputs' addresses: vLLM's runner passes its persistent
+    # buffers, so nothing is refused and the tokens are vLLM's.
+    run = engine("no-debug:default", devgraph="cpu")
+    assert run["tokens"] == engine("eager-native", devgraph=None)["tokens"]
+    _full_replays_are_task_updated(run["stats"])
+
+
+def test_an_input_buffer_moved_after_capture_is_refused_on_the_first_replay_without_debug(
+    tiny_model, tmp_path
+):
+    # A broken runner: after capture its input_ids buffer is a new tensor, which the FULL graphs (reading
+    # the captured one) would not see: stale token ids, wrong tokens, no error. Refused by name instead.
+    proc = run_python(
+        [
+            str(HERE / "_run_engine.py"),
+            str(tiny_model),
+            "no-debug:moved-input-ids:default",
+            str(tmp_path / "o.json"),
+        ],
+        engine_env(devgraph=True),
+    )
+    assert proc.returncode != 0
+    assert "devgraph._errors.DevgraphError: FULL graph replay for BatchDescriptor(" in proc.stderr, (
+        proc.stderr[-3000:]
+    )
+    line = [x for x in proc.stderr.splitlines() if "DevgraphError: FULL graph replay" in x][-1]
+    assert "tensor argument(s) input_ids (captured at 0x" in line
+    assert "persistent input buffers" in line
