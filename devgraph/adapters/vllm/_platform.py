@@ -73,6 +73,7 @@ class DevgraphPlatformMixin:
         _refuse_unsupported(vllm_config)
         super().check_and_update_config(vllm_config)  # type: ignore[misc]
         if cc.cudagraph_mode == CUDAGraphMode.NONE:
+            _say_enforce_eager_turns_graphs_off(vllm_config)
             return
         _refuse_attention_limits(cls, vllm_config)
         breakable = _breakable_pieces(vllm_config)
@@ -233,6 +234,32 @@ def _uses_v2_runner(vllm_config: Any) -> bool:
         return bool(vllm_config.use_v2_model_runner)
     except AttributeError:
         return False
+
+
+#: True once this process has said that enforce_eager=True turns devgraph's graphs off.
+_said_enforce_eager = False
+
+
+def _say_enforce_eager_turns_graphs_off(vllm_config: Any) -> None:
+    """Warn once per process when ``enforce_eager=True`` leaves ``DEVGRAPH_VLLM=1`` without graphs.
+
+    vLLM turns graphs off for ``enforce_eager`` (``cudagraph_mode`` NONE) before the platform's
+    check, and devgraph has nothing to capture: the engine would run eagerly without a word.
+    """
+    global _said_enforce_eager
+    model_config = getattr(vllm_config, "model_config", None)
+    if _said_enforce_eager or not getattr(model_config, "enforce_eager", False):
+        return
+    _said_enforce_eager = True
+    logger.warning(
+        "devgraph vLLM platform: enforce_eager=True turns vLLM's graphs off, so %s=1 captures no "
+        "devgraph graphs: every step runs eagerly, without devgraph. For devgraph's graphs drop "
+        "enforce_eager=True (vLLM's default compilation config then replays FULL decode graphs through "
+        "devgraph; compilation_config={'cudagraph_mode': 'PIECEWISE'} and the other modes choose others). "
+        "For eager steps unset %s: it does nothing here",
+        DEVGRAPH_VLLM_ENV,
+        DEVGRAPH_VLLM_ENV,
+    )
 
 
 def _freezes_host_arguments(cls: Any) -> bool:

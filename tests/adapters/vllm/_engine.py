@@ -71,6 +71,8 @@ ALL_RUNS = (
     ("llama", "breakable:FULL_AND_PIECEWISE", "cpu"),
     ("mixtral", "eager", None),
     ("mixtral", "breakable:FULL_AND_PIECEWISE", "cpu"),
+    # enforce_eager with the switch on: graph-less, said once.
+    ("llama", "eager", "cpu"),
     # As users run it: no DEVGRAPH_DEBUG, only the first replay of each graph checks its inputs.
     ("llama", "no-debug:default", "cpu"),
 )

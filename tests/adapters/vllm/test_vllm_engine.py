@@ -162,3 +162,12 @@ def test_an_input_buffer_moved_after_capture_is_refused_on_the_first_replay_with
     line = [x for x in proc.stderr.splitlines() if "DevgraphError: FULL graph replay" in x][-1]
     assert "tensor argument(s) input_ids (captured at 0x" in line
     assert "persistent input buffers" in line
+
+
+def test_enforce_eager_with_the_switch_runs_without_graphs_and_says_so_once(engine):
+    run = engine("eager", devgraph="cpu")
+    assert run["stats"] == {}  # nothing captured, nothing replayed
+    assert run["log"].count("enforce_eager=True turns vLLM's graphs off") == 1
+    assert "DEVGRAPH_VLLM=1 captures no devgraph graphs" in run["log"]
+    assert "drop enforce_eager=True" in run["log"]
+    assert "enforce_eager=True turns" not in engine("default", devgraph="cpu")["log"]

@@ -101,3 +101,58 @@ def test_second_platform_plugin_coexists_through_vllm_plugins_keeping_its_genera
     assert switched.returncode == 0, switched.stderr[-3000:]
     # devgraph's platform is the active one, and the displaced package's general plugin still ran.
     assert switched.stdout.split()[-2:] == ["devgraph.adapters.vllm._platform", "1"]
+
+
+# -- the platform's config check on vLLM's own VllmConfig (built on a devgraph CPU platform) ----------
+
+
+@pytest.fixture
+def cpu_platform():
+    import os
+
+    from _fake_engine import platform_on
+
+    saved = dict(os.environ)  # vLLM's config resolution sets process-wide variables
+    try:
+        with platform_on("cpu") as platform:
+            yield platform
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _vllm_config(model, *, enforce_eager=False, cudagraph_mode=None, kv_cache_dtype="auto"):
+    """vLLM's VllmConfig for the tiny model: building it runs the current platform's config check."""
+    from vllm.config import CacheConfig, CompilationConfig, ModelConfig, VllmConfig
+
+    compilation = (
+        CompilationConfig() if cudagraph_mode is None else CompilationConfig(cudagraph_mode=cudagraph_mode)
+    )
+    return VllmConfig(
+        model_config=ModelConfig(
+            model=str(model), dtype="float32", max_model_len=128, enforce_eager=enforce_eager
+        ),
+        cache_config=CacheConfig(cache_dtype=kv_cache_dtype),
+        compilation_config=compilation,
+    )
+
+
+def _enforce_eager_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if "enforce_eager=True turns" in r.getMessage()]
+
+
+def test_enforce_eager_is_said_once_naming_what_to_set(cpu_platform, tiny_model, caplog, monkeypatch):
+    import logging
+
+    from devgraph.adapters.vllm import _platform
+
+    monkeypatch.setattr(_platform, "_said_enforce_eager", False)
+    with caplog.at_level(logging.WARNING, logger="devgraph"):
+        assert _vllm_config(tiny_model).compilation_config.cudagraph_mode.name != "NONE"
+        assert _enforce_eager_warnings(caplog) == []  # graphs on: nothing to say
+        for _ in range(2):
+            config = _vllm_config(tiny_model, enforce_eager=True)
+            assert config.compilation_config.cudagraph_mode.name == "NONE"
+    (message,) = _enforce_eager_warnings(caplog)
+    assert "DEVGRAPH_VLLM=1 captures no devgraph graphs: every step runs eagerly" in message
+    assert "drop enforce_eager=True" in message and "unset DEVGRAPH_VLLM" in message
