@@ -76,6 +76,7 @@ class DevgraphPlatformMixin:
             _say_enforce_eager_turns_graphs_off(vllm_config)
             return
         _refuse_attention_limits(cls, vllm_config)
+        _refuse_kv_cache_dtype(cls, vllm_config)
         breakable = _breakable_pieces(vllm_config)
         if breakable:
             # vLLM's breakable graphs (VLLM_USE_BREAKABLE_CUDAGRAPH): the PIECEWISE batches are served by
@@ -388,6 +389,36 @@ def _refuse_attention_limits(cls: Any, vllm_config: Any) -> None:
             "compilation_config={'cudagraph_mode': 'PIECEWISE'} (graphs of the pieces between the "
             f"attention calls, the platform's attention eager) for this model, or unset {DEVGRAPH_VLLM_ENV}"
         )
+
+
+def _refuse_kv_cache_dtype(cls: Any, vllm_config: Any) -> None:
+    """FULL graphs with devgraph's attention and a KV-cache dtype it does not take: refused.
+
+    On the CPU reference FULL decode graphs run vLLM's CPU kernel as devgraph's task with the cache
+    unquantised (no fp8); devgraph's own attention (NPU) takes ``kv_cache_dtype='auto'`` only. Refused
+    here, before the weights load, rather than when the attention layers are built.
+    """
+    cache_config = getattr(vllm_config, "cache_config", None)
+    if cache_config is None or not _devgraph_attention(cls, vllm_config):
+        return
+    dtype = cache_config.cache_dtype
+    if _uses_vllm_cpu_kernel(cls):
+        from vllm.utils.torch_utils import is_quantized_kv_cache
+
+        refused, keeps = is_quantized_kv_cache(dtype), "keeps the KV cache unquantised"
+    else:
+        refused, keeps = dtype != "auto", "keeps the KV cache in the model's dtype (kv_cache_dtype='auto')"
+    if not refused:
+        return
+    mode = vllm_config.compilation_config.cudagraph_mode
+    default = " (vLLM's default)" if mode.name == "FULL_AND_PIECEWISE" else ""
+    raise DevgraphError(
+        f"devgraph's vLLM platform: kv_cache_dtype={dtype!r} with cudagraph_mode={mode.name}{default}: on "
+        f"devgraph device {cls.devgraph_device_name!r} FULL decode graphs run devgraph's task-updated "
+        f"attention, which {keeps}. Pass kv_cache_dtype='auto', or "
+        "compilation_config={'cudagraph_mode': 'PIECEWISE'} (graphs of the pieces between the attention "
+        f"calls, the platform's attention and its {dtype} cache eager), or unset {DEVGRAPH_VLLM_ENV}"
+    )
 
 
 def _breakable_pieces(vllm_config: Any) -> bool:

@@ -10,7 +10,8 @@ fits one too. More options go before the mode the same way (``OPTION:...:MODE``)
 ``no-debug``: ``DEVGRAPH_DEBUG`` unset (the wrapper's address checks are its always-on ones only);
 ``moved-input-ids``: once the engine has started, the model runner's ``input_ids`` buffer is replaced by
 a copy, so that every later step hands the graphs a tensor at another address than at capture (a
-broken runner).
+broken runner);
+``kv-fp8``: an fp8 KV cache (``kv_cache_dtype='fp8'``).
 Run in a fresh process per engine: vLLM resolves its platform once per process (DEVGRAPH_VLLM is
 read then). The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the
 graph wrappers' counters are this process's.
@@ -43,7 +44,7 @@ MAX_TOKENS = [4 + i for i in range(len(PROMPTS))]
 BREAKABLE_CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64]
 
 
-OPTIONS = ("breakable", "no-debug", "moved-input-ids")
+OPTIONS = ("breakable", "kv-fp8", "no-debug", "moved-input-ids")
 
 
 def _move_input_ids(worker) -> None:
@@ -89,6 +90,8 @@ def main(model: str, mode: str, out: str) -> None:
         compilation.update(cudagraph_mode=mode, cudagraph_capture_sizes=sizes)
         kwargs = {"compilation_config": compilation}
     kwargs.setdefault("max_num_seqs", 16)
+    if "kv-fp8" in options:
+        kwargs["kv_cache_dtype"] = "fp8"
     llm = LLM(model=model, dtype="float32", seed=0, max_model_len=128, **kwargs)
     if "moved-input-ids" in options:
         llm.collective_rpc(_move_input_ids)

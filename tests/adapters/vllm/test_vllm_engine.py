@@ -171,3 +171,27 @@ def test_enforce_eager_with_the_switch_runs_without_graphs_and_says_so_once(engi
     assert "DEVGRAPH_VLLM=1 captures no devgraph graphs" in run["log"]
     assert "drop enforce_eager=True" in run["log"]
     assert "enforce_eager=True turns" not in engine("default", devgraph="cpu")["log"]
+
+
+def test_fp8_kv_cache_with_piecewise_graphs_matches_vllm_eager(engine):
+    # PIECEWISE graphs leave the attention (and its fp8 cache) to vLLM, eager between the pieces.
+    run = engine("kv-fp8:PIECEWISE", devgraph="cpu")
+    assert run["tokens"] == engine("kv-fp8:eager", devgraph=None)["tokens"]
+    assert run["stats"].get("replay.PIECEWISE", 0) > 0
+
+
+def test_fp8_kv_cache_with_vllms_default_config_is_refused_at_engine_start(tiny_model, tmp_path):
+    # FULL decode graphs (vLLM's default config) run devgraph's attention, which keeps the cache
+    # unquantised: refused by the platform's config check, before the model is built.
+    proc = run_python(
+        [str(HERE / "_run_engine.py"), str(tiny_model), "kv-fp8:default", str(tmp_path / "o.json")],
+        engine_env(devgraph=True),
+    )
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "devgraph._errors.DevgraphError: devgraph's vLLM platform: kv_cache_dtype='fp8' with "
+        "cudagraph_mode=FULL_AND_PIECEWISE (vLLM's default)"
+    ), proc.stderr[-3000:]
+    assert "Pass kv_cache_dtype='auto', or compilation_config={'cudagraph_mode': 'PIECEWISE'}" in last
+    assert "_cpu_attention" not in proc.stderr  # not the model build's backstop
