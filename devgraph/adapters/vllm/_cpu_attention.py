@@ -232,6 +232,10 @@ class DevgraphCpuAttentionImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # A backstop: the platform's config check refuses a quantised cache_dtype with FULL graphs, but
+        # vLLM's Attention itself turns an 'auto' cache into fp8 when the checkpoint's quantisation
+        # config declares an fp8 KV-cache scheme (vLLM's engine arguments resolve that before the
+        # config check; a VllmConfig built without them reaches the check with 'auto').
         if self.is_fp8_kv_cache:
             raise DevgraphError(
                 "FULL graphs with devgraph on vLLM's CPU platform keep the KV cache unquantised "

@@ -73,8 +73,10 @@ class DevgraphPlatformMixin:
         _refuse_unsupported(vllm_config)
         super().check_and_update_config(vllm_config)  # type: ignore[misc]
         if cc.cudagraph_mode == CUDAGraphMode.NONE:
+            _say_enforce_eager_turns_graphs_off(vllm_config)
             return
         _refuse_attention_limits(cls, vllm_config)
+        _refuse_kv_cache_dtype(cls, vllm_config)
         breakable = _breakable_pieces(vllm_config)
         if breakable:
             # vLLM's breakable graphs (VLLM_USE_BREAKABLE_CUDAGRAPH): the PIECEWISE batches are served by
@@ -235,6 +237,32 @@ def _uses_v2_runner(vllm_config: Any) -> bool:
         return False
 
 
+#: True once this process has said that enforce_eager=True turns devgraph's graphs off.
+_said_enforce_eager = False
+
+
+def _say_enforce_eager_turns_graphs_off(vllm_config: Any) -> None:
+    """Warn once per process when ``enforce_eager=True`` leaves ``DEVGRAPH_VLLM=1`` without graphs.
+
+    vLLM turns graphs off for ``enforce_eager`` (``cudagraph_mode`` NONE) before the platform's
+    check, and devgraph has nothing to capture: the engine would run eagerly without a word.
+    """
+    global _said_enforce_eager
+    model_config = getattr(vllm_config, "model_config", None)
+    if _said_enforce_eager or not getattr(model_config, "enforce_eager", False):
+        return
+    _said_enforce_eager = True
+    logger.warning(
+        "devgraph vLLM platform: enforce_eager=True turns vLLM's graphs off, so %s=1 captures no "
+        "devgraph graphs: every step runs eagerly, without devgraph. For devgraph's graphs drop "
+        "enforce_eager=True (vLLM's default compilation config then replays FULL decode graphs through "
+        "devgraph; compilation_config={'cudagraph_mode': 'PIECEWISE'} and the other modes choose others). "
+        "For eager steps unset %s: it does nothing here",
+        DEVGRAPH_VLLM_ENV,
+        DEVGRAPH_VLLM_ENV,
+    )
+
+
 def _freezes_host_arguments(cls: Any) -> bool:
     """True when a FULL graph on this platform needs devgraph's attention: the devgraph device
     declares updatable ops (host arguments frozen at capture, re-issued at replay: the CPU reference,
@@ -361,6 +389,36 @@ def _refuse_attention_limits(cls: Any, vllm_config: Any) -> None:
             "compilation_config={'cudagraph_mode': 'PIECEWISE'} (graphs of the pieces between the "
             f"attention calls, the platform's attention eager) for this model, or unset {DEVGRAPH_VLLM_ENV}"
         )
+
+
+def _refuse_kv_cache_dtype(cls: Any, vllm_config: Any) -> None:
+    """FULL graphs with devgraph's attention and a KV-cache dtype it does not take: refused.
+
+    On the CPU reference FULL decode graphs run vLLM's CPU kernel as devgraph's task with the cache
+    unquantised (no fp8); devgraph's own attention (NPU) takes ``kv_cache_dtype='auto'`` only. Refused
+    here, before the weights load, rather than when the attention layers are built.
+    """
+    cache_config = getattr(vllm_config, "cache_config", None)
+    if cache_config is None or not _devgraph_attention(cls, vllm_config):
+        return
+    dtype = cache_config.cache_dtype
+    if _uses_vllm_cpu_kernel(cls):
+        from vllm.utils.torch_utils import is_quantized_kv_cache
+
+        refused, keeps = is_quantized_kv_cache(dtype), "keeps the KV cache unquantised"
+    else:
+        refused, keeps = dtype != "auto", "keeps the KV cache in the model's dtype (kv_cache_dtype='auto')"
+    if not refused:
+        return
+    mode = vllm_config.compilation_config.cudagraph_mode
+    default = " (vLLM's default)" if mode.name == "FULL_AND_PIECEWISE" else ""
+    raise DevgraphError(
+        f"devgraph's vLLM platform: kv_cache_dtype={dtype!r} with cudagraph_mode={mode.name}{default}: on "
+        f"devgraph device {cls.devgraph_device_name!r} FULL decode graphs run devgraph's task-updated "
+        f"attention, which {keeps}. Pass kv_cache_dtype='auto', or "
+        "compilation_config={'cudagraph_mode': 'PIECEWISE'} (graphs of the pieces between the attention "
+        f"calls, the platform's attention and its {dtype} cache eager), or unset {DEVGRAPH_VLLM_ENV}"
+    )
 
 
 def _breakable_pieces(vllm_config: Any) -> bool:

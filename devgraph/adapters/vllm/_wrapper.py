@@ -30,14 +30,17 @@ logger = logging.getLogger("devgraph")
 
 
 class _Entry:
-    """One captured batch descriptor's input addresses (checked in debug mode; its graph and weak
-    outputs are in the wrapper's ``GraphSet``)."""
+    """One captured batch descriptor's input and attention-metadata addresses (its graph and weak
+    outputs are in the wrapper's ``GraphSet``). The inputs are checked on the first replay (and on
+    every replay in debug mode), the metadata in debug mode."""
 
-    __slots__ = ("input_addresses", "metadata_addresses")
+    __slots__ = ("input_addresses", "inputs_checked", "metadata_addresses")
 
-    def __init__(self, input_addresses: list[int], metadata_addresses: dict) -> None:
+    def __init__(self, input_addresses: list[tuple[str, int]], metadata_addresses: dict) -> None:
         self.input_addresses = input_addresses
         self.metadata_addresses = metadata_addresses
+        #: the first replay found every input at its capture address
+        self.inputs_checked = False
 
 
 def _metadata_addresses(context: Any) -> dict[str, int]:
@@ -55,11 +58,12 @@ def _metadata_addresses(context: Any) -> dict[str, int]:
     return found
 
 
-def _addresses(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
-    """Data pointers of the tensor arguments, positional then keyword (by name): vLLM calls the FULL
-    wrapper with keywords (``input_ids=``, ``positions=``), the pieces positionally."""
-    values = [*args, *(kwargs[k] for k in sorted(kwargs))]
-    return [a.data_ptr() for a in values if isinstance(a, torch.Tensor)]
+def _addresses(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, int]]:
+    """(name, data pointer) of the tensor arguments, positional (``argument 0``, ...) then keyword (by
+    name): vLLM calls the FULL wrapper with keywords (``input_ids=``, ``positions=``), the pieces
+    positionally."""
+    named = [*((f"argument {i}", a) for i, a in enumerate(args)), *((k, kwargs[k]) for k in sorted(kwargs))]
+    return [(name, a.data_ptr()) for name, a in named if isinstance(a, torch.Tensor)]
 
 
 @contextlib.contextmanager
@@ -98,9 +102,11 @@ class DevgraphGraphWrapper:
             ``debug_log_enable``).
 
     The graphs share vLLM's global graph pool (a devgraph ``MemoryPool``) and the device's capture
-    stream. Outputs are kept as weak references and are overwritten by the next replay. With
-    ``DEVGRAPH_DEBUG=1`` (or vLLM's debug logging) a replay checks that tensor arguments still live
-    at their capture addresses. Replays of graphs holding updatable tasks (attention reading host
+    stream. Outputs are kept as weak references and are overwritten by the next replay. The first
+    replay of each captured batch descriptor checks that its tensor arguments live at their capture
+    addresses (a graph reads that memory: a moved input would replay stale data); with
+    ``DEVGRAPH_DEBUG=1`` (or vLLM's debug logging) every replay checks them, and the FULL graphs'
+    attention-metadata tensors too. Replays of graphs holding updatable tasks (attention reading host
     sequence lengths) first update them with the step's host arguments from the attention metadata.
     """
 
@@ -280,17 +286,20 @@ class DevgraphGraphWrapper:
     def _replay(
         self, descriptor: Any, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any
     ) -> Any:
-        if self.debug:
-            self._check_addresses(entry, _addresses(args, kwargs))
-            if entry.metadata_addresses:
-                now = _metadata_addresses(context)
-                moved = sorted(k for k, v in entry.metadata_addresses.items() if now.get(k, v) != v)
-                if moved:
-                    raise DevgraphError(
-                        f"FULL graph replay: attention metadata tensor(s) {', '.join(moved)} moved since "
-                        "capture; a FULL graph reads them at their capture-time addresses (vLLM's "
-                        "persistent buffers), so this replay would read stale metadata"
-                    )
+        if self.debug or not entry.inputs_checked:
+            # Once per descriptor (its first replay), every replay in debug mode: vLLM's own check
+            # runs only under debug logging, and a moved input silently replays stale data.
+            self._check_addresses(descriptor, entry, _addresses(args, kwargs))
+            entry.inputs_checked = True
+        if self.debug and entry.metadata_addresses:
+            now = _metadata_addresses(context)
+            moved = sorted(k for k, v in entry.metadata_addresses.items() if now.get(k, v) != v)
+            if moved:
+                raise DevgraphError(
+                    f"FULL graph replay: attention metadata tensor(s) {', '.join(moved)} moved since "
+                    "capture; a FULL graph reads them at their capture-time addresses (vLLM's "
+                    "persistent buffers), so this replay would read stale metadata"
+                )
         host_args = self._step_host_args(context, self.graphs.graph(descriptor))
         output = self.graphs.replay(descriptor, host_args)
         if host_args is not None:
@@ -302,11 +311,28 @@ class DevgraphGraphWrapper:
         """The host arguments this step's replay re-issues to the graph's updatable tasks (None: none)."""
         return step_host_args(context, graph) if graph.tasks else None
 
-    def _check_addresses(self, entry: _Entry, now: list[int]) -> None:
-        if now != entry.input_addresses:
-            moved = [i for i, (a, b) in enumerate(zip(now, entry.input_addresses)) if a != b]
-            raise DevgraphError(
-                f"{self.runtime_mode.name} graph replay: tensor argument(s) {moved or 'count'} moved since "
-                f"capture ({len(entry.input_addresses)} captured, {len(now)} now); a graph reads its "
-                "capture-time memory, so vLLM must pass the same persistent buffers"
+    def _check_addresses(self, descriptor: Any, entry: _Entry, now: list[tuple[str, int]]) -> None:
+        """Raise when a tensor argument is not where it was at capture (or their number changed)."""
+        captured = entry.input_addresses
+        if now == captured:
+            return
+        if [name for name, _ in now] != [name for name, _ in captured]:
+            what = (
+                f"the tensor arguments are {[n for n, _ in now]}, at capture they were "
+                f"{[n for n, _ in captured]}"
             )
+        else:
+            moved = [
+                f"{n} (captured at {a:#x}, now at {b:#x})" for (n, a), (_, b) in zip(captured, now) if a != b
+            ]
+            what = f"tensor argument(s) {', '.join(moved)} moved since capture"
+        raise DevgraphError(
+            f"{self.label} graph replay for {descriptor}: {what}. A graph reads its inputs from the memory "
+            "they had at capture, so this replay would compute from stale data (wrong tokens, no error). "
+            "Whatever produces this input must write each step's data into the tensor passed at capture: "
+            "vLLM's model runner keeps persistent input buffers for the model's inputs (a model, plugin or "
+            "runner change that hands the graph a new tensor must write into them instead), and a piece's "
+            "input returned as a new tensor every step by an op in compilation_config['splitting_ops'] "
+            "cannot be replayed (take that op out of splitting_ops). Until then run without graphs: "
+            "compilation_config={'cudagraph_mode': 'NONE'}"
+        )

@@ -71,6 +71,13 @@ ALL_RUNS = (
     ("llama", "breakable:FULL_AND_PIECEWISE", "cpu"),
     ("mixtral", "eager", None),
     ("mixtral", "breakable:FULL_AND_PIECEWISE", "cpu"),
+    # enforce_eager with the switch on: graph-less, said once.
+    ("llama", "eager", "cpu"),
+    # An fp8 KV cache: PIECEWISE graphs with vLLM's attention eager (FULL graphs are refused).
+    ("llama", "kv-fp8:PIECEWISE", "cpu"),
+    ("llama", "kv-fp8:eager", None),
+    # As users run it: no DEVGRAPH_DEBUG, only the first replay of each graph checks its inputs.
+    ("llama", "no-debug:default", "cpu"),
 )
 
 

@@ -6,7 +6,12 @@ config, unchanged), or a cudagraph_mode (PIECEWISE, FULL, FULL_DECODE_ONLY, FULL
 capture sizes 1, 2, 4, 8; ``breakable:PIECEWISE`` and ``breakable:FULL_AND_PIECEWISE`` are those
 modes with vLLM's own switch VLLM_USE_BREAKABLE_CUDAGRAPH=1 (no torch.compile: PIECEWISE batches from
 breakable graphs of the whole model) and capture sizes up to 64, so that the prefill step (61 tokens)
-fits one too.
+fits one too. More options go before the mode the same way (``OPTION:...:MODE``):
+``no-debug``: ``DEVGRAPH_DEBUG`` unset (the wrapper's address checks are its always-on ones only);
+``moved-input-ids``: once the engine has started, the model runner's ``input_ids`` buffer is replaced by
+a copy, so that every later step hands the graphs a tensor at another address than at capture (a
+broken runner);
+``kv-fp8``: an fp8 KV cache (``kv_cache_dtype='fp8'``).
 Run in a fresh process per engine: vLLM resolves its platform once per process (DEVGRAPH_VLLM is
 read then). The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the
 graph wrappers' counters are this process's.
@@ -37,17 +42,36 @@ LOGPROBS = 5
 MAX_TOKENS = [4 + i for i in range(len(PROMPTS))]
 #: Breakable modes: sizes up to the prefill step of all prompts (61 tokens), 1 included.
 BREAKABLE_CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64]
-BREAKABLE = "breakable:"
+
+
+OPTIONS = ("breakable", "kv-fp8", "no-debug", "moved-input-ids")
+
+
+def _move_input_ids(worker) -> None:
+    """Give the model runner a new ``input_ids`` buffer: vLLM's runner writes each step's token ids
+    into ``input_ids.cpu`` (and its numpy view ``np``), copies them to ``input_ids.gpu`` and passes
+    slices of that; on CPU ``gpu`` is the ``cpu`` tensor itself. The captured tensor stays alive (as a
+    runner's old buffer would) but is written no more: graphs reading it would replay stale token ids."""
+    buffer = worker.model_runner.input_ids
+    buffer.captured = buffer.cpu
+    buffer.cpu = buffer.gpu = buffer.cpu.clone()
+    buffer.np = buffer.cpu.numpy()
 
 
 def main(model: str, mode: str, out: str) -> None:
     import os
 
+    *options, mode = mode.split(":")
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise SystemExit(f"unknown options {sorted(unknown)}; known: {OPTIONS}")
     sizes = CAPTURE_SIZES
-    if mode.startswith(BREAKABLE):
+    if "breakable" in options:
         # vLLM's own switch; set before vLLM is imported, as a user would set it.
         os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
-        mode, sizes = mode[len(BREAKABLE) :], BREAKABLE_CAPTURE_SIZES
+        sizes = BREAKABLE_CAPTURE_SIZES
+    if "no-debug" in options:
+        os.environ.pop("DEVGRAPH_DEBUG", None)
 
     import torch
     from vllm import LLM, SamplingParams
@@ -66,7 +90,11 @@ def main(model: str, mode: str, out: str) -> None:
         compilation.update(cudagraph_mode=mode, cudagraph_capture_sizes=sizes)
         kwargs = {"compilation_config": compilation}
     kwargs.setdefault("max_num_seqs", 16)
+    if "kv-fp8" in options:
+        kwargs["kv_cache_dtype"] = "fp8"
     llm = LLM(model=model, dtype="float32", seed=0, max_model_len=128, **kwargs)
+    if "moved-input-ids" in options:
+        llm.collective_rpc(_move_input_ids)
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=LOGPROBS) for n in MAX_TOKENS
     ]

@@ -11,6 +11,7 @@ graphs captured and replayed, FULL replays task-updated, and eager steps.
 from __future__ import annotations
 
 import pytest
+from _engine import HERE, engine_env, run_python
 
 FULL_MODES = ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
@@ -129,3 +130,68 @@ def test_full_decode_graphs_give_vllms_own_logprobs_bit_for_bit(engine, model, m
     assert run["stats"].get("replay.FULL", 0) > 0
     assert run["tokens"] == plain["tokens"]
     assert run["logprobs"] == plain["logprobs"]
+
+
+def test_without_debug_each_graphs_first_replay_checks_its_inputs_and_the_run_passes(engine):
+    # The other engine runs check every replay (DEVGRAPH_DEBUG=1); users run without it, and then the
+    # first replay of each graph checks its inputs' addresses: vLLM's runner passes its persistent
+    # buffers, so nothing is refused and the tokens are vLLM's.
+    run = engine("no-debug:default", devgraph="cpu")
+    assert run["tokens"] == engine("eager-native", devgraph=None)["tokens"]
+    _full_replays_are_task_updated(run["stats"])
+
+
+def test_an_input_buffer_moved_after_capture_is_refused_on_the_first_replay_without_debug(
+    tiny_model, tmp_path
+):
+    # A broken runner: after capture its input_ids buffer is a new tensor, which the FULL graphs (reading
+    # the captured one) would not see: stale token ids, wrong tokens, no error. Refused by name instead.
+    proc = run_python(
+        [
+            str(HERE / "_run_engine.py"),
+            str(tiny_model),
+            "no-debug:moved-input-ids:default",
+            str(tmp_path / "o.json"),
+        ],
+        engine_env(devgraph=True),
+    )
+    assert proc.returncode != 0
+    assert "devgraph._errors.DevgraphError: FULL graph replay for BatchDescriptor(" in proc.stderr, (
+        proc.stderr[-3000:]
+    )
+    line = [x for x in proc.stderr.splitlines() if "DevgraphError: FULL graph replay" in x][-1]
+    assert "tensor argument(s) input_ids (captured at 0x" in line
+    assert "persistent input buffers" in line
+
+
+def test_enforce_eager_with_the_switch_runs_without_graphs_and_says_so_once(engine):
+    run = engine("eager", devgraph="cpu")
+    assert run["stats"] == {}  # nothing captured, nothing replayed
+    assert run["log"].count("enforce_eager=True turns vLLM's graphs off") == 1
+    assert "DEVGRAPH_VLLM=1 captures no devgraph graphs" in run["log"]
+    assert "drop enforce_eager=True" in run["log"]
+    assert "enforce_eager=True turns" not in engine("default", devgraph="cpu")["log"]
+
+
+def test_fp8_kv_cache_with_piecewise_graphs_matches_vllm_eager(engine):
+    # PIECEWISE graphs leave the attention (and its fp8 cache) to vLLM, eager between the pieces.
+    run = engine("kv-fp8:PIECEWISE", devgraph="cpu")
+    assert run["tokens"] == engine("kv-fp8:eager", devgraph=None)["tokens"]
+    assert run["stats"].get("replay.PIECEWISE", 0) > 0
+
+
+def test_fp8_kv_cache_with_vllms_default_config_is_refused_at_engine_start(tiny_model, tmp_path):
+    # FULL decode graphs (vLLM's default config) run devgraph's attention, which keeps the cache
+    # unquantised: refused by the platform's config check, before the model is built.
+    proc = run_python(
+        [str(HERE / "_run_engine.py"), str(tiny_model), "kv-fp8:default", str(tmp_path / "o.json")],
+        engine_env(devgraph=True),
+    )
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "devgraph._errors.DevgraphError: devgraph's vLLM platform: kv_cache_dtype='fp8' with "
+        "cudagraph_mode=FULL_AND_PIECEWISE (vLLM's default)"
+    ), proc.stderr[-3000:]
+    assert "Pass kv_cache_dtype='auto', or compilation_config={'cudagraph_mode': 'PIECEWISE'}" in last
+    assert "_cpu_attention" not in proc.stderr  # not the model build's backstop

@@ -101,3 +101,119 @@ def test_second_platform_plugin_coexists_through_vllm_plugins_keeping_its_genera
     assert switched.returncode == 0, switched.stderr[-3000:]
     # devgraph's platform is the active one, and the displaced package's general plugin still ran.
     assert switched.stdout.split()[-2:] == ["devgraph.adapters.vllm._platform", "1"]
+
+
+# -- the platform's config check on vLLM's own VllmConfig (built on a devgraph CPU platform) ----------
+
+
+@pytest.fixture
+def cpu_platform():
+    import os
+
+    from _fake_engine import platform_on
+
+    saved = dict(os.environ)  # vLLM's config resolution sets process-wide variables
+    try:
+        with platform_on("cpu") as platform:
+            yield platform
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _vllm_config(model, *, enforce_eager=False, cudagraph_mode=None, kv_cache_dtype="auto"):
+    """vLLM's VllmConfig for the tiny model: building it runs the current platform's config check."""
+    from vllm.config import CacheConfig, CompilationConfig, ModelConfig, VllmConfig
+
+    compilation = (
+        CompilationConfig() if cudagraph_mode is None else CompilationConfig(cudagraph_mode=cudagraph_mode)
+    )
+    return VllmConfig(
+        model_config=ModelConfig(
+            model=str(model), dtype="float32", max_model_len=128, enforce_eager=enforce_eager
+        ),
+        cache_config=CacheConfig(cache_dtype=kv_cache_dtype),
+        compilation_config=compilation,
+    )
+
+
+def _enforce_eager_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if "enforce_eager=True turns" in r.getMessage()]
+
+
+def test_enforce_eager_is_said_once_naming_what_to_set(cpu_platform, tiny_model, caplog, monkeypatch):
+    import logging
+
+    from devgraph.adapters.vllm import _platform
+
+    monkeypatch.setattr(_platform, "_said_enforce_eager", False)
+    with caplog.at_level(logging.WARNING, logger="devgraph"):
+        assert _vllm_config(tiny_model).compilation_config.cudagraph_mode.name != "NONE"
+        assert _enforce_eager_warnings(caplog) == []  # graphs on: nothing to say
+        for _ in range(2):
+            config = _vllm_config(tiny_model, enforce_eager=True)
+            assert config.compilation_config.cudagraph_mode.name == "NONE"
+    (message,) = _enforce_eager_warnings(caplog)
+    assert "DEVGRAPH_VLLM=1 captures no devgraph graphs: every step runs eagerly" in message
+    assert "drop enforce_eager=True" in message and "unset DEVGRAPH_VLLM" in message
+
+
+@pytest.mark.parametrize(
+    ("mode", "kv_cache_dtype"),
+    [(None, "fp8"), ("FULL", "fp8_e4m3"), ("FULL_DECODE_ONLY", "fp8_e5m2")],
+    ids=["default-fp8", "full-fp8_e4m3", "full_decode_only-fp8_e5m2"],
+)
+def test_fp8_kv_cache_with_full_graphs_is_refused_at_the_config_check(
+    cpu_platform, tiny_model, mode, kv_cache_dtype
+):
+    from devgraph._errors import DevgraphError
+
+    with pytest.raises(DevgraphError) as refused:
+        _vllm_config(tiny_model, cudagraph_mode=mode, kv_cache_dtype=kv_cache_dtype)
+    message = str(refused.value)
+    shown = "FULL_AND_PIECEWISE (vLLM's default)" if mode is None else mode
+    assert (
+        f"kv_cache_dtype={kv_cache_dtype!r} with cudagraph_mode={shown}: on devgraph device 'cpu'" in message
+    )
+    assert "which keeps the KV cache unquantised" in message
+    assert "Pass kv_cache_dtype='auto', or compilation_config={'cudagraph_mode': 'PIECEWISE'}" in message
+
+
+def test_fp8_kv_cache_with_piecewise_graphs_passes_the_config_check(cpu_platform, tiny_model):
+    config = _vllm_config(tiny_model, cudagraph_mode="PIECEWISE", kv_cache_dtype="fp8")
+    assert config.compilation_config.cudagraph_mode.name == "PIECEWISE"
+    assert config.cache_config.cache_dtype == "fp8"
+    # An unquantised cache keeps FULL graphs (lowered to FULL_DECODE_ONLY on the CPU reference).
+    assert (
+        _vllm_config(tiny_model, kv_cache_dtype="auto").compilation_config.cudagraph_mode.name
+        == "FULL_DECODE_ONLY"
+    )
+
+
+def test_devgraphs_own_attention_takes_only_the_models_dtype_for_its_cache_with_full_graphs():
+    # On NPU FULL graphs run devgraph's attention backend (its cache is the model's dtype).
+    from types import SimpleNamespace
+
+    from _fake_engine import platform_on
+    from vllm.config import CUDAGraphMode
+
+    from devgraph._errors import DevgraphError
+    from devgraph.adapters.vllm._platform import _refuse_kv_cache_dtype
+    from devgraph_sim.npu import simulated_torch_npu
+
+    def config(mode, dtype):
+        return SimpleNamespace(
+            model_config=SimpleNamespace(get_sliding_window=lambda: None, hf_text_config=None, use_mla=False),
+            compilation_config=SimpleNamespace(cudagraph_mode=mode),
+            cache_config=SimpleNamespace(cache_dtype=dtype),
+        )
+
+    with simulated_torch_npu(), platform_on("npu") as npu:
+        with pytest.raises(
+            DevgraphError, match="kv_cache_dtype='bfloat16' with cudagraph_mode=FULL_DECODE_ONLY"
+        ):
+            _refuse_kv_cache_dtype(type(npu), config(CUDAGraphMode.FULL_DECODE_ONLY, "bfloat16"))
+        with pytest.raises(DevgraphError, match="in the model's dtype"):
+            _refuse_kv_cache_dtype(type(npu), config(CUDAGraphMode.FULL, "fp8"))
+        _refuse_kv_cache_dtype(type(npu), config(CUDAGraphMode.FULL, "auto"))
+        _refuse_kv_cache_dtype(type(npu), config(CUDAGraphMode.PIECEWISE, "fp8"))  # the platform's attention

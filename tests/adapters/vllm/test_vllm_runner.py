@@ -503,3 +503,108 @@ def test_vllm_enable_cudagraph_gc_keeps_gc_on_during_capture(monkeypatch):
     monkeypatch.setattr(envs, "VLLM_ENABLE_CUDAGRAPH_GC", True, raising=False)
     with DevgraphModelRunnerMixin._freeze_gc():
         assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+# -- inputs at their capture addresses: checked on each graph's first replay, debug or not ----------
+
+
+def _piece_step(wrapper, config, x, capture: bool = False):
+    """One PIECEWISE step through ``wrapper`` with the piece's input ``x`` (pieces are called positionally)."""
+    from vllm.compilation.monitor import set_cudagraph_capturing_enabled
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor, set_forward_context
+
+    descriptor = BatchDescriptor(num_tokens=x.shape[0])
+    set_cudagraph_capturing_enabled(capture)
+    try:
+        with set_forward_context(
+            None, config, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE, batch_descriptor=descriptor
+        ):
+            return wrapper(x)
+    finally:
+        set_cudagraph_capturing_enabled(False)
+
+
+@pytest.fixture
+def no_debug(monkeypatch):
+    """The wrapper as users run it: neither DEVGRAPH_DEBUG nor vLLM's debug logging."""
+    monkeypatch.delenv("DEVGRAPH_DEBUG", raising=False)
+    monkeypatch.setattr(logging.getLogger("vllm"), "level", logging.INFO)
+
+
+def test_a_piece_input_that_moved_is_refused_on_the_first_replay_without_debug(cpu, no_debug):
+    from vllm.config import CUDAGraphMode
+
+    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
+
+    config = _full_config()
+    wrapper = DevgraphGraphWrapper(lambda x: x * 2, config, runtime_mode=CUDAGraphMode.PIECEWISE)
+    assert not wrapper.debug
+    x = torch.arange(4.0)
+    _piece_step(wrapper, config, x, capture=True)
+    new = torch.full((4,), 7.0)  # this step's data in a new tensor, not copied into the captured one
+    with pytest.raises(DevgraphError) as refused:
+        _piece_step(wrapper, config, new)  # the graph would return 2 * arange(4): stale, no error
+    message = str(refused.value)
+    assert message.startswith("PIECEWISE graph replay for BatchDescriptor(num_tokens=4")
+    assert f"argument 0 (captured at {x.data_ptr():#x}, now at {new.data_ptr():#x}) moved since capture" in (
+        message
+    )
+    assert "must write each step's data into the tensor passed at capture" in message
+    assert "take that op out of splitting_ops" in message
+    assert "compilation_config={'cudagraph_mode': 'NONE'}" in message
+    with pytest.raises(DevgraphError, match="argument 0"):  # refused again: never marked checked
+        _piece_step(wrapper, config, new)
+    x.copy_(new)  # what a runner does: the step's data in the captured tensor
+    torch.testing.assert_close(_piece_step(wrapper, config, x), new * 2)
+
+
+def test_a_moved_input_ids_buffer_is_refused_by_name_on_a_full_graphs_first_replay(cpu, no_debug):
+    from vllm.config import CUDAGraphMode
+
+    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
+
+    model = AttentionModel(torch.float32)
+    config = _full_config()
+    wrapper = DevgraphGraphWrapper(model, config, runtime_mode=CUDAGraphMode.FULL)
+    step(wrapper, model, config, CAPTURED, capture=True)
+    captured = model.input_ids
+    model.input_ids = captured.clone()  # the runner's persistent buffer replaced after capture
+    with pytest.raises(DevgraphError) as refused:
+        step(wrapper, model, config, LATER)
+    message = str(refused.value)
+    assert message.startswith("FULL graph replay for BatchDescriptor(num_tokens=2, num_reqs=2, uniform=True")
+    assert (
+        f"input_ids (captured at {captured.data_ptr():#x}, now at {model.input_ids.data_ptr():#x})" in message
+    )
+    model.input_ids = captured
+    model.acc.zero_()
+    step(wrapper, model, config, LATER)
+    torch.testing.assert_close(model.acc, model.expected(LATER))
+
+
+def test_input_addresses_are_checked_once_per_captured_graph_unless_debugging(cpu, no_debug, monkeypatch):
+    from vllm.config import CUDAGraphMode
+
+    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
+
+    checked = []
+    original = DevgraphGraphWrapper._check_addresses
+
+    def counting(self, descriptor, entry, now):
+        checked.append(descriptor.num_tokens)
+        return original(self, descriptor, entry, now)
+
+    monkeypatch.setattr(DevgraphGraphWrapper, "_check_addresses", counting)
+    config = _full_config()
+    wrapper = DevgraphGraphWrapper(lambda x: x + 1, config, runtime_mode=CUDAGraphMode.PIECEWISE)
+    inputs = {n: torch.zeros(n) for n in (2, 4)}
+    for x in inputs.values():
+        _piece_step(wrapper, config, x, capture=True)
+    for _ in range(3):
+        for x in inputs.values():
+            _piece_step(wrapper, config, x)
+    assert checked == [2, 4]  # each graph's first replay, none after
+    wrapper.debug = True  # DEVGRAPH_DEBUG=1: every replay
+    _piece_step(wrapper, config, inputs[2])
+    assert checked == [2, 4, 2]
