@@ -149,7 +149,7 @@ class PieceGraphs:
         self.count = count
         self.entries: dict[int, _Entry] = {}
         # The graph and (weak) outputs per size; its shared pool is the runner's, set at capture.
-        self.graphs: GraphSet[int] = GraphSet(device, weaken=lambda out: _weak(device, out))
+        self.graphs: GraphSet[int, Graph] = GraphSet(device, weaken=lambda out: _weak(device, out))
         # Argument index -> staging buffer (flat) for inputs made outside the graphs, shared by sizes.
         self.staging: dict[int, torch.Tensor] = {}
         self.copies = 0  # inputs copied into capture-time tensors at replay (eager-produced inputs)

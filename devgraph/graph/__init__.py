@@ -54,7 +54,7 @@ from devgraph.graph._contract import (
 )
 from devgraph.graph._flat import leaves as flat_leaves
 from devgraph.graph._flat import map_leaves, tensor_leaves
-from devgraph.graph._graph_set import GraphSet, SharedPool
+from devgraph.graph._graph_set import GraphSet, Replayable, SharedPool
 from devgraph.graph._opnames import (
     has_python_kernel,
     is_view,
@@ -77,6 +77,7 @@ __all__ = [
     "Event",
     "Graph",
     "GraphSet",
+    "Replayable",
     "MemoryPool",
     "MemoryStats",
     "SharedPool",

@@ -19,15 +19,39 @@ A new engine adapter gets its graph core by holding one ``GraphSet``.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from contextlib import AbstractContextManager
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 from devgraph._errors import DevgraphError
 from devgraph.graph._contract import Device, Graph, MemoryPool, Stream
 from devgraph.graph._weakref import weak_ref_tensors
 
-__all__ = ["GraphSet", "SharedPool"]
+__all__ = ["GraphSet", "Replayable", "SharedPool"]
 
 K = TypeVar("K", bound=Hashable)
+
+
+class Replayable(Protocol):
+    """What a ``GraphSet`` holds: captured once, replayed with host arguments, reset. ``Graph``
+    (one recording) and ``BreakableGraph`` (segment graphs cut at break ops that run eagerly
+    between them) both are; a holder of either is the same code with another ``make``."""
+
+    def capture(
+        self,
+        stream: Stream | None = None,
+        pool: MemoryPool | None = None,
+        *,
+        auto_update_ops: Sequence[str] = (),
+    ) -> AbstractContextManager[Any]: ...
+
+    def replay(self, host_args: Any = None) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def is_captured(self) -> bool: ...
+
+
+G = TypeVar("G", bound=Replayable)
 
 
 class SharedPool:
@@ -74,7 +98,7 @@ class SharedPool:
         self._pool = pool
 
 
-class GraphSet(Generic[K]):
+class GraphSet(Generic[K, G]):
     """Graphs by key, captured into one shared pool, outputs held weakly, replayed with host arguments.
 
     Args:
@@ -83,9 +107,29 @@ class GraphSet(Generic[K]):
             None: a ``SharedPool`` of this set's own on the device's capture stream.
         weaken: how a capture's output is held (default: every tensor a weak reference,
             ``weak_ref_tensors``); pass one for outputs that are not plain containers of tensors.
-        make: how a graph is made (default ``device.graph()``); breakable mode makes
-            ``BreakableGraph``s, which capture, replay and reset like a ``Graph``.
+        make: how a graph is made (default ``device.graph()``): any ``Replayable``; breakable
+            captures make ``BreakableGraph``s (``GraphSet[K, BreakableGraph]``).
     """
+
+    @overload
+    def __init__(
+        self: GraphSet[K, Graph],
+        device: Device,
+        shared: SharedPool | None = None,
+        *,
+        weaken: Callable[[Any], Any] = weak_ref_tensors,
+        make: None = None,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        device: Device,
+        shared: SharedPool | None = None,
+        *,
+        weaken: Callable[[Any], Any] = weak_ref_tensors,
+        make: Callable[[], G],
+    ) -> None: ...
 
     def __init__(
         self,
@@ -93,13 +137,13 @@ class GraphSet(Generic[K]):
         shared: SharedPool | None = None,
         *,
         weaken: Callable[[Any], Any] = weak_ref_tensors,
-        make: Callable[[], Graph] | None = None,
+        make: Callable[[], Any] | None = None,
     ) -> None:
         self.device = device
-        self._make = make or device.graph
+        self._make: Callable[[], Any] = make or device.graph  # G: the overloads say which
         self.shared = shared if shared is not None else SharedPool(device)
         self._weaken = weaken
-        self._graphs: dict[K, Graph] = {}
+        self._graphs: dict[K, G] = {}
         self._outputs: dict[K, Any] = {}
 
     # -- capture -------------------------------------------------------------------------------
@@ -107,7 +151,7 @@ class GraphSet(Generic[K]):
     def capture(
         self,
         key: K,
-        body: Callable[[Graph], Any],
+        body: Callable[[G], Any],
         *,
         stream: Stream | None = None,
         auto_update_ops: Sequence[str] | None = None,
@@ -159,7 +203,7 @@ class GraphSet(Generic[K]):
     def __bool__(self) -> bool:
         return bool(self._graphs)
 
-    def graph(self, key: K) -> Graph:
+    def graph(self, key: K) -> G:
         """The graph of ``key``.
 
         Raises:
@@ -174,7 +218,7 @@ class GraphSet(Generic[K]):
         """The (weakly held) outputs captured for ``key``."""
         return self._outputs[key]
 
-    def items(self) -> Iterator[tuple[K, Graph]]:
+    def items(self) -> Iterator[tuple[K, G]]:
         return iter(list(self._graphs.items()))
 
     def outputs(self) -> dict[K, Any]:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import attrs
 
 from devgraph._errors import DevgraphError
-from devgraph.graph import BreakableGraph, Device, Graph, GraphSet, SharedPool
+from devgraph.graph import BreakableGraph, Device, Graph, SharedPool
 from devgraph.runner._calls import Call
 from devgraph.runner._config import RunnerConfig, RunnerStats
 from devgraph.runner._whole import WholeGraphs
@@ -72,16 +72,21 @@ class BreakableGraphs(WholeGraphs):
         lock: threading.RLock,
         full_stats: RunnerStats | None = None,
     ) -> None:
-        super().__init__(fn, device, config, shared, lock, BreakableStats(full=full_stats))
-        self.stats: BreakableStats
         breaks = config.breaks
-        # A BreakableGraph captures, replays and resets like a Graph: the set holds one per bucket.
-        self.graphs = GraphSet(device, shared, make=lambda: cast(Graph, BreakableGraph(device, breaks)))
+        super().__init__(
+            fn,
+            device,
+            config,
+            shared,
+            lock,
+            BreakableStats(full=full_stats),
+            make_graph=lambda: BreakableGraph(device, breaks),  # a Replayable: one per bucket
+        )
+        self.stats: BreakableStats
 
     def breakable_graph(self, batch_size: int) -> BreakableGraph:
         """The breakable graph (segments and breaks) of bucket ``batch_size``."""
-        graph = self.graph(batch_size)
-        assert isinstance(graph, BreakableGraph)
+        graph: BreakableGraph = self.graph(batch_size)
         return graph
 
     def segment_graphs(self) -> list[Graph]:
@@ -98,8 +103,7 @@ class BreakableGraphs(WholeGraphs):
         self.stats.graphs = sum(len(self.breakable_graph(s).graphs) for s in self.graphs)
         self.stats.breaks = len(self.breakable_graph(max(self.graphs)).captured_breaks)
 
-    def _check_host_args(self, graph: Graph) -> None:
-        assert isinstance(graph, BreakableGraph)
+    def _check_host_args(self, graph: BreakableGraph) -> None:
         taken = {n for b in graph.captured_breaks for n in b.host_args}
         taken.update(n for g in graph.graphs for t in g.tasks if t.is_auto for n in t.host_names)
         for call_name, op_name in self.config.host_args:

@@ -17,7 +17,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from devgraph._errors import DevgraphError
-from devgraph.graph import Device, Graph, GraphSet, SharedPool
+from devgraph.graph import Device, GraphSet, SharedPool
 from devgraph.runner._buckets import normalise_batch_sizes
 from devgraph.runner._calls import Call, Unsupported
 from devgraph.runner._capture_loop import part_core
@@ -37,6 +37,8 @@ class WholeGraphs:
         config: the runner's config (``batch_sizes``/``max_batch_size`` set the buckets).
         shared: the pool and side stream to capture into (shared with the runner's other part).
         lock: the runner's lock (the accounts count under it).
+        make_graph: how each bucket's graph is made (default ``device.graph()``); a breakable part
+            makes ``BreakableGraph``s (``devgraph.graph.Replayable``: capture, replay, reset).
     """
 
     kind = "full"
@@ -59,6 +61,7 @@ class WholeGraphs:
         shared: SharedPool,
         lock: threading.RLock,
         stats: RunnerStats | None = None,
+        make_graph: Callable[[], Any] | None = None,
     ) -> None:
         self.fn = fn
         self.device = device
@@ -77,15 +80,15 @@ class WholeGraphs:
             size_noun="batch sizes",
             size_options="batch_sizes/max_batch_size",
         )
-        self.graphs: GraphSet[int] = GraphSet(device, shared)
+        self.graphs: GraphSet[int, Any] = GraphSet(device, shared, make=make_graph or device.graph)
         self._out_dims: list[int | None] = []
 
     @property
     def captured(self) -> bool:
         return bool(self.graphs)
 
-    def graph(self, batch_size: int) -> Graph:
-        """The captured graph of bucket ``batch_size``."""
+    def graph(self, batch_size: int) -> Any:
+        """The captured graph (a ``Replayable``: ``make_graph``'s) of bucket ``batch_size``."""
         if batch_size not in self.graphs:
             raise DevgraphError(f"no graph for batch size {batch_size}; captured: {sorted(self.graphs)}")
         return self.graphs.graph(batch_size)
@@ -188,7 +191,7 @@ class WholeGraphs:
                 return dims or []
         return list(verdict.out_dims)
 
-    def _check_host_args(self, graph: Graph) -> None:
+    def _check_host_args(self, graph: Any) -> None:
         for call_name, op_name in self.config.host_args:
             if not any(t.is_auto and t.takes(op_name) for t in graph.tasks):
                 ops = sorted({t.op for t in graph.tasks}) or ["none"]

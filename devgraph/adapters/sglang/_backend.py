@@ -28,7 +28,7 @@ from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import Bas
 import devgraph
 from devgraph._errors import DevgraphError
 from devgraph.adapters.sglang import _compare_eager, _stats
-from devgraph.graph import Device, Graph, GraphSet, SharedPool
+from devgraph.graph import Device, Graph, GraphSet, Replayable, SharedPool
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class GraphHolder:
     device's one capture stream (captures are serialised per device), so SGLang's stream is unused."""
 
     _device: Device
-    _graphs: GraphSet[Any]
+    _graphs: GraphSet[Any, Any]
     _in_session: bool = False
     _inputs_keepalive: dict[Any, Any]
 
@@ -117,7 +117,7 @@ class GraphHolder:
         return self._device
 
     @property
-    def graphs(self) -> Mapping[Any, Graph]:
+    def graphs(self) -> Mapping[Any, Replayable]:
         """The captured graphs by SGLang ``ShapeKey`` (read-only view)."""
         return dict(self._graphs.items())
 
@@ -165,7 +165,9 @@ class DevgraphGraphBackend(GraphHolder, BaseCudaGraphBackend):
             )
         self._runner = cuda_graph_runner
         self._device = devgraph_device_for(cuda_graph_runner.model_runner.device)
-        self._graphs: GraphSet[Any] = GraphSet(self._device, shared_pool(self._device), weaken=_weak_outputs)
+        self._graphs: GraphSet[Any, Any] = GraphSet(
+            self._device, shared_pool(self._device), weaken=_weak_outputs
+        )
         self._in_session = False
         self._inputs_keepalive: dict[Any, Any] = {}
 

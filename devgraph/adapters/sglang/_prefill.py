@@ -45,7 +45,7 @@ from devgraph.adapters.sglang._backend import (
     tp_barrier,
     warmup_runs,
 )
-from devgraph.graph import BreakableGraph, Graph, GraphSet
+from devgraph.graph import BreakableGraph, GraphSet
 
 logger = logging.getLogger(__name__)
 
@@ -92,20 +92,22 @@ class DevgraphBreakableBackend(GraphHolder, BreakableCudaGraphBackend):
         self._device = devgraph_device_for(cuda_graph_runner.model_runner.device)
         device = self._device
 
-        def make() -> Graph:
-            # A BreakableGraph captures, replays and resets like a Graph: the set holds one per bucket.
-            return BreakableGraph(device, breaks=(EXTEND_ATTENTION,))  # type: ignore[return-value]
+        def make() -> BreakableGraph:
+            # A BreakableGraph is a Replayable like a Graph: the set holds one per bucket.
+            return BreakableGraph(device, breaks=(EXTEND_ATTENTION,))
 
-        self._graphs: GraphSet[Any] = GraphSet(device, shared_pool(device), weaken=_weak_outputs, make=make)
+        self._graphs: GraphSet[Any, BreakableGraph] = GraphSet(
+            device, shared_pool(device), weaken=_weak_outputs, make=make
+        )
         self._in_session = False
         self._inputs_keepalive: dict[Any, Any] = {}
         if debug_eager:
             logger.info("devgraph prefill graphs: --debug-cuda-graph has no effect on devgraph's capture")
 
     @property
-    def graphs(self) -> Mapping[Any, BreakableGraph]:  # type: ignore[override]
+    def graphs(self) -> Mapping[Any, BreakableGraph]:
         """The breakable graph of every captured ``ShapeKey`` (read-only view)."""
-        return {key: graph for key, graph in self._graphs.items()}  # type: ignore[misc]
+        return dict(self._graphs.items())
 
     # -- BaseCudaGraphBackend -----------------------------------------------------------------
     # (SGLang's own breakable flag stays off: attention then reaches the devgraph backend's break op.)

@@ -24,14 +24,14 @@ graphs, every other batch that fits a capture size these breakable graphs.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from devgraph._errors import DevgraphError
 from devgraph.adapters.vllm import _stats
 from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
-from devgraph.graph import BreakableGraph, Graph, GraphSet, SharedPool
+from devgraph.graph import BreakableGraph, GraphSet, SharedPool
 
 __all__ = ["KV_CACHE_UPDATE_OPS", "DevgraphBreakableWrapper", "breakable_enabled", "vllm_break_ops"]
 
@@ -87,14 +87,14 @@ class DevgraphBreakableWrapper(DevgraphGraphWrapper):
     def label(self) -> str:
         return "BREAKABLE"
 
-    def _graph_set(self, shared: SharedPool) -> GraphSet[Any]:
+    def _graph_set(self, shared: SharedPool) -> GraphSet[Any, BreakableGraph]:
         device, breaks = self.device, self.breaks
-        # A BreakableGraph captures, replays and resets like a Graph: the set holds one per descriptor.
-        return GraphSet(device, shared, make=lambda: cast(Graph, BreakableGraph(device, breaks)))
+        # A BreakableGraph is a Replayable like a Graph: the set holds one per descriptor.
+        return GraphSet(device, shared, make=lambda: BreakableGraph(device, breaks))
 
     def _capture(self, descriptor: Any, args: tuple[Any, ...], kwargs: dict[str, Any], context: Any) -> Any:
         output = super()._capture(descriptor, args, kwargs, context)
-        graph = cast(BreakableGraph, self.graphs.graph(descriptor))
+        graph: BreakableGraph = self.graphs.graph(descriptor)
         missing = self._attention_inside_segments(graph)
         if missing:
             # The torchtitan case (#3685) at vLLM's level: the attention ran inside a segment graph, which
@@ -128,6 +128,6 @@ class DevgraphBreakableWrapper(DevgraphGraphWrapper):
         }
         return [name for name in layers if name not in broken]
 
-    def _step_host_args(self, context: Any, graph: Graph) -> Mapping[str, Any] | None:
+    def _step_host_args(self, context: Any, graph: Any) -> Mapping[str, Any] | None:
         # Every break reads the step's attention metadata from vLLM's forward context as it runs.
         return None

@@ -145,7 +145,7 @@ class DevgraphGraphWrapper:
                 "devgraph captures need the devgraph platform's graph_pool_handle()"
             )
         # Graphs by batch descriptor, in vLLM's global pool (renewed through the platform once retired).
-        self.graphs: GraphSet[Any] = self._graph_set(
+        self.graphs: GraphSet[Any, Any] = self._graph_set(
             SharedPool(self.device, make=current_platform.graph_pool_handle)
         )
         self.graphs.shared.adopt(pool)
@@ -160,7 +160,7 @@ class DevgraphGraphWrapper:
         """What the counters of ``stats()`` call this wrapper's graphs (``capture.<label>``, ...)."""
         return str(self.runtime_mode.name)
 
-    def _graph_set(self, shared: SharedPool) -> GraphSet[Any]:
+    def _graph_set(self, shared: SharedPool) -> GraphSet[Any, Any]:
         """The set holding this wrapper's graphs (one ``devgraph.Graph`` per batch descriptor)."""
         return GraphSet(self.device, shared)
 
