@@ -41,10 +41,12 @@ def _install(session: nox.Session, extras: str, *, test_packages: bool = True) -
 @nox.session
 def tests(session: nox.Session) -> None:
     """The test suite on the CPU reference backend and the torch_npu simulator, but for the tests that
-    start processes (marked ``processes``: ``nox -s tests-processes``). Posargs replace the selection."""
+    start processes (marked ``processes``: ``nox -s tests-processes``) and the Hugging Face
+    architecture matrix past its default architectures (marked ``slow``: ``nox -s tests-hf-newest``
+    runs all of it, on the transformers users get). Posargs replace the selection."""
     _install(session, "test,hf,progress")
     workers = os.environ.get("DEVGRAPH_TEST_WORKERS", "2")
-    selection = session.posargs or ["-m", "not processes"]
+    selection = session.posargs or ["-m", "not processes and not slow"]
     session.run("pytest", "-n", workers, "-q", "-p", "no:cacheprovider", *selection)
 
 

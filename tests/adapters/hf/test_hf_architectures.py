@@ -17,7 +17,24 @@ from devgraph.adapters.hf._compat import cache_kwarg
 NEW_TOKENS = 6
 
 
-@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+#: Architectures every test here runs by default (mixture-of-experts, latent attention, sliding and
+#: soft-capped layers, OPT, the shadowed decode hook); the rest are marked slow: ``nox -s
+#: tests-hf-newest`` runs every architecture, on the transformers release users get (``nox -s tests``
+#: runs these on the pinned one).
+_DEFAULT = {
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v3",
+    "gemma3_text",
+    "qwen2_mixed_sliding",
+    "opt",
+    "llama",
+}
+_SOME_SLOW = [n if n in _DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in sorted(ARCHITECTURES)]
+
+
+@pytest.mark.parametrize("name", _SOME_SLOW)
 def test_greedy_generate_matches_eager_on_architecture(name):
     model = tiny_model(name)
     graphed = devgraph.wrap(model, "cpu", batch_sizes=[1, 4], max_cache_len=32)
@@ -28,13 +45,6 @@ def test_greedy_generate_matches_eager_on_architecture(name):
     assert torch.equal(out, expected)
     assert graphed.stats.replays == out.shape[1] - ids.shape[1] - 1  # every decode step replayed
     assert graphed.stats.fallbacks == {}
-
-
-#: Architectures the piecewise and bf16 tests run by default (mixture-of-experts, latent attention,
-#: sliding layers, OPT); the rest are marked slow: ``nox -s tests-hf-newest`` runs them (the default
-#: session covers them in fp32 full mode above).
-_DEFAULT = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gemma3_text", "qwen2_mixed_sliding", "opt"}
-_SOME_SLOW = [n if n in _DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in sorted(ARCHITECTURES)]
 
 
 @pytest.mark.parametrize("name", _SOME_SLOW)
