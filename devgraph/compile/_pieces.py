@@ -39,7 +39,7 @@ capture.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -51,7 +51,7 @@ from devgraph._errors import DevgraphError
 from devgraph.compile._compilers import CompiledPiece
 from devgraph.compile._split import Piece, SplitGraph
 from devgraph.compile._splitting_ops import host_values
-from devgraph.graph import Device, Graph, GraphSet, SharedPool
+from devgraph.graph import Device, Graph, GraphSet, SharedPool, tensor_leaves
 
 __all__ = ["PieceGraphs", "PiecewiseModule"]
 
@@ -90,14 +90,6 @@ class _Entry:
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
 
 
 def _extent(shape: Sequence[int], stride: Sequence[int]) -> int:
@@ -256,9 +248,9 @@ class PieceGraphs:
         self.entries[state.size] = _Entry(tensors, scalars, moving, host)
         # What the capture allocated belongs to the pool; an output that aliases an input does not
         # (unless that input is pool memory already).
-        outside = {_storage(t) for t in _tensors(inputs)} - state.pool_storages
-        state.pool_storages.update(_storage(t) for t in _tensors(out) if _storage(t) not in outside)
-        state.piece_outputs.update((id(t), t) for t in _tensors(out))
+        outside = {_storage(t) for t in tensor_leaves(inputs)} - state.pool_storages
+        state.pool_storages.update(_storage(t) for t in tensor_leaves(out) if _storage(t) not in outside)
+        state.piece_outputs.update((id(t), t) for t in tensor_leaves(out))
         return out
 
     def _uncaptured(self, args: Sequence[Any]) -> Any:
@@ -391,7 +383,7 @@ class PiecewiseModule:
         """Capture every piece for ``size`` (inputs already padded to it) into ``shared``'s pool, on
         its stream (the device's capture stream when it names none)."""
         self.state.shared = shared
-        self.state.stable_storages = {_storage(t) for t in _tensors(list(inputs))}
+        self.state.stable_storages = {_storage(t) for t in tensor_leaves(list(inputs))}
         try:
             with shared.stream or self.device.capture_stream():
                 return self._run(inputs, "capture", size, host)

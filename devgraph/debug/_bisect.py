@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from devgraph._errors import DevgraphError
 from devgraph.debug._compare import Diff, align, diff_tensors, max_difference
@@ -21,7 +21,7 @@ from devgraph.debug._report import BisectReport, OpDifference
 from devgraph.debug._steps import ServesSteps, first_differing_step, step_plan
 from devgraph.debug._subjects import Call, Plan, callable_plan, clone_tensors, served_plan, traced_plans
 from devgraph.frontend import TracedModule
-from devgraph.graph import Device, Graph
+from devgraph.graph import Device, Graph, tree_tensors
 
 __all__ = ["BisectOptions", "bisect"]
 
@@ -476,8 +476,7 @@ def _inside_compiled(
 
 
 def _output_diff(graph_out: Any, eager_out: Any) -> float:
-    g = [t for t in tree_flatten(graph_out)[0] if isinstance(t, torch.Tensor)]
-    e = [t for t in tree_flatten(eager_out)[0] if isinstance(t, torch.Tensor)]
+    g, e = tree_tensors(graph_out), tree_tensors(eager_out)
     worst = 0.0
     for a, b in zip(g, e):
         d = diff_tensors(a, b)

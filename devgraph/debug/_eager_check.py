@@ -91,11 +91,12 @@ def eager_check_from_env(engine: str, environ: Mapping[str, str] | None = None) 
 
 def _tensor_leaves(value: Any) -> list[Any]:
     import torch
-    from torch.utils._pytree import tree_flatten
+
+    from devgraph.graph import tree_tensors
 
     if hasattr(value, "__dataclass_fields__") and not isinstance(value, torch.Tensor):
         value = [getattr(value, f) for f in value.__dataclass_fields__]
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return tree_tensors(value)
 
 
 class EagerCheck:

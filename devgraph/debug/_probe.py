@@ -25,12 +25,11 @@ from typing import Any
 import attrs
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from devgraph._source import is_user_path, meta_source, render, skip_dirs
 from devgraph.debug._poison import fill_poison
 from devgraph.frontend import node_meta_at
-from devgraph.graph import CompiledRegions, is_view, written_tensors
+from devgraph.graph import CompiledRegions, is_view, tree_tensors, written_tensors
 
 __all__ = ["COMPILED", "OpRecord", "OpProbe", "module_names"]
 
@@ -173,7 +172,7 @@ class OpProbe(TorchDispatchMode):
         self._paused -= 1
 
     def record_compiled(self, fn: Any, args: Any, kwargs: Any, result: Any, name: str) -> None:
-        leaves = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        leaves = tree_tensors(result)
         self._paused += 1  # the copies are captured work, not ops of the run
         try:
             copies = [t.detach().clone() for t in leaves]
@@ -189,7 +188,7 @@ class OpProbe(TorchDispatchMode):
         if not isinstance(func, torch._ops.OpOverload) or is_view(func._schema):
             return out  # a view computes nothing: its base's op was compared
         name = func._schema.name
-        leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+        leaves = [t for t in tree_tensors(out) if t.device.type != "meta"]
         if not leaves:  # an op that writes its arguments and returns nothing (a kernel given ``out``)
             leaves = written_tensors(func, args, kwargs or {})
         if not leaves:

@@ -53,7 +53,7 @@ from devgraph.graph._contract import (
     probe_captures,
 )
 from devgraph.graph._flat import leaves as flat_leaves
-from devgraph.graph._flat import map_leaves, tensor_leaves
+from devgraph.graph._flat import map_leaves, tensor_leaves, tree_tensors
 from devgraph.graph._graph_set import GraphSet, Replayable, SharedPool
 from devgraph.graph._opnames import (
     has_python_kernel,
@@ -103,6 +103,7 @@ __all__ = [
     "refuse_unrecorded",
     "refuse_collective",
     "tensor_leaves",
+    "tree_tensors",
     "unmark_break",
     "weak_ref_tensor",
     "weak_ref_tensors",

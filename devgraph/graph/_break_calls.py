@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from devgraph._errors import DevgraphError
+from devgraph.graph._flat import tree_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -107,12 +108,8 @@ def completed(name: str, result: Any) -> Any:
 
 
 def tensors(tree: Any) -> Iterator[torch.Tensor]:
-    import torch
-    from torch.utils._pytree import tree_flatten
-
-    for leaf in tree_flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
+    """The tensors of ``tree`` (``tree_tensors``: containers registered with pytree included)."""
+    return iter(tree_tensors(tree))
 
 
 def storage(t: torch.Tensor) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["leaves", "map_leaves", "tensor_leaves"]
+__all__ = ["leaves", "map_leaves", "tensor_leaves", "tree_tensors"]
 
 
 def leaves(tree: Any) -> list[Any]:
@@ -53,6 +53,16 @@ def tensor_leaves(tree: Any) -> list[Any]:
         _tensor = torch.Tensor
     tensor = _tensor
     return [x for x in leaves(tree) if isinstance(x, tensor)]
+
+
+def tree_tensors(tree: Any) -> list[Any]:
+    """The tensors among ``tree``'s leaves as ``torch.utils._pytree`` flattens it: containers registered
+    with pytree (a model's output dataclasses, ``torch.return_types``) included, which
+    ``tensor_leaves`` (tuples, lists and dicts only, faster) does not open."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
 def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
