@@ -55,7 +55,10 @@ FIXES: dict[str, str] = {
     # Hugging Face generate(): whole calls
     "inputs": "pass input_ids of shape [batch, prompt_len]",
     "inputs_embeds": "pass input_ids instead of inputs_embeds",
-    "assistant_model": "generate without assistant_model (or call model.generate for assisted generation)",
+    "assistant_model": (
+        "draft with prompt_lookup_num_tokens instead (served from graphs), or call model.generate for "
+        "assisted generation with an assistant model"
+    ),
     "custom_generate": "use transformers' own greedy search or sampling (drop custom_generate)",
     "negative_prompt_ids": "generate without negative_prompt_ids (classifier-free guidance)",
     "synced_gpus": "pass synced_gpus=False",
@@ -68,7 +71,10 @@ FIXES: dict[str, str] = {
     "constrained_beam_search": _GREEDY_OR_SAMPLING,
     "contrastive_search": _GREEDY_OR_SAMPLING,
     "dola_generation": _GREEDY_OR_SAMPLING,
-    "assisted_generation": _GREEDY_OR_SAMPLING,
+    "assisted_generation": (
+        "draft with prompt_lookup_num_tokens alone; assistant_early_exit, use_mtp and speculation_type run as "
+        "plain model.generate"
+    ),
     "use_cache": "pass use_cache=True to generate() (or set model.generation_config.use_cache = True)",
     "cache_implementation": 'leave cache_implementation unset (or "static"): devgraph decodes over its own static cache',
     "compile_config": "drop compile_config / disable_compile: devgraph serves the decode step itself",
@@ -83,6 +89,10 @@ FIXES: dict[str, str] = {
     "decode_arguments": "report it to devgraph with your transformers version and the model type",
     "mask_structure": "report it to devgraph with the model type and its attention layer types",
     "decode_hook_not_reached": _HOOK_REASON,
+    "verify_too_long": (
+        "report it with your transformers version: prompt lookup proposes at most prompt_lookup_num_tokens "
+        "candidates per step"
+    ),
     "prefill_hook_not_reached": "wrap with mode='full' (prefill eagerly, decode from graphs), or "
     + _HOOK_REASON,
     "prefill_chunk_size": "leave prefill_chunk_size unset (devgraph asks for one chunk as long as the cache)",
