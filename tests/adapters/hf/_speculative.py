@@ -21,6 +21,8 @@ def eager_counts(model: Any, ids: torch.Tensor, **kwargs: Any) -> tuple[torch.Te
     rollbacks and from the forward's token counts (an instance attribute for the call, removed after)."""
     from transformers.cache_utils import DynamicCache
 
+    from devgraph.adapters.hf._compat import cache_kwarg  # past_key_values, or cache from transformers 5.24
+
     rolled_back = []
 
     class Recorded(DynamicCache):
@@ -37,7 +39,7 @@ def eager_counts(model: Any, ids: torch.Tensor, **kwargs: Any) -> tuple[torch.Te
 
     model.forward = counting
     try:
-        out = model.generate(ids, past_key_values=Recorded(config=model.config), **kwargs)
+        out = model.generate(ids, **{cache_kwarg(model): Recorded(config=model.config)}, **kwargs)
     finally:
         del model.forward
     proposed = tokens[0] - ids.shape[1] + sum(t - 1 for t in tokens[1:])
