@@ -56,8 +56,12 @@ FIXES: dict[str, str] = {
     "inputs": "pass input_ids of shape [batch, prompt_len]",
     "inputs_embeds": "pass input_ids instead of inputs_embeds",
     "assistant_model": (
-        "draft with prompt_lookup_num_tokens instead (served from graphs), or call model.generate for "
-        "assisted generation with an assistant model"
+        "pass the assistant wrapped by devgraph (assistant_model=devgraph.wrap(draft, ...)), another model than "
+        "the one generating; or call model.generate for assisted generation"
+    ),
+    "assistant_tokenizer": (
+        "draft with an assistant that shares the model's tokenizer (the same vocabulary), or call "
+        "model.generate for universal assisted generation"
     ),
     "custom_generate": "use transformers' own greedy search or sampling (drop custom_generate)",
     "negative_prompt_ids": "generate without negative_prompt_ids (classifier-free guidance)",
@@ -72,8 +76,8 @@ FIXES: dict[str, str] = {
     "contrastive_search": _GREEDY_OR_SAMPLING,
     "dola_generation": _GREEDY_OR_SAMPLING,
     "assisted_generation": (
-        "draft with prompt_lookup_num_tokens alone; assistant_early_exit, use_mtp and speculation_type run as "
-        "plain model.generate"
+        "draft with prompt_lookup_num_tokens or with a devgraph-wrapped assistant_model, one at a time; "
+        "assistant_early_exit, use_mtp and speculation_type run as plain model.generate"
     ),
     "use_cache": "pass use_cache=True to generate() (or set model.generation_config.use_cache = True)",
     "cache_implementation": 'leave cache_implementation unset (or "static"): devgraph decodes over its own static cache',
@@ -90,8 +94,9 @@ FIXES: dict[str, str] = {
     "mask_structure": "report it to devgraph with the model type and its attention layer types",
     "decode_hook_not_reached": _HOOK_REASON,
     "verify_too_long": (
-        "report it with your transformers version: prompt lookup proposes at most prompt_lookup_num_tokens "
-        "candidates per step"
+        "keep the candidates per step at most those the generate starts with: "
+        "num_assistant_tokens_schedule='constant' on the assistant's generation_config (its 'heuristic' "
+        "schedule raises num_assistant_tokens during a generate; the next generate captures up to the raised count)"
     ),
     "prefill_hook_not_reached": "wrap with mode='full' (prefill eagerly, decode from graphs), or "
     + _HOOK_REASON,

@@ -28,9 +28,10 @@ instance for the same duration (``_route``). Nothing in transformers or torch is
 piecewise modes devgraph also sets ``prefill_chunk_size`` to ``max_cache_len``: transformers sends
 a chunked prefill (here: one chunk, the whole prompt) through the same hook.
 
-Assisted generation (one row) with candidates from prompt lookup calls the model itself: for one
-``generate`` the instance's ``forward`` is devgraph's route (``_route.forward_route``), whose verify
-steps of 1 to candidates + 1 tokens replay a graph per token count (``_verify``). Calls the decode step cannot serve (beam search and other decoding methods, a cache or
+Assisted generation (one row) with candidates from prompt lookup or from an assistant model devgraph
+wrapped calls the models themselves: for one ``generate`` each instance's ``forward`` is devgraph's
+route (``_route.forward_route``), whose steps of 1 to candidates + 1 tokens replay a graph per token
+count (``_verify``). Calls the decode step cannot serve (beam search and other decoding methods, a cache or
 ``compile_config`` of your own, attentions or hidden states as outputs, a batch above the largest
 bucket, a sequence longer than ``max_cache_len``) run plain ``model.generate`` with a one-time
 warning naming the option, counted in ``stats.fallbacks`` (``strict=True`` raises instead). A
@@ -46,6 +47,7 @@ JetMoE, DBRX, LongCat-Flash) cannot be captured in any mode and is refused there
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -318,7 +320,8 @@ class GraphedCausalLM(GraphedModule):
         self._device = device
         self._frontend = frontend
         self._runner_config = runner_config
-        #: assisted generation's verify steps (prompt lookup): the model's forward during such a generate
+        #: assisted generation's steps (prompt lookup, an assistant model): the model's forward during
+        #: such a generate
         self.verify = Verifier(model, self.cache, self._verify_runner, self.runner.note_fallback)
         self._lock = threading.RLock()
         if self._shadow_hook:
@@ -398,14 +401,19 @@ class GraphedCausalLM(GraphedModule):
         model = self.module
         call = read_generate_call(args, kwargs)
         _check_inputs(call.named, model)
-        why, config = eager_reason(model, call, self._sizes[-1], self.options.max_cache_len, assisted=True)
+        why, config = eager_reason(
+            model, call, self._sizes[-1], self.options.max_cache_len, graphed=self._serves_assistant
+        )
         assisted = speculation(config, call) if why is None else None
         if why is None and self.refused is not None:
             why = ("capture_refused", self.refused)
         if why is None and assisted is not None:
-            why = self._assisted_reason(call, config)
+            why = self._assisted_reason(call, config, assisted)
         if why is not None:
             self.runner.note_fallback(*why)  # raises when strict; counts; warns once per reason
+            assistant = call.named.get("assistant_model")
+            if isinstance(assistant, GraphedCausalLM):  # eager transformers drafts with the model itself
+                return model.generate(**{**call.named, "assistant_model": assistant.module})
             return model.generate(*args, **kwargs)
         assert call.input_ids is not None  # eager_reason sends calls without input_ids to eager
         rows = call.input_ids.shape[0] * max(config.num_return_sequences or 1, 1)
@@ -413,7 +421,7 @@ class GraphedCausalLM(GraphedModule):
             self.cache.allocate(model, self._step.extra_kwargs)
             self.cache.reset()
             if assisted is not None:
-                return self._generate_assisted(call, config, rows)
+                return self._generate_assisted(call, config, rows, assisted)
             fields: dict[str, Any] = {"compile_config": route_config()}
             if config.cache_implementation is not None:  # "static" from the model's config: ours is static
                 fields["cache_implementation"] = None
@@ -442,38 +450,76 @@ class GraphedCausalLM(GraphedModule):
             self._check_hook_reached(out, call.input_ids.shape[1], decodes, prefills)
             return out
 
-    def _assisted_reason(self, call: Any, config: Any) -> tuple[str, str] | None:
-        """Why a prompt-lookup generate runs eagerly, or None."""
+    def _serves_assistant(self, assistant: Any) -> bool:
+        """Whether ``assistant_model=assistant`` drafts from graphs: a wrapper of another model."""
+        return isinstance(assistant, GraphedCausalLM) and assistant.module is not self.module
+
+    def _assisted_reason(self, call: Any, config: Any, kind: str) -> tuple[str, str] | None:
+        """Why an assisted generate (``kind``: ``"prompt_lookup"`` or ``"assistant"``) runs eagerly, or None."""
         if self.verify_refused is not None:
             return ("capture_refused", self.verify_refused)
         prompt = call.input_ids.shape[1]
-        largest = self.verify.tokens_for(config.prompt_lookup_num_tokens)
+        new = new_tokens(config, prompt)
+        assistant = call.named.get("assistant_model")
+        candidates = config.prompt_lookup_num_tokens if assistant is None else _draft_tokens(assistant.module)
+        why = verify_room(
+            prompt, new, self.verify.tokens_for(candidates), self.options.max_cache_len, "the model's"
+        )
+        if why is not None or assistant is None:
+            return why
+        refused = assistant.refused or assistant.verify_refused
+        if refused is not None:
+            return ("capture_refused", f"the assistant_model: {refused}")
         return verify_room(
-            prompt, new_tokens(config, prompt), largest, self.options.max_cache_len, "the model's"
+            prompt,
+            new,
+            assistant.verify.tokens_for(_DRAFT_STEP - 1),
+            assistant.options.max_cache_len,
+            "the assistant's",
         )
 
-    def _generate_assisted(self, call: Any, config: Any, rows: int) -> Any:
-        """A prompt-lookup ``generate``: its verify steps from graphs.
+    def _generate_assisted(self, call: Any, config: Any, rows: int, kind: str) -> Any:
+        """An assisted ``generate``: the steps of this model (and of a wrapped assistant) from graphs.
 
-        Called under the lock with the cache reset. transformers' assisted loop calls the model itself:
-        for this call the instance's ``forward`` is the ``Verifier`` (``forward_route``), put back
-        afterwards (``_verify``).
+        Called under the lock with the cache reset. transformers' assisted loop calls the models
+        themselves: for this call each instance's ``forward`` is its wrapper's ``Verifier``
+        (``forward_route``), put back afterwards (``_verify``).
         """
         model = self.module
+        prompt = call.input_ids.shape[1]
         fields: dict[str, Any] = {}
         if config.cache_implementation is not None:  # "static" from the model's config: ours is static
             fields["cache_implementation"] = None
+        assistant = call.named.get("assistant_model") if kind == "assistant" else None
+        if assistant is not None:
+            # The assistant's generate calls copy this call's generation config: no compiled call for
+            # them on any device, so that every forward of the assistant is its model's own call.
+            fields["disable_compile"] = True
         named = _with_fields(call, fields)
-        self.verify.prepare(config.prompt_lookup_num_tokens)
-        self.verify.begin(call.input_ids.shape[1])
-        calls = self.verify.calls
-        try:
-            with forward_route(model, self.verify):
-                out = model.generate(**named, **{cache_kwarg(model): self.cache.view(rows)})
-        except CaptureError as err:
-            raise self._refuse(err, self.verify.stage) from None
-        finally:
-            self.verify.end()
+        with contextlib.ExitStack() as stack:
+            if assistant is not None:
+                named["assistant_model"] = assistant.module
+                stack.enter_context(assistant._lock)
+                assistant.cache.allocate(assistant.module, assistant._step.extra_kwargs)
+                assistant.cache.reset()
+                assistant.verify.prepare(_DRAFT_STEP - 1)
+                assistant.verify.begin(prompt, draft=True)
+                stack.callback(assistant.verify.end)
+                stack.enter_context(forward_route(assistant.module, assistant.verify))
+                candidates = _draft_tokens(assistant.module)
+            else:
+                candidates = config.prompt_lookup_num_tokens
+            self.verify.prepare(candidates)
+            self.verify.begin(prompt)
+            stack.callback(self.verify.end)
+            calls = self.verify.calls
+            try:
+                with forward_route(model, self.verify):
+                    out = model.generate(**named, **{cache_kwarg(model): self.cache.view(rows)})
+            except CaptureError as err:
+                if assistant is not None and assistant.verify.raised:
+                    raise assistant._refuse(err, assistant.verify.stage) from None
+                raise self._refuse(err, self.verify.stage) from None
         if self.verify.calls == calls:
             from transformers import __version__
 
@@ -487,8 +533,8 @@ class GraphedCausalLM(GraphedModule):
 
     @property
     def speculative_stats(self) -> SpeculativeStats:
-        """Counters of assisted generation (prompt lookup): verify steps from graphs and eagerly,
-        candidate tokens proposed and accepted (``acceptance``)."""
+        """Counters of assisted generation (prompt lookup, an assistant model): steps from graphs and
+        eagerly, candidate tokens proposed and accepted (``acceptance``)."""
         return self.verify.stats
 
     @property
@@ -542,8 +588,8 @@ class GraphedCausalLM(GraphedModule):
             notes.append(f"steps or calls that ran eagerly during the generate: {reasons}")
         if self.verify.calls != assisted:
             notes.append(
-                "assisted generation (prompt_lookup_num_tokens): its steps are not recorded; bisect the same "
-                "call without it"
+                "assisted generation (prompt_lookup_num_tokens, assistant_model): its steps are not recorded; "
+                "bisect the same call without them"
             )
         if self.prefill is None:
             notes.append("mode='full': the prefill runs eagerly, so only the decode steps are compared")
@@ -573,7 +619,8 @@ class GraphedCausalLM(GraphedModule):
             self.refused = summary
         elif stage == "verify":
             self.verify_refused = (
-                f"{summary}; prompt-lookup generates with this model run eagerly, the others from graphs"
+                f"{summary}; assisted generates with this model (prompt lookup, or as the assistant) run "
+                "eagerly, the others from graphs"
             )
         else:
             self.prefill_refused = f"{summary}; the prefill runs eagerly, decode from graphs: mode='full' does so without this warning"
@@ -617,6 +664,22 @@ class GraphedCausalLM(GraphedModule):
             f"<GraphedCausalLM {type(self.module).__name__} on {self.runner.device}, "
             f"sizes {list(self._sizes)}, max_cache_len {self.options.max_cache_len}>"
         )
+
+
+#: The most tokens an assistant's forward takes after its first in transformers' assisted loop: the
+#: target's last two accepted tokens, which the assistant has not seen (``_update_past_and_masks``).
+_DRAFT_STEP = 2
+
+
+def _draft_tokens(assistant: Any) -> int:
+    """The candidates per step an assistant starts a generate with: its ``num_assistant_tokens``, as
+    transformers' ``AssistedCandidateGenerator`` resolves it (20 when unset)."""
+    config = assistant.generation_config
+    tokens = getattr(config, "num_assistant_tokens", None)
+    defaults = getattr(config, "_get_default_generation_params", None)
+    if tokens is None and defaults is not None:
+        tokens = defaults().get("num_assistant_tokens")
+    return int(tokens if tokens is not None else 20)
 
 
 def _with_fields(call: Any, fields: dict[str, Any]) -> dict[str, Any]:

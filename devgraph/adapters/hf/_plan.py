@@ -5,13 +5,15 @@
 ``(category, detail)`` naming the option that keeps devgraph out, or None. transformers' ``_sample``
 loop (greedy search and sampling, with any logits processors, stopping criteria, streamer or
 ``return_dict_in_generate``) routes its decode forward through the hook devgraph uses; its assisted
-loop (one row) with candidates from prompt lookup (``prompt_lookup_num_tokens``) calls the model
-itself, which devgraph reaches through the instance's ``forward`` (``_verify``); beam search,
-assisted generation with an assistant model and the other decoding methods run eagerly.
+loop (one row), with candidates from prompt lookup (``prompt_lookup_num_tokens``) or from an assistant
+model devgraph wrapped, calls the models themselves, which devgraph reaches through the instances'
+``forward`` (``_verify``); beam search, assisted generation with a plain assistant model and the
+other decoding methods run eagerly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["GenerateCall", "eager_reason", "new_tokens", "read_generate_call", "speculation", "verify_room"]
@@ -33,7 +35,7 @@ _GENERATE_PARAMS = (
 
 #: Arguments that take generation away from the ``_sample`` loop or from devgraph's cache.
 _EAGER_ARGUMENTS = {
-    "assistant_model": "assisted generation with an assistant model runs eagerly",
+    "assistant_tokenizer": "universal assisted generation (an assistant with a tokenizer of its own)",
     "custom_generate": "a custom decoding loop is not transformers' own",
     "negative_prompt_ids": "classifier-free guidance runs a second, unshared model pass",
     "synced_gpus": "synchronised multi-GPU generation",
@@ -69,15 +71,22 @@ def read_generate_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Generat
 
 def speculation(config: Any, call: GenerateCall) -> str | None:
     """Which assisted generation devgraph serves this call as: ``"prompt_lookup"`` (candidates from
-    n-grams of the sequence), or None (not assisted, or a kind it runs eagerly: early exit,
-    multi-token prediction, DFlash)."""
+    n-grams of the sequence), ``"assistant"`` (drafted by a devgraph-wrapped ``assistant_model``), or
+    None (not assisted, or a kind it runs eagerly: early exit, multi-token prediction, DFlash)."""
     if config.assistant_early_exit is not None or getattr(config, "use_mtp", False):
         return None
     if getattr(config, "speculation_type", None) is not None:  # "dflash": a candidate generator of its own
         return None
-    if call.named.get("assistant_model") is not None:
+    assistant = call.named.get("assistant_model")
+    if assistant is None:
+        return "prompt_lookup" if config.prompt_lookup_num_tokens is not None else None
+    if config.prompt_lookup_num_tokens is not None:  # transformers would look up and leave it idle
         return None
-    return "prompt_lookup" if config.prompt_lookup_num_tokens is not None else None
+    if type(getattr(assistant, "module", assistant)).__name__.startswith(
+        ("Gemma4Assistant", "Gemma4Unified")
+    ):
+        return None  # drafts from the target's shared key/value states: a candidate generator of its own
+    return "assistant"
 
 
 def eager_reason(
@@ -85,31 +94,41 @@ def eager_reason(
     call: GenerateCall,
     max_batch: int,
     max_cache_len: int,
-    assisted: bool = False,
+    graphed: Callable[[Any], bool] | None = None,
 ) -> tuple[tuple[str, str] | None, Any]:
     """``(reason, generation_config)``: why ``call`` must run eagerly (None: it can be graphed).
 
     ``generation_config`` is the call's resolved config (None when the reason came first).
-    ``assisted``: whether devgraph serves assisted generation by prompt lookup (False: it runs
-    eagerly). For such a call the caller checks the room its verify graphs need (``verify_room``).
+    ``graphed(assistant)``: whether an ``assistant_model`` is one devgraph serves (a wrapper of its
+    own); None: every assisted generation runs eagerly. For an assisted call the caller checks the
+    room its verify graphs need (``verify_room``).
     """
     for name, why in _EAGER_ARGUMENTS.items():
         if call.named.get(name) not in (None, False):
             return (name, f"{name}: {why}"), None
+    assistant = call.named.get("assistant_model")
+    if assistant is not None and (graphed is None or not graphed(assistant)):
+        return (
+            "assistant_model",
+            f"assistant_model={type(assistant).__name__}: devgraph drafts with an assistant it wrapped itself "
+            "(devgraph.wrap(assistant)); a plain model runs the whole assisted generate eagerly",
+        ), None
     ids = call.input_ids
     if ids is None or not hasattr(ids, "dim") or ids.dim() != 2:
         return ("inputs", "generate() needs input_ids of shape [batch, prompt_len] to be graphed"), None
     from transformers.generation.configuration_utils import GenerationMode
 
     config, _ = model._prepare_generation_config(call.named.get("generation_config"), **call.config_kwargs())
-    mode = config.get_generation_mode(call.named.get("assistant_model"))
-    lookup = mode == GenerationMode.ASSISTED_GENERATION and assisted and speculation(config, call)
-    if not lookup and mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+    mode = config.get_generation_mode(assistant)
+    assisted = (
+        mode == GenerationMode.ASSISTED_GENERATION and graphed is not None and speculation(config, call)
+    )
+    if not assisted and mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         return (
             str(mode.value),
             f"{mode.value} (num_beams={config.num_beams}) calls the model directly; only greedy search, "
-            "sampling and their assisted generation by prompt lookup (not early exit, multi-token "
-            "prediction or DFlash) run their steps through devgraph",
+            "sampling and their assisted generation by prompt lookup or by a devgraph-wrapped assistant "
+            "(not early exit, multi-token prediction or DFlash) run their steps through devgraph",
         ), config
     if config.use_cache is False:
         return (

@@ -63,8 +63,9 @@ def refusal(model: Any, err: CaptureError, stage: str, at_wrap: bool = False) ->
         )
     elif stage == "verify":
         mode_advice = (
-            "this wrapper now runs prompt-lookup generate() calls eagerly (model.generate), counted in "
-            "stats.fallbacks['capture_refused']; the other calls still decode from graphs"
+            "this wrapper's model now runs assisted generate() calls (prompt lookup, or drafting as an "
+            "assistant_model) eagerly (model.generate), counted in stats.fallbacks['capture_refused']; the "
+            "other calls still decode from graphs"
         )
     else:
         mode_advice = (

@@ -1,25 +1,30 @@
-"""Assisted generation's verify steps (prompt lookup) from graphs, one per token count.
+"""Assisted generation's steps (prompt lookup, an assistant model) from graphs, one per token count.
 
 transformers' assisted loop (``_assisted_decoding``, one row only) proposes candidate tokens (prompt
-lookup: a continuation of an n-gram found earlier in the sequence), runs the target model once over the last accepted token and the ``c`` candidates (a
+lookup: a continuation of an n-gram found earlier in the sequence; an assistant model: its own
+``generate``), runs the target model once over the last accepted token and the ``c`` candidates (a
 *verify step* of ``T = c + 1`` tokens), keeps the candidates up to the first the target disagrees with
 plus the target's own next token, and rolls the cache back over the rejected ones
 (``cache.crop(-rejected)``; devgraph's ``CacheRows.crop``). ``c`` changes from step to step (0 when no
-n-gram matches), so ``T`` does.
+n-gram matches, fewer when the assistant stops early), so ``T`` does.
 
-The loop calls the model itself (``self(**model_inputs)``), not the compiled-call hook the decode
-steps use; ``forward_route`` sends those calls to a ``Verifier`` for one ``generate``:
+The loop calls the models themselves (``self(**model_inputs)``; the assistant's ``generate`` too, as
+it calls a model over a dynamic cache), not the compiled-call hook the decode steps use;
+``forward_route`` sends those calls to each model's ``Verifier`` for one ``generate``:
 
-* the first call (the prompt and the first candidates, from slot 0) runs the model eagerly, as every
-  mode's prefill of an assisted ``generate`` does;
+* the first call (the prompt, and the target's first candidates, from slot 0) runs the model eagerly,
+  as every mode's prefill of an assisted ``generate`` does; the assistant's runs over devgraph's cache
+  instead of the ``DynamicCache`` transformers made for it and returns it, so transformers keeps
+  devgraph's cache for the assistant's later steps and ``generate`` calls;
 * every later call, ``T`` tokens with ``1 <= T <= largest``, replays the graph of exactly ``T`` tokens
   (``VerifyStep``: the tokens are its rows; no padding, so no padded token ever writes the cache). Two
   runners serve them: one for ``T = 1`` and one for ``2 <= T <= largest``, each by default traced by
   Dynamo once (it specialises a size of 1; in one runner a step of one token after one of several,
-  or the reverse, would trace again) and captured per ``T``. ``largest`` is the generate's
-  ``prompt_lookup_num_tokens + 1``; a later generate with more candidates builds the graphs again up
-  to its own. A longer call (none in prompt lookup, whose candidates never exceed
-  ``prompt_lookup_num_tokens``) would run eagerly, counted as ``"verify_too_long"``.
+  or the reverse, would trace again) and captured per ``T``. ``largest`` is the target's candidates
+  per step + 1 when the generate starts (``prompt_lookup_num_tokens``, the assistant's
+  ``num_assistant_tokens``) and 2 for an assistant (its steps: one token, or the two it has not seen
+  after a verify step); a later generate with more candidates builds the graphs again up to its own. Longer calls run eagerly, counted as
+  ``"verify_too_long"`` (an assistant's ``"heuristic"`` schedule raises its count during a generate).
   A step of one token is not sent to the decode graphs: transformers' assisted loop passes no
   ``position_ids`` where its sampling loop does, so the decode graphs captured by one would not take
   the other's calls (``frontend='raw'``) or would trace again.
@@ -43,6 +48,7 @@ import attrs
 import torch
 from torch import nn
 
+from devgraph._errors import CaptureError
 from devgraph.adapters.hf._cache import SharedStaticCache
 from devgraph.adapters.hf._compat import CACHE_KEYS, cache_kwarg, cache_of, causal_lm_output
 from devgraph.adapters.hf._step import mask_structure
@@ -58,16 +64,20 @@ class SpeculativeStats:
     """Counters of assisted generation (``graphed.speculative_stats``).
 
     Attributes:
-        generates: assisted ``generate`` calls whose verify steps devgraph served.
-        steps: the model's forwards after the first of each such generate (the first prefills the
-            prompt with the first candidates, eagerly): its verify steps.
+        generates: assisted ``generate`` calls of this wrapper whose steps devgraph served (as the
+            target: it verifies the candidates).
+        drafts: assisted ``generate`` calls of another wrapper this one drafted for (passed as its
+            ``assistant_model``).
+        steps: this model's forwards after the first of each such generate (the first prefills the
+            prompt, eagerly): the target's verify steps, the assistant's drafting steps.
         graph_steps: of those, served from the verify graphs.
         eager_steps: of those, run eagerly (counted by reason in ``graphed.stats.fallbacks``).
-        proposed: candidate tokens proposed, the first forward's included.
+        proposed: candidate tokens proposed to this model as the target, the first forward's included.
         accepted: of those, accepted (the others are rolled back).
     """
 
     generates: int = 0
+    drafts: int = 0
     steps: int = 0
     graph_steps: int = 0
     eager_steps: int = 0
@@ -173,7 +183,8 @@ class VerifyStep(nn.Module):
 
 
 class Verifier:
-    """The model's forward during one assisted ``generate`` (see the module docstring).
+    """A model's forward during one assisted ``generate``, as the target or the assistant (see the
+    module docstring).
 
     ``make_runner(step, sizes)`` builds the verify graphs' server (a ``TracedModule`` or a
     ``GraphRunner``) for the token counts ``sizes``; ``on_eager(reason, detail)`` counts and warns.
@@ -201,7 +212,9 @@ class Verifier:
         self.stage = "verify"  # "prefill" (eager) or "verify": where a CaptureError came from
         self._prompt = 0
         self._first = True
+        self._draft = False
         self._proposed = 0  # candidates of the last forward, for the rollback that follows it
+        self.raised = False  # whether a CaptureError came from this route during the generate
 
     def tokens_for(self, candidates: int) -> int:
         """The largest verify step a generate with up to ``candidates`` per step captures graphs for."""
@@ -232,13 +245,24 @@ class Verifier:
         """The runners built so far (one token, several)."""
         return [r for r in (self.one, self.runner) if r is not None]
 
-    def begin(self, prompt: int) -> None:
-        """Before an assisted generate over a prompt of ``prompt`` tokens (the cache is empty)."""
+    def begin(self, prompt: int, draft: bool = False) -> None:
+        """Before an assisted generate over a prompt of ``prompt`` tokens (the cache is empty).
+
+        ``draft``: this model is the assistant. transformers makes its cache (a ``DynamicCache``) in
+        the assistant's first ``generate``; the first forward runs over devgraph's cache instead and
+        returns it, and transformers keeps the cache a forward returns (for the later steps and the
+        assistant's later ``generate`` calls, which it passes the same cache).
+        """
         self._prompt = prompt
         self._first = True
         self._proposed = 0
-        self.stats.generates += 1
-        self.cache.on_crop = self._rolled_back
+        self._draft = draft
+        self.raised = False
+        if draft:
+            self.stats.drafts += 1
+        else:
+            self.stats.generates += 1
+            self.cache.on_crop = self._rolled_back
 
     def end(self) -> None:
         self.cache.on_crop = None
@@ -249,15 +273,29 @@ class Verifier:
 
     def __call__(self, **kwargs: Any) -> Any:
         self.calls += 1
+        try:
+            return self._serve(kwargs)
+        except CaptureError:
+            self.raised = True  # the adapter tells the target's refusal from the assistant's
+            raise
+
+    def _serve(self, kwargs: dict[str, Any]) -> Any:
         ids = kwargs.get("input_ids")
         tokens = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
         if self._first:
-            # The prompt and the first candidates, from slot 0: the prefill, eager in every mode.
+            # The prompt (and, for the target, the first candidates), from slot 0: the prefill, eager in
+            # every mode.
             self._first = False
             self.stage = "prefill"
+            if self._draft:
+                for key in CACHE_KEYS:
+                    if kwargs.get(key) is not None:
+                        kwargs[key] = self.cache.view(1)
+                return self.model(**kwargs)
             self._count(None if tokens is None else tokens - self._prompt)
             return self.model(**kwargs)
-        self._count(None if tokens is None else tokens - 1)
+        if not self._draft:
+            self._count(None if tokens is None else tokens - 1)
         self.stats.steps += 1
         self.stage = "verify"
         why = self._not_servable(kwargs, tokens)
@@ -299,7 +337,8 @@ class Verifier:
             return (
                 "verify_too_long",
                 f"a verify step of {tokens} tokens is above the {self.largest} the verify graphs of this generate "
-                "serve (prompt_lookup_num_tokens + 1)",
+                "serve (the candidates it started with + 1: prompt_lookup_num_tokens, or the assistant's "
+                "num_assistant_tokens, which its 'heuristic' schedule raises during a generate)",
             )
         if not self.cache.owns(cache_of(kwargs)):
             return ("decode_arguments", "the verify step was called with a cache that is not devgraph's")
