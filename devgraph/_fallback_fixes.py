@@ -55,7 +55,14 @@ FIXES: dict[str, str] = {
     # Hugging Face generate(): whole calls
     "inputs": "pass input_ids of shape [batch, prompt_len]",
     "inputs_embeds": "pass input_ids instead of inputs_embeds",
-    "assistant_model": "generate without assistant_model (or call model.generate for assisted generation)",
+    "assistant_model": (
+        "pass the assistant wrapped by devgraph (assistant_model=devgraph.wrap(draft, ...)), another model than "
+        "the one generating; or call model.generate for assisted generation"
+    ),
+    "assistant_tokenizer": (
+        "draft with an assistant that shares the model's tokenizer (the same vocabulary), or call "
+        "model.generate for universal assisted generation"
+    ),
     "custom_generate": "use transformers' own greedy search or sampling (drop custom_generate)",
     "negative_prompt_ids": "generate without negative_prompt_ids (classifier-free guidance)",
     "synced_gpus": "pass synced_gpus=False",
@@ -68,7 +75,10 @@ FIXES: dict[str, str] = {
     "constrained_beam_search": _GREEDY_OR_SAMPLING,
     "contrastive_search": _GREEDY_OR_SAMPLING,
     "dola_generation": _GREEDY_OR_SAMPLING,
-    "assisted_generation": _GREEDY_OR_SAMPLING,
+    "assisted_generation": (
+        "draft with prompt_lookup_num_tokens or with a devgraph-wrapped assistant_model, one at a time; "
+        "assistant_early_exit, use_mtp and speculation_type run as plain model.generate"
+    ),
     "use_cache": "pass use_cache=True to generate() (or set model.generation_config.use_cache = True)",
     "cache_implementation": 'leave cache_implementation unset (or "static"): devgraph decodes over its own static cache',
     "compile_config": "drop compile_config / disable_compile: devgraph serves the decode step itself",
@@ -83,6 +93,11 @@ FIXES: dict[str, str] = {
     "decode_arguments": "report it to devgraph with your transformers version and the model type",
     "mask_structure": "report it to devgraph with the model type and its attention layer types",
     "decode_hook_not_reached": _HOOK_REASON,
+    "verify_too_long": (
+        "keep the candidates per step at most those the generate starts with: "
+        "num_assistant_tokens_schedule='constant' on the assistant's generation_config (its 'heuristic' "
+        "schedule raises num_assistant_tokens during a generate; the next generate captures up to the raised count)"
+    ),
     "prefill_hook_not_reached": "wrap with mode='full' (prefill eagerly, decode from graphs), or "
     + _HOOK_REASON,
     "prefill_chunk_size": "leave prefill_chunk_size unset (devgraph asks for one chunk as long as the cache)",

@@ -7,8 +7,9 @@ options (``HFOptions``). The modules: ``_adapter`` (``GraphedCausalLM``, ``wrap_
 ``_compat`` (the transformers releases the adapter supports), ``_checks`` (wrap-time checks: position
 biases, whether the decode hook is reached), ``_static_check`` (wrap-time: logits over a static cache
 against the dynamic cache's), ``_decode_probe`` (wrap-time: a decode step run eagerly under the capture
-guard), ``_route`` (how generate reaches the decode step), ``_refusal`` (a refused capture, said for the
-model's user).
+guard), ``_route`` (how generate reaches the decode step, and an assisted generate the models'
+forwards), ``_verify`` (assisted generation's steps: prompt lookup, an assistant model), ``_refusal``
+(a refused capture, said for the model's user).
 """
 
 from devgraph.adapters.hf._adapter import GraphedCausalLM, HFOptions, wrap_hf

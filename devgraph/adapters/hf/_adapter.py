@@ -28,7 +28,10 @@ instance for the same duration (``_route``). Nothing in transformers or torch is
 piecewise modes devgraph also sets ``prefill_chunk_size`` to ``max_cache_len``: transformers sends
 a chunked prefill (here: one chunk, the whole prompt) through the same hook.
 
-Calls the decode step cannot serve (beam search and other decoding methods, a cache or
+Assisted generation (one row) with candidates from prompt lookup or from an assistant model devgraph
+wrapped calls the models themselves: for one ``generate`` each instance's ``forward`` is devgraph's
+route (``_route.forward_route``), whose steps of 1 to candidates + 1 tokens replay a graph per token
+count (``_verify``). Calls the decode step cannot serve (beam search and other decoding methods, a cache or
 ``compile_config`` of your own, attentions or hidden states as outputs, a batch above the largest
 bucket, a sequence longer than ``max_cache_len``) run plain ``model.generate`` with a one-time
 warning naming the option, counted in ``stats.fallbacks`` (``strict=True`` raises instead). A
@@ -44,6 +47,7 @@ JetMoE, DBRX, LongCat-Flash) cannot be captured in any mode and is refused there
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -60,13 +64,14 @@ from devgraph.adapters.hf._cache import SharedStaticCache
 from devgraph.adapters.hf._checks import decode_hook_reachable, position_bias_source
 from devgraph.adapters.hf._compat import cache_kwarg
 from devgraph.adapters.hf._decode_probe import probe_decode_step
-from devgraph.adapters.hf._plan import eager_reason, read_generate_call
+from devgraph.adapters.hf._plan import eager_reason, new_tokens, read_generate_call, speculation, verify_room
 from devgraph.adapters.hf._prefill import PiecewisePrefill
 from devgraph.adapters.hf._refusal import refusal
-from devgraph.adapters.hf._route import decode_route, route_config
+from devgraph.adapters.hf._route import decode_route, forward_route, route_config
 from devgraph.adapters.hf._static_check import check_static_cache
 from devgraph.adapters.hf._step import MAX_MASKS, DecodeRoute, DecodeStep
 from devgraph.adapters.hf._steplog import MAX_STEPS, StepLog
+from devgraph.adapters.hf._verify import SpeculativeStats, Verifier, VerifyStats, VerifyStep
 from devgraph.frontend import wrap_traced
 from devgraph.graph import Device
 from devgraph.runner import (
@@ -307,9 +312,17 @@ class GraphedCausalLM(GraphedModule):
         self._route = DecodeRoute(
             model, step, self.runner, self.runner.note_fallback, self.prefill, traced=frontend == "dynamo"
         )
-        #: why the decode step (the prefill pieces) could not be captured; such calls then run eagerly
+        #: why the decode step (the prefill pieces, the verify step) could not be captured; such calls
+        #: then run eagerly
         self.refused: str | None = None
         self.prefill_refused: str | None = None
+        self.verify_refused: str | None = None
+        self._device = device
+        self._frontend = frontend
+        self._runner_config = runner_config
+        #: assisted generation's steps (prompt lookup, an assistant model): the model's forward during
+        #: such a generate
+        self.verify = Verifier(model, self.cache, self._verify_runner, self.runner.note_fallback)
         self._lock = threading.RLock()
         if self._shadow_hook:
             logger.info(
@@ -328,10 +341,20 @@ class GraphedCausalLM(GraphedModule):
         )
         return self.module(*args, **kwargs)
 
+    def _verify_runner(self, step: VerifyStep, sizes: tuple[int, ...]) -> Any:
+        """The verify graphs' server for ``step``: one graph per token count in ``sizes``."""
+        config = attrs.evolve(self._runner_config, batch_sizes=sizes, max_batch_size=None)
+        if self._frontend == "raw":
+            return GraphRunner(step, self._device, config, caller_serialises=True)
+        runner = wrap_traced(step, self._device, _traced_options(config), caller_serialises=True)
+        runner.graphs.graph_passes = (_moe.GroupedMmRouting(_moe.eager_uses_grouped_mm(self.module)),)
+        return runner
+
     def _drop_graphs(self) -> None:
         """The model was cast, moved or flipped: drop the graphs and the caches sized for it."""
         with self._lock:
             self.runner.reset()
+            self.verify.reset()
             self.cache.release()
             if self.prefill is not None:
                 self.prefill.runner.reset()
@@ -378,17 +401,27 @@ class GraphedCausalLM(GraphedModule):
         model = self.module
         call = read_generate_call(args, kwargs)
         _check_inputs(call.named, model)
-        why, config = eager_reason(model, call, self._sizes[-1], self.options.max_cache_len)
+        why, config = eager_reason(
+            model, call, self._sizes[-1], self.options.max_cache_len, graphed=self._serves_assistant
+        )
+        assisted = speculation(config, call) if why is None else None
         if why is None and self.refused is not None:
             why = ("capture_refused", self.refused)
+        if why is None and assisted is not None:
+            why = self._assisted_reason(call, config, assisted)
         if why is not None:
             self.runner.note_fallback(*why)  # raises when strict; counts; warns once per reason
+            assistant = call.named.get("assistant_model")
+            if isinstance(assistant, GraphedCausalLM):  # eager transformers drafts with the model itself
+                return model.generate(**{**call.named, "assistant_model": assistant.module})
             return model.generate(*args, **kwargs)
         assert call.input_ids is not None  # eager_reason sends calls without input_ids to eager
         rows = call.input_ids.shape[0] * max(config.num_return_sequences or 1, 1)
         with self._lock, torch.no_grad():
             self.cache.allocate(model, self._step.extra_kwargs)
             self.cache.reset()
+            if assisted is not None:
+                return self._generate_assisted(call, config, rows, assisted)
             fields: dict[str, Any] = {"compile_config": route_config()}
             if config.cache_implementation is not None:  # "static" from the model's config: ours is static
                 fields["cache_implementation"] = None
@@ -407,24 +440,110 @@ class GraphedCausalLM(GraphedModule):
                         "prefill_chunk_size: chunked prefills run eagerly, decode from graphs",
                     )
                     self._route.prefill = None
-            named = dict(call.named)
-            if named.get("generation_config") is not None:
-                # A config object and generation kwargs together are deprecated in transformers.
-                import copy
-
-                named["generation_config"] = copy.deepcopy(named["generation_config"])
-                for name, value in fields.items():
-                    setattr(named["generation_config"], name, value)
-            else:
-                named.update(fields)
+            named = _with_fields(call, fields)
             decodes, prefills = self._route.decode_calls, self._route.prefill_calls
             try:
                 with decode_route(model, self._route, fields["compile_config"], shadow=self._shadow_hook):
                     out = model.generate(**named, **{cache_kwarg(model): self.cache.view(rows)})
             except CaptureError as err:
-                raise self._refuse(err) from None
+                raise self._refuse(err, self._route.stage) from None
             self._check_hook_reached(out, call.input_ids.shape[1], decodes, prefills)
             return out
+
+    def _serves_assistant(self, assistant: Any) -> bool:
+        """Whether ``assistant_model=assistant`` drafts from graphs: a wrapper of another model."""
+        return isinstance(assistant, GraphedCausalLM) and assistant.module is not self.module
+
+    def _assisted_reason(self, call: Any, config: Any, kind: str) -> tuple[str, str] | None:
+        """Why an assisted generate (``kind``: ``"prompt_lookup"`` or ``"assistant"``) runs eagerly, or None."""
+        if self.verify_refused is not None:
+            return ("capture_refused", self.verify_refused)
+        prompt = call.input_ids.shape[1]
+        new = new_tokens(config, prompt)
+        assistant = call.named.get("assistant_model")
+        candidates = config.prompt_lookup_num_tokens if assistant is None else _draft_tokens(assistant.module)
+        why = verify_room(
+            prompt, new, self.verify.tokens_for(candidates), self.options.max_cache_len, "the model's"
+        )
+        if why is not None or assistant is None:
+            return why
+        refused = assistant.refused or assistant.verify_refused
+        if refused is not None:
+            return ("capture_refused", f"the assistant_model: {refused}")
+        return verify_room(
+            prompt,
+            new,
+            assistant.verify.tokens_for(_DRAFT_STEP - 1),
+            assistant.options.max_cache_len,
+            "the assistant's",
+        )
+
+    def _generate_assisted(self, call: Any, config: Any, rows: int, kind: str) -> Any:
+        """An assisted ``generate``: the steps of this model (and of a wrapped assistant) from graphs.
+
+        Called under the lock with the cache reset. transformers' assisted loop calls the models
+        themselves: for this call each instance's ``forward`` is its wrapper's ``Verifier``
+        (``forward_route``), put back afterwards (``_verify``).
+        """
+        model = self.module
+        prompt = call.input_ids.shape[1]
+        fields: dict[str, Any] = {}
+        if config.cache_implementation is not None:  # "static" from the model's config: ours is static
+            fields["cache_implementation"] = None
+        assistant = call.named.get("assistant_model") if kind == "assistant" else None
+        if assistant is not None:
+            # The assistant's generate calls copy this call's generation config: no compiled call for
+            # them on any device, so that every forward of the assistant is its model's own call.
+            fields["disable_compile"] = True
+        named = _with_fields(call, fields)
+        with contextlib.ExitStack() as stack:
+            if assistant is not None:
+                named["assistant_model"] = assistant.module
+                stack.enter_context(assistant._lock)
+                assistant.cache.allocate(assistant.module, assistant._step.extra_kwargs)
+                assistant.cache.reset()
+                assistant.verify.prepare(_DRAFT_STEP - 1)
+                assistant.verify.begin(prompt, draft=True)
+                stack.callback(assistant.verify.end)
+                stack.enter_context(forward_route(assistant.module, assistant.verify))
+                candidates = _draft_tokens(assistant.module)
+            else:
+                candidates = config.prompt_lookup_num_tokens
+            self.verify.prepare(candidates)
+            self.verify.begin(prompt)
+            stack.callback(self.verify.end)
+            calls = self.verify.calls
+            try:
+                with forward_route(model, self.verify):
+                    out = model.generate(**named, **{cache_kwarg(model): self.cache.view(rows)})
+            except CaptureError as err:
+                if assistant is not None and assistant.verify.raised:
+                    raise assistant._refuse(err, assistant.verify.stage) from None
+                raise self._refuse(err, self.verify.stage) from None
+        if self.verify.calls == calls:
+            from transformers import __version__
+
+            self.runner.note_fallback(
+                "decode_hook_not_reached",
+                f"transformers {__version__}'s assisted generate() ran without calling {type(model).__name__}'s "
+                "forward (devgraph set the instance's forward to its verify route for the call); every step ran "
+                "eagerly",
+            )
+        return out
+
+    @property
+    def speculative_stats(self) -> SpeculativeStats:
+        """Counters of assisted generation (prompt lookup, an assistant model): steps from graphs and
+        eagerly, candidate tokens proposed and accepted (``acceptance``)."""
+        return self.verify.stats
+
+    @property
+    def verify_stats(self) -> VerifyStats | None:
+        """The verify graphs' counters, added up over their runners (``VerifyStats``), or None before
+        the first assisted generate."""
+        return (
+            VerifyStats.of([runner.stats for runner in self.verify.runners]) if self.verify.runners else None
+        )
 
     def served_steps(self, *args: Any, max_steps: int = MAX_STEPS, **kwargs: Any) -> Any:
         """Run ``generate(*args, **kwargs)`` once, recording each step served from graphs (what
@@ -443,7 +562,7 @@ class GraphedCausalLM(GraphedModule):
                 kwargs.setdefault("max_new_tokens", 4)
         caches = [self.cache] + ([self.prefill.scratch] if self.prefill is not None else [])
         log = StepLog(caches, max_steps)
-        before = self._fallbacks()
+        before, assisted = self._fallbacks(), self.verify.calls
         with self._lock:
             self._route.log = log
             if self.prefill is not None:
@@ -467,6 +586,11 @@ class GraphedCausalLM(GraphedModule):
             )
         if reasons:
             notes.append(f"steps or calls that ran eagerly during the generate: {reasons}")
+        if self.verify.calls != assisted:
+            notes.append(
+                "assisted generation (prompt_lookup_num_tokens, assistant_model): its steps are not recorded; "
+                "bisect the same call without them"
+            )
         if self.prefill is None:
             notes.append("mode='full': the prefill runs eagerly, so only the decode steps are compared")
         return StepsServed(f"{type(self.module).__name__} generate()", log.steps, eager, notes)
@@ -480,12 +604,12 @@ class GraphedCausalLM(GraphedModule):
                 total[reason] = total.get(reason, 0) + n
         return total
 
-    def _refuse(self, err: CaptureError) -> CaptureError:
-        """Remember that the decode step (or the prefill pieces) cannot be captured; the error to raise.
+    def _refuse(self, err: CaptureError, stage: str) -> CaptureError:
+        """Remember that the decode step (the prefill pieces, the verify step) cannot be captured; the
+        error to raise.
 
         Later calls run eagerly, counted as ``capture_refused``, instead of failing the same way again.
         """
-        stage = self._route.stage
         better = refusal(self.module, err, stage)
         first = better.message.split(": ", 1)[0]
         at = f" at {better.source.split(': ', 1)[0]}" if better.source else ""
@@ -493,6 +617,11 @@ class GraphedCausalLM(GraphedModule):
         summary = f"{first} ({op}the first generate() raised the CaptureError saying why)"
         if stage == "decode":
             self.refused = summary
+        elif stage == "verify":
+            self.verify_refused = (
+                f"{summary}; assisted generates with this model (prompt lookup, or as the assistant) run "
+                "eagerly, the others from graphs"
+            )
         else:
             self.prefill_refused = f"{summary}; the prefill runs eagerly, decode from graphs: mode='full' does so without this warning"
         return better
@@ -535,6 +664,37 @@ class GraphedCausalLM(GraphedModule):
             f"<GraphedCausalLM {type(self.module).__name__} on {self.runner.device}, "
             f"sizes {list(self._sizes)}, max_cache_len {self.options.max_cache_len}>"
         )
+
+
+#: The most tokens an assistant's forward takes after its first in transformers' assisted loop: the
+#: target's last two accepted tokens, which the assistant has not seen (``_update_past_and_masks``).
+_DRAFT_STEP = 2
+
+
+def _draft_tokens(assistant: Any) -> int:
+    """The candidates per step an assistant starts a generate with: its ``num_assistant_tokens``, as
+    transformers' ``AssistedCandidateGenerator`` resolves it (20 when unset)."""
+    config = assistant.generation_config
+    tokens = getattr(config, "num_assistant_tokens", None)
+    defaults = getattr(config, "_get_default_generation_params", None)
+    if tokens is None and defaults is not None:
+        tokens = defaults().get("num_assistant_tokens")
+    return int(tokens if tokens is not None else 20)
+
+
+def _with_fields(call: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments with generation-config ``fields`` set (on a copy of its ``generation_config``,
+    when it passes one: a config object and generation kwargs together are deprecated in transformers)."""
+    named = dict(call.named)
+    if named.get("generation_config") is not None:
+        import copy
+
+        named["generation_config"] = copy.deepcopy(named["generation_config"])
+        for name, value in fields.items():
+            setattr(named["generation_config"], name, value)
+    else:
+        named.update(fields)
+    return named
 
 
 # -- model checks ----------------------------------------------------------------------------------

@@ -10,6 +10,15 @@ of the bucket above ``n`` write the same memory at the same position. Every laye
 ``StaticLayer``, also for sliding-window layers: transformers' mask code then builds the sliding
 mask over the full cache (a rolling ``StaticSlidingWindowLayer`` branches on a host int and cannot
 be captured).
+
+A view is a ``CacheRows`` (``cache_rows_class()``): a ``Cache`` that transformers' assisted generation
+(prompt lookup, an assistant model) can roll back. Its loop calls ``crop(-n)`` after each verify step to drop the
+rejected candidates' keys/values; a static layer has no ``crop`` in transformers, and transformers
+refuses its own ``StaticCache`` for assisted generation. Over a full-length static layer the rollback is
+the write position moved back by ``n``, in place: the slots past it hold the rejected candidates' keys
+and values until the next step writes them again, and the masks (causal: a token sees the slots up to
+its own position) hide them meanwhile. ``SharedStaticCache.on_crop`` is told of each rollback (the
+adapter counts accepted candidates from it).
 """
 
 from __future__ import annotations
@@ -21,7 +30,54 @@ import torch
 
 from devgraph.adapters.hf._compat import cache_kwarg
 
-__all__ = ["SharedStaticCache"]
+__all__ = ["SharedStaticCache", "cache_rows_class"]
+
+
+def _cache_class() -> Any:
+    from transformers.cache_utils import Cache
+
+    return Cache
+
+
+class _CacheRowsMixin:
+    """What ``CacheRows`` adds to transformers' ``Cache`` (a mixin: transformers is imported lazily)."""
+
+    layers: list[Any]
+    #: the ``SharedStaticCache`` this view is of (told of each rollback); None inside a trace
+    shared: Any = None
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens of every row: move the write positions back.
+
+        Raises:
+            ValueError: a positive count (transformers' legacy "crop to this length", which its own
+                dynamic layers refuse too).
+        """
+        # an int from the target's loop, a 0-d tensor from an assistant's (a static layer's length is one)
+        count = int(tokens_to_remove)
+        if count > 0:
+            raise ValueError(
+                f"crop({count}): devgraph's static cache rolls back by a negative count of tokens only"
+            )
+        if count:
+            for layer in self.layers:
+                layer.cumulative_length.sub_(-count)  # in place: graphs hold the tensor
+        if self.shared is not None and self.shared.on_crop is not None:
+            self.shared.on_crop(-count)
+
+
+_CACHE_ROWS: list[Any] = []
+
+
+def cache_rows_class() -> Any:
+    """``CacheRows``: transformers' ``Cache`` with the rollback of ``_CacheRowsMixin`` (built once)."""
+    if not _CACHE_ROWS:
+        _CACHE_ROWS.append(type("CacheRows", (_CacheRowsMixin, _cache_class()), {"__module__": __name__}))
+    return _CACHE_ROWS[0]
 
 
 class SharedStaticCache:
@@ -39,6 +95,8 @@ class SharedStaticCache:
         # Any: transformers types a cache's layers as a union that includes layers without keys.
         self.base: Any = Cache(layers=[StaticLayer(max_cache_len=max_cache_len) for _ in range(num_layers)])
         self._views: dict[int, Any] = {}
+        #: told ``on_crop(tokens)`` of each rollback of a view (``CacheRows.crop``), or None
+        self.on_crop: Any = None
 
     @property
     def allocated(self) -> bool:
@@ -97,12 +155,11 @@ class SharedStaticCache:
             if not 1 <= n <= self.rows:
                 raise ValueError(f"a view of {n} rows of a {self.rows}-row cache")
             cache = self._sliced(n)
+            cache.shared = self
             self._views[n] = cache
         return cache
 
     def _sliced(self, n: Any) -> Any:
-        from transformers.cache_utils import Cache
-
         layers = []
         for big in self.base.layers:
             layer = copy.copy(big)  # shares cumulative_length: one write position for all views
@@ -110,7 +167,7 @@ class SharedStaticCache:
             layer.values = big.values[:n]
             layer.batch_size = n
             layers.append(layer)
-        return Cache(layers=layers)
+        return cache_rows_class()(layers=layers)
 
     def owns(self, cache: Any) -> bool:
         return any(cache is view for view in self._views.values())

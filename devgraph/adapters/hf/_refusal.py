@@ -32,7 +32,8 @@ def _in_model_code(model: Any, source: str | None) -> str:
 def refusal(model: Any, err: CaptureError, stage: str, at_wrap: bool = False) -> CaptureError:
     """``err`` for a user of ``model``: where the line is and what they can do.
 
-    ``stage`` is ``"decode"`` (the decode step's graphs) or ``"prefill"`` (the piecewise prefill's pieces).
+    ``stage`` is ``"decode"`` (the decode step's graphs), ``"prefill"`` (the piecewise prefill's pieces) or
+    ``"verify"`` (assisted generation's verify step, several tokens of one row).
     ``at_wrap``: found by the wrap-time dry run of the decode step (``_decode_probe``): no wrapper is
     made, and the one fix named is eager ``model.generate()``.
     """
@@ -59,6 +60,12 @@ def refusal(model: Any, err: CaptureError, stage: str, at_wrap: bool = False) ->
         mode_advice = (
             "mode= does not help: every mode captures the decode step whole; this wrapper now runs "
             "generate() eagerly (model.generate), counted in stats.fallbacks['capture_refused']"
+        )
+    elif stage == "verify":
+        mode_advice = (
+            "this wrapper's model now runs assisted generate() calls (prompt lookup, or drafting as an "
+            "assistant_model) eagerly (model.generate), counted in stats.fallbacks['capture_refused']; the "
+            "other calls still decode from graphs"
         )
     else:
         mode_advice = (
