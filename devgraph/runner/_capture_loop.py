@@ -31,7 +31,7 @@ from devgraph.runner._inputs import StaticInputs, ambient
 from devgraph.runner._model_state import capture_warnings
 from devgraph.runner._progress import progress, size_ranges
 from devgraph.runner._ranks import RankCheck, capture_context, check_capture
-from devgraph.runner._snapshot import StateSnapshot, traced_state
+from devgraph.runner._snapshot import Change, StateSnapshot, traced_state
 
 __all__ = ["CaptureLoop", "Prepare", "gc_frozen", "part_core"]
 
@@ -113,6 +113,8 @@ class CaptureLoop:
         self.size_noun = size_noun
         self.size_options = size_options
         self.rank_check: RankCheck | None = None
+        #: what the capture's runs changed, by path, kept while the state is put back between sizes
+        self._changed: dict[str, Change] = {}
         #: The model's state before this capture began (set while ``all_or_nothing`` runs): the
         #: padding check starts each of its runs from it and compares what they change.
         self.state: StateSnapshot | None = None
@@ -144,6 +146,7 @@ class CaptureLoop:
         fn = self.inputs.fn
         capture_warnings(fn, self.accounts.warned)
         state = self.state = StateSnapshot(fn, self.device.torch_device)
+        self._changed = {}
         try:
             build()
         except BaseException:
@@ -153,7 +156,7 @@ class CaptureLoop:
             raise
         finally:
             self.state = None
-        changes = state.changes()
+        changes = list({**self._changed, **{c.path: c for c in state.changes()}}.values())
         state.restore()
         frozen = [c.what for c in changes if not c.replayable]
         if frozen:
@@ -175,6 +178,13 @@ class CaptureLoop:
         self.inputs.ambient = ambient(self.device.torch_device.type)
         self.inputs.watch.remember(fn)
         self.guard = None if traced_state(fn) is not None else AttributeGuard(fn)
+
+    def _put_back(self) -> None:
+        """Restore the state before capture, keeping what the runs changed for ``all_or_nothing``'s
+        verdict (a change a graph freezes is refused even though it was put back)."""
+        if self.state is not None:
+            self._changed.update((c.path, c) for c in self.state.changes())
+            self.state.restore()
 
     def run(
         self,
@@ -211,8 +221,7 @@ class CaptureLoop:
             before = device.memory_stats().reserved  # after the collection: dead pools are gone
             if example is not None and self.config.check_padding:
                 inputs.padding_verdict = inputs.check_padding(example, sizes, self.state)
-                if self.state is not None:
-                    self.state.restore()  # warm-ups start from the state before capture
+                self._put_back()  # warm-ups start from the state before capture
             for size in progress(sorted(sizes, reverse=True), desc):
                 inputs.fill_padding()
                 before_run = inputs.buffer_versions()
@@ -239,6 +248,9 @@ class CaptureLoop:
                 inputs.written_by_model.update(
                     n for n, b in inputs.buffers.items() if not torch.equal(b, before_values[n])
                 )
+                # every size's warm-ups start from the state before capture: a write position the
+                # runs advance (a static KV cache's) would otherwise walk past its end over the sizes
+                self._put_back()
         stats = self.stats
         stats.capture_seconds = time.perf_counter() - start
         stats.pool_bytes = device.memory_stats().reserved - before

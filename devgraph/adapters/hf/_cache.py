@@ -141,6 +141,18 @@ class SharedStaticCache:
         for layer, value in zip(self.base.layers, saved, strict=True):
             layer.cumulative_length.copy_(value)
 
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for layer in self.base.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """A copy of every key, value and write position (what ``restore`` puts back)."""
+        return [t.clone() for t in self._tensors()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        """Put back, in place, what ``snapshot`` copied (graphs hold these tensors)."""
+        for t, value in zip(self._tensors(), saved, strict=True):
+            t.copy_(value)
+
     def view(self, n: int) -> Any:
         """A ``Cache`` over the first ``n`` rows (built once per ``n``; needs ``allocate`` first).
 

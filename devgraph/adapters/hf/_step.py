@@ -177,13 +177,17 @@ class DecodeRoute:
             raise CaptureError(str(err)) from err
 
     def _capture(self, input_ids: torch.Tensor, position_ids: Any, masks: dict[str, torch.Tensor]) -> None:
-        # Warm-ups and captures advance the cache's write positions (and write slots past them, which
-        # the masks hide until the real step writes them again): put the positions back.
-        saved = self.step.cache.positions()
+        # Warm-ups and captures of every bucket advance the cache's write positions and write the slots
+        # they pass: from the prompt's end they would run past the cache's last slot (a prompt near
+        # max_cache_len). They run from slot 0 instead, and the whole cache is put back after.
+        cache = self.step.cache
+        saved = cache.snapshot()
         try:
+            for layer in cache.base.layers:
+                layer.cumulative_length.zero_()
             self.runner.capture(input_ids=input_ids, position_ids=position_ids, **masks)
         finally:
-            self.step.cache.restore_positions(saved)
+            cache.restore(saved)
 
     def _not_decode(self, kwargs: dict[str, Any]) -> tuple[str, str] | str | None:
         ids = kwargs.get("input_ids")

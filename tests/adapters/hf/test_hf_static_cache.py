@@ -176,3 +176,19 @@ def test_bf16_gap_to_the_dynamic_cache_is_about_two_units_of_the_largest_logit_a
     assert max(gaps) <= 2.5 * unit, (gaps, largest)
     if name == "minicpm3":
         assert largest > 8  # the scale that makes its absolute gap ten times the others'
+
+
+@pytest.mark.parametrize(
+    ("frontend", "rows", "sizes"),
+    # Dynamo specialises one row: that graph is captured at size 1 alone
+    [("raw", 1, (1, 2, 4, 8)), ("dynamo", 1, (1,)), ("dynamo", 2, (1, 2, 4, 8))],
+)
+def test_a_first_generate_whose_prompt_nearly_fills_the_cache_captures_every_bucket(frontend, rows, sizes):
+    # The warm-ups and captures of the four default buckets (1, 2, 4, 8) write a slot each past the
+    # write position: from a prompt of 28 in 32 slots they once ran past the cache's end (IndexError).
+    model = tiny_model("llama")
+    graphed = devgraph.wrap(model, "cpu", max_cache_len=32, frontend=frontend)
+    ids, mask = prompts(rows, seed=1, length=28)
+    call = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(graphed.generate(ids, **call), model.generate(ids, **call))
+    assert graphed.stats.replays == 4 and graphed.stats.captured_sizes == sizes
