@@ -115,6 +115,7 @@ class CaptureLoop:
         self.rank_check: RankCheck | None = None
         #: what the capture's runs changed, by path, kept while the state is put back between sizes
         self._changed: dict[str, Change] = {}
+        self._per_size = False
         #: The model's state before this capture began (set while ``all_or_nothing`` runs): the
         #: padding check starts each of its runs from it and compares what they change.
         self.state: StateSnapshot | None = None
@@ -147,6 +148,9 @@ class CaptureLoop:
         capture_warnings(fn, self.accounts.warned)
         state = self.state = StateSnapshot(fn, self.device.torch_device)
         self._changed = {}
+        # A graph Dynamo traced declares the few tensors it writes: cheap to put back after every size.
+        # An untraced model's snapshot is everything reachable from it, compared and put back once.
+        self._per_size = traced_state(fn) is not None
         try:
             build()
         except BaseException:
@@ -248,9 +252,10 @@ class CaptureLoop:
                 inputs.written_by_model.update(
                     n for n, b in inputs.buffers.items() if not torch.equal(b, before_values[n])
                 )
-                # every size's warm-ups start from the state before capture: a write position the
-                # runs advance (a static KV cache's) would otherwise walk past its end over the sizes
-                self._put_back()
+                if self._per_size:
+                    # every size's warm-ups start from the state before capture: a write position the
+                    # runs advance (a static KV cache's) would otherwise walk past its end over the sizes
+                    self._put_back()
         stats = self.stats
         stats.capture_seconds = time.perf_counter() - start
         stats.pool_bytes = device.memory_stats().reserved - before
