@@ -67,8 +67,9 @@ def drafts(target):
     }
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-@pytest.mark.parametrize("draft", ["close", "small"])
+# nox -s tests runs one draft and seed; tests-hf-newest (slow included) runs all four
+@pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("draft", ["close", pytest.param("small", marks=pytest.mark.slow)])
 def test_assisted_tokens_equal_eager_with_both_models_steps_from_graphs(target, drafts, draft, seed):
     assistant = drafts[draft]
     ids, _ = prompts(1, seed=seed, length=8)
@@ -101,6 +102,7 @@ def test_acceptance_counts_equal_eager_assisted_generation(target, drafts):
     assert assistant.speculative_stats.proposed == 0  # the assistant proposes; it is not verified
 
 
+@pytest.mark.slow
 def test_scores_and_logits_of_every_step_equal_eager(target, drafts):
     ids, _ = prompts(1, seed=4, length=8)
     kwargs = dict(return_dict_in_generate=True, output_scores=True, output_logits=True)
@@ -112,6 +114,7 @@ def test_scores_and_logits_of_every_step_equal_eager(target, drafts):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_seeded_speculative_sampling_equals_eager(target, drafts):
     # Sampling with an assistant accepts each candidate by the ratio of the two models' probabilities
     # (transformers' speculative sampling): the draws follow both models' logits.
@@ -123,6 +126,7 @@ def test_seeded_speculative_sampling_equals_eager(target, drafts):
     assert torch.equal(out, assisted(target.module, ids, drafts["close"].module, **args))
 
 
+@pytest.mark.slow
 def test_a_heuristic_schedule_past_the_verify_graphs_runs_those_steps_eagerly_then_builds_larger():
     # The assistant is the target itself (another copy): every candidate is accepted, so the
     # "heuristic" schedule raises num_assistant_tokens by 2 after each step, past the verify graphs the
@@ -224,6 +228,7 @@ def test_an_assistant_step_that_cannot_be_captured_is_refused_once_then_runs_eag
     assert target.stats.fallbacks["capture_refused"] == before + 1
 
 
+@pytest.mark.slow
 def test_the_assistant_takes_no_compiled_call_where_transformers_would_compile(target):
     # On a GPU transformers compiles a forward whose cache is static (its "auto-compile"): an assistant
     # over devgraph's static cache would take model.get_compiled_call instead of its forward. The

@@ -37,7 +37,8 @@ def llama():
     return devgraph.wrap(tiny_model("llama"), "cpu", batch_sizes=[1, 2], max_cache_len=CACHE_LEN)
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+# nox -s tests runs one prompt; tests-hf-newest (slow included) runs all three
+@pytest.mark.parametrize("seed", [1, *(pytest.param(s, marks=pytest.mark.slow) for s in (2, 3))])
 def test_prompt_lookup_tokens_equal_eager_with_verify_steps_from_graphs(llama, seed):
     ids = repeating(seed)
     before = (llama.speculative_stats.graph_steps, llama.verify_stats.replays if llama.verify_stats else 0)
@@ -67,6 +68,7 @@ def test_acceptance_counts_equal_eager_prompt_lookups(llama):
     assert stats.acceptance == stats.accepted / stats.proposed
 
 
+@pytest.mark.slow
 def test_scores_and_logits_of_every_step_equal_eager(llama):
     # The verify graphs' output memory is overwritten by the next replay: the loop keeps each step's
     # logits (scores), so the route hands it copies.
@@ -80,6 +82,7 @@ def test_scores_and_logits_of_every_step_equal_eager(llama):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_equals_eager_sampling(llama):
     ids = repeating(6)
     args = dict(do_sample=True, top_k=20, temperature=0.7)
@@ -89,6 +92,7 @@ def test_seeded_sampling_equals_eager_sampling(llama):
     assert torch.equal(out, lookup(llama.module, ids, **args))
 
 
+@pytest.mark.slow
 def test_more_candidates_build_verify_graphs_up_to_the_new_count(llama):
     ids = repeating(7)
     lookup(llama, ids)  # the verify graphs of up to K + 1 tokens (built here when this test runs first)
@@ -112,6 +116,7 @@ def test_a_sequence_without_room_for_the_largest_verify_step_runs_eagerly():
     assert short.stats.fallbacks == {"sequence_too_long": 1}
 
 
+@pytest.mark.slow
 def test_mixed_sliding_and_full_layers_equal_eager():
     graphed = devgraph.wrap(
         tiny_model("qwen2_mixed_sliding"), "cpu", batch_sizes=[1], max_cache_len=CACHE_LEN
@@ -133,6 +138,7 @@ def test_a_batch_of_two_raises_as_eager_does_and_puts_the_forward_back(llama):
     assert torch.equal(lookup(llama, repeating(1)), lookup(llama.module, repeating(1)))
 
 
+@pytest.mark.slow
 def test_raw_frontend_serves_verify_steps_too():
     with pytest.warns(UserWarning, match="frontend='raw'"):
         graphed = devgraph.wrap(
