@@ -214,12 +214,17 @@ def build_llama(dev: devgraph.Device, args: argparse.Namespace) -> Workload:
     s, tdev, cache_len, largest = args.shape, dev.torch_device, args.cache_len, max(args.batches)
     model = hf_causal_lm("llama", s, torch.bfloat16, tdev, args.seed, max(2048, cache_len))
 
-    # wrap_hf's checks run here: a model the adapter refuses is an error of the whole model.
-    graphed = wrap_hf(model, dev, max_batch_size=largest, max_cache_len=cache_len)
+    # wrap_hf's checks run here: a model the adapter refuses is an error of the whole model. The step is
+    # captured untraced (frontend="raw"): this compares one bucket's replay with a hand-written graph of
+    # the same step, which reaches into the step's GraphRunner (Dynamo's guards are host time before it)
+    graphed = wrap_hf(model, dev, max_batch_size=largest, max_cache_len=cache_len, frontend="raw")
     runner, info = capture_devgraph(
         dev,
         _largest_alone(
-            args, lambda: wrap_hf(model, dev, batch_sizes=[largest], max_cache_len=cache_len).capture()
+            args,
+            lambda: wrap_hf(
+                model, dev, batch_sizes=[largest], max_cache_len=cache_len, frontend="raw"
+            ).capture(),
         ),
         graphed.capture,  # allocates the shared static cache, then captures every bucket
     )

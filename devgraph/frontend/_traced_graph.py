@@ -322,6 +322,7 @@ class TracedGraph:
         if not self.batch_symbols:  # specialised to one size: the user inputs' first dim, exactly
             self._static_batch(placeholders, example_inputs)
         self.arguments = [s.name for s in self.slots if s.kind in ("tensor", "value")]
+        self._state_index = {s.name: i for i, s in enumerate(self.slots) if s.kind == "state"}
         #: the runner's batched arguments that are a user's argument itself (``x``), by that name: where
         #: the user's ``pad_values`` apply
         self.user_names = {
@@ -464,7 +465,10 @@ class TracedGraph:
         full = []
         for i, s in enumerate(self.slots):
             if s.kind == "size":
-                full.append(named[s.name].shape[s.dim])
+                # a dim of a runner argument, or of the model's state (a dim Dynamo made dynamic after
+                # seeing two shapes of it: a KV cache another wrapper of the same class allocated)
+                source = named[s.name] if s.name in named else call[self._state_index[s.name]]
+                full.append(source.shape[s.dim])
             elif s.kind in ("call", "state"):
                 full.append(call[i])
             else:
@@ -545,6 +549,7 @@ class TracedGraph:
         import sympy
 
         named = dict(zip(self.arguments, self.split(args)))
+        named.update((name, args[i]) for name, i in self._state_index.items())  # a dim of the state
         sizes = {
             symbol: sympy.Integer(int(named[name].shape[dim])) for symbol, (name, dim) in self.where.items()
         }
