@@ -23,7 +23,7 @@ from torch import nn
 
 from devgraph.adapters.hf._cache import SharedStaticCache
 from devgraph.adapters.hf._compat import CACHE_KEYS, cache_kwarg, cache_of, causal_lm_output
-from devgraph.adapters.hf._step import mask_structure
+from devgraph.adapters.hf._step import attention_mask_of, mask_structure
 
 __all__ = ["PiecewisePrefill", "PrefillRow"]
 
@@ -51,7 +51,7 @@ class PrefillRow(nn.Module):
         for layer in cache.layers:
             layer.cumulative_length.zero_()  # inside the graph: each replay writes from slot 0
         masks = [m[None, None] for m in (mask0, mask1, mask2)[: len(self.mask_keys)]]  # type: ignore[index]
-        attention_mask: Any = masks[0] if self.mask_keys == (None,) else dict(zip(self.mask_keys, masks))
+        attention_mask = attention_mask_of(self.mask_keys, masks)
         out = self.model(
             input_ids=input_ids[None],
             position_ids=position_ids[None],

@@ -26,7 +26,7 @@ from devgraph._errors import CaptureError, DevgraphError
 from devgraph.adapters.hf._cache import SharedStaticCache
 from devgraph.adapters.hf._compat import CACHE_KEYS, cache_kwarg, cache_of, causal_lm_output
 
-__all__ = ["DecodeRoute", "DecodeStep", "MAX_MASKS"]
+__all__ = ["DecodeRoute", "DecodeStep", "MAX_MASKS", "attention_mask_of"]
 
 #: Mask tensors a decode step takes (one per attention layer type a model mixes).
 MAX_MASKS = 3
@@ -64,10 +64,7 @@ class DecodeStep(nn.Module):
     ) -> torch.Tensor:
         assert self.mask_keys is not None
         masks = (mask0, mask1, mask2)[: len(self.mask_keys)]
-        if self.mask_keys == (None,):
-            attention_mask: Any = masks[0]
-        else:
-            attention_mask = dict(zip(self.mask_keys, masks, strict=True))
+        attention_mask = attention_mask_of(self.mask_keys, masks)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -78,6 +75,12 @@ class DecodeStep(nn.Module):
             **self.extra_kwargs,
         )
         return out.logits
+
+
+def attention_mask_of(keys: tuple[str | None, ...], masks: Any) -> Any:
+    """The model's ``attention_mask`` from the step's mask tensors: the one tensor, or a dict by layer
+    type (``keys``: ``mask_structure``'s)."""
+    return masks[0] if keys == (None,) else dict(zip(keys, masks, strict=True))
 
 
 def mask_structure(

@@ -51,7 +51,7 @@ from torch import nn
 from devgraph._errors import CaptureError
 from devgraph.adapters.hf._cache import SharedStaticCache
 from devgraph.adapters.hf._compat import CACHE_KEYS, cache_kwarg, cache_of, causal_lm_output
-from devgraph.adapters.hf._step import mask_structure
+from devgraph.adapters.hf._step import attention_mask_of, mask_structure
 
 __all__ = ["SpeculativeStats", "Verifier", "VerifyStats", "VerifyStep"]
 
@@ -164,10 +164,7 @@ class VerifyStep(nn.Module):
     ) -> torch.Tensor:
         assert self.mask_keys is not None
         masks = [m[None, None] for m in (mask0, mask1, mask2)[: len(self.mask_keys)]]  # type: ignore[index]
-        if self.mask_keys == (None,):
-            attention_mask: Any = masks[0]
-        else:
-            attention_mask = dict(zip(self.mask_keys, masks, strict=True))
+        attention_mask = attention_mask_of(self.mask_keys, masks)
         cache = self.cache.view(1)
         for layer in cache.layers:
             layer.cumulative_length.copy_(self.start)
