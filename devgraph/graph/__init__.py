@@ -4,6 +4,8 @@
   implement it).
 * ``_capture``: the capture guard (host syncs, collectives and updatable ops seen one by one).
 * ``_tasks``: task groups (ops whose host arguments are re-issued at replay).
+* ``_multistep``: ``MultiStepGraph``, several steps (a speculative draft's) captured as one graph whose
+  replay gives every step's tasks their host arguments in one update.
 * ``_compiled_regions``: compiled code inside a capture.
 * ``_collectives``: which collectives a capture replays and which it refuses.
 * ``_opnames``: op names (``namespace::op``) and which ops have Python bodies.
@@ -55,6 +57,7 @@ from devgraph.graph._contract import (
 from devgraph.graph._flat import leaves as flat_leaves
 from devgraph.graph._flat import map_leaves, tensor_leaves, tree_tensors
 from devgraph.graph._graph_set import GraphSet, Replayable, SharedPool
+from devgraph.graph._multistep import MultiStepGraph, MultiStepStats, step_lengths
 from devgraph.graph._opnames import (
     has_python_kernel,
     is_view,
@@ -80,6 +83,8 @@ __all__ = [
     "Replayable",
     "MemoryPool",
     "MemoryStats",
+    "MultiStepGraph",
+    "MultiStepStats",
     "SharedPool",
     "Stream",
     "TaskGroup",
@@ -102,6 +107,7 @@ __all__ = [
     "raise_refusal",
     "refuse_unrecorded",
     "refuse_collective",
+    "step_lengths",
     "tensor_leaves",
     "tree_tensors",
     "unmark_break",

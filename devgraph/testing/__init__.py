@@ -2,6 +2,7 @@
 
 * ``conformance``: the backend conformance suite.
 * ``models``: tiny decoder models for end-to-end tests (and the demo).
+* ``speculative``: a k-step speculative draft over the tiny decoder: eager, one merged graph, k replays.
 * ``distributed``: ``run_ranks(fn, world_size)`` runs ``fn`` on spawned ranks of one process group
   (gloo on CPU by default), every wait bounded by a timeout.
 

@@ -1,0 +1,140 @@
+"""A speculative draft of ``k`` steps over the reference ``PagedDecoder``: eager, one merged graph, k replays.
+
+A draft step runs the draft model on the last token of every row and takes the argmax as the next
+step's token; positions and sequence lengths grow by one per step. The metadata of every step
+(positions, slots, block tables, device and host lengths) is built on the host before the draft runs
+(``draft_metadata``), as vllm-ascend builds its EAGLE steps' attention metadata before the replay.
+
+* ``eager_draft``: the reference, ``k`` eager forwards.
+* ``MergedDraft``: the ``k`` steps captured as one ``MultiStepGraph``; one replay, one update.
+* ``SeparateDraft``: one step captured once and replayed ``k`` times (one update per step): what a
+  runner without a merged graph does, the baseline of ``benchmarks/spec_draft.py``.
+
+The draft here takes tokens, not the target's hidden states (EAGLE's draft also takes those): a
+simplification of the model, not of the graph's shape. Neither graph synchronises the device: read
+the drafted tokens after ``device.synchronize()`` (an engine hands them to its verify step on the same
+stream instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from devgraph.graph import Device, MultiStepGraph
+from devgraph.testing.models import KVBlockManager, PagedDecoder
+
+__all__ = ["MergedDraft", "SeparateDraft", "draft_metadata", "eager_draft"]
+
+#: The forward kwargs that are device tensors, one per step.
+_TENSORS = ("positions", "block_table", "seq_lens", "slot_mapping")
+
+
+def draft_metadata(manager: KVBlockManager, seq_ids: Sequence[Any], steps: int) -> list[dict[str, Any]]:
+    """The forward kwargs of ``steps`` draft steps of ``seq_ids``, built on the host, step by step.
+
+    Each step appends one token to every sequence in ``manager`` (blocks are allocated as needed);
+    ``input_ids`` of the result are placeholders: step 0's token is the caller's, later ones come from
+    the previous step's argmax.
+    """
+    return [manager.decode_batch(list(seq_ids), [0] * len(seq_ids)) for _ in range(steps)]
+
+
+@torch.no_grad()
+def eager_draft(
+    model: PagedDecoder, first_tokens: torch.Tensor, steps: Sequence[Mapping[str, Any]]
+) -> torch.Tensor:
+    """The drafted tokens ``[k, B]`` of ``len(steps)`` eager forwards from ``first_tokens`` ``[B]``."""
+    tokens, drafted = first_tokens, []
+    for meta in steps:
+        logits = model(input_ids=tokens, **{n: meta[n] for n in (*_TENSORS, "seq_lens_host")})
+        tokens = logits.argmax(-1)
+        drafted.append(tokens)
+    return torch.stack(drafted)
+
+
+class _Buffers:
+    """Static inputs of ``steps`` draft steps of ``batch`` rows: ``ids[i]`` is step ``i``'s token,
+    ``ids[i + 1]`` the one it drafts; the rest per step."""
+
+    def __init__(self, model: PagedDecoder, batch: int, steps: int, device: torch.device) -> None:
+        c = model.config
+        self.batch, self.steps = batch, steps
+        self.ids = torch.zeros(steps + 1, batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(steps, batch, dtype=torch.int64, device=device)
+        # Pad values (PagedDecoder.pad_values): token 0 at position 0 in the scratch block, length 1.
+        self.block_table = torch.zeros(steps, batch, c.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(steps, batch, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.zeros(steps, batch, dtype=torch.int64, device=device)
+
+    def load(self, first_tokens: torch.Tensor, steps: Sequence[Mapping[str, Any]]) -> None:
+        """Copy step 0's token and every step's metadata into the buffers."""
+        if len(steps) != self.steps:
+            raise ValueError(f"got the metadata of {len(steps)} steps for {self.steps}")
+        self.ids[0].copy_(first_tokens)
+        for name in _TENSORS:
+            buf = getattr(self, name)
+            buf.copy_(torch.stack([meta[name] for meta in steps]).to(buf.dtype))
+
+    def step(self, model: PagedDecoder, i: int, host_lens: list[int], into: int | None = None) -> None:
+        """Step ``i``'s forward over the buffers; its argmax written into ``ids[into]`` (``i + 1``)."""
+        logits = model(
+            self.ids[i],
+            self.positions[i],
+            self.block_table[i],
+            self.seq_lens[i],
+            self.slot_mapping[i],
+            host_lens,
+        )
+        self.ids[i + 1 if into is None else into].copy_(logits.argmax(-1))
+
+
+class MergedDraft:
+    """``steps`` draft steps of ``batch`` rows captured as one ``MultiStepGraph``.
+
+    ``propose`` copies every step's metadata into the graph's inputs, then replays once, giving each
+    step its host lengths: one update for all steps. Capture costs one forward per step.
+    """
+
+    def __init__(self, model: PagedDecoder, device: Device, batch: int, steps: int) -> None:
+        self.model, self.device = model, device
+        self.buffers = _Buffers(model, batch, steps, device.torch_device)
+        self.graph = MultiStepGraph(device, steps)
+        with torch.no_grad(), self.graph.capture():
+            for i in range(steps):
+                with self.graph.step(i):
+                    self.buffers.step(model, i, [1] * batch)
+
+    def propose(self, first_tokens: torch.Tensor, steps: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+        """Queue the draft from ``first_tokens`` over ``steps``' metadata; the drafted ``[k, B]``
+        tokens (a view of the graph's buffer: valid once the device has run it, until the next call)."""
+        self.buffers.load(first_tokens, steps)
+        self.graph.replay([{"seq_lens_host": meta["seq_lens_host"]} for meta in steps])
+        return self.buffers.ids[1:]
+
+
+class SeparateDraft:
+    """One draft step captured once, replayed ``steps`` times (one update per replay): the baseline.
+
+    The step reads ``ids[0]`` and writes its argmax back into ``ids[0]`` (the next replay's token);
+    after each replay the token is copied out (device work queued by the host, as a runner does).
+    """
+
+    def __init__(self, model: PagedDecoder, device: Device, batch: int, steps: int) -> None:
+        self.model, self.device, self.steps = model, device, steps
+        self.buffers = _Buffers(model, batch, 1, device.torch_device)
+        self.drafted = torch.zeros(steps, batch, dtype=torch.int64, device=device.torch_device)
+        self.graph = device.graph()
+        with torch.no_grad(), self.graph.capture(auto_update_ops=device.updatable_ops):
+            self.buffers.step(model, 0, [1] * batch, into=0)
+
+    def propose(self, first_tokens: torch.Tensor, steps: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+        """Like ``MergedDraft.propose``, in ``len(steps)`` replays."""
+        self.buffers.ids[0].copy_(first_tokens)
+        for i, meta in enumerate(steps):
+            self.buffers.load(self.buffers.ids[0], [meta])  # the token: the last replay's argmax
+            self.graph.replay(host_args={"seq_lens_host": meta["seq_lens_host"]})
+            self.drafted[i].copy_(self.buffers.ids[0])
+        return self.drafted
