@@ -29,7 +29,7 @@ OP = "devgraph::paged_decode_attention"
 
 
 def _devices():
-    params: list = ["cpu", "npu-sim", "npu-sim-lazy"]
+    params: list = ["cpu", "npu-sim", "npu-sim-lazy", "npu-sim-serial"]
     if torch.cuda.is_available():
         params.append(pytest.param("cuda", marks=pytest.mark.cuda))
     return params
@@ -44,7 +44,10 @@ def dev(request):
 
     streams = "lazy" if request.param.endswith("lazy") else "eager"
     with simulated_torch_npu(streams=streams, hang_timeout=0.5):
-        yield devgraph.device("npu")
+        device = devgraph.device("npu")
+        # serial: update every task, then replay; the default overlaps them (NpuDevice.update_order)
+        device.update_order = "serial" if request.param.endswith("serial") else "overlap"
+        yield device
 
 
 def _config(dev) -> DecoderConfig:
@@ -191,6 +194,26 @@ def test_one_update_submission_and_no_device_sync_per_replay(dev):
     setup.dev.synchronize()
     want = [eager_draft(setup.eager, setup.first, meta) for meta in metas][-1]  # both rounds: the KV cache
     assert torch.equal(draft.buffers.ids[1:].cpu(), want.cpu())
+
+
+def test_npu_builds_each_steps_lengths_once_for_all_its_layers(monkeypatch):
+    from devgraph.backends.npu import _kernels as npu_kernels
+    from devgraph_sim.npu import simulated_torch_npu
+
+    with simulated_torch_npu(hang_timeout=0.5):
+        dev = devgraph.device("npu")
+        setup = Setup(dev)
+        draft = MergedDraft(setup.graphed, dev, len(ROWS), STEPS)
+        assert draft.graph.tasks_per_step > 1
+        built = []
+        real = npu_kernels.attention_lengths
+        monkeypatch.setattr(
+            npu_kernels, "attention_lengths", lambda lens, b: built.append(lens) or real(lens, b)
+        )
+        metas = draft_metadata(setup.manager, ROWS, STEPS)
+        draft.propose(setup.first, metas)
+        assert built == [meta["seq_lens_host"] for meta in metas]  # one list per step, shared by its layers
+        dev.synchronize()
 
 
 def test_k_separate_replays_submit_k_updates(dev):
