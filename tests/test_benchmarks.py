@@ -37,6 +37,7 @@ RUNS = {
     ),
     "call_overhead": (["--device", "cpu", "--quick"], "call_overhead_cpu_quick.json"),
     "dynamo_frontend": (["--quick"], "dynamo_frontend_quick.json"),
+    "spec_draft": (["--quick"], "spec_draft_quick.json"),  # cpu and the npu simulator
 }
 
 
