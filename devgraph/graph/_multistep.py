@@ -148,10 +148,8 @@ class MultiStepGraph:
             self._open = None
         self._bounds.append((start, len(self._captured_tasks())))
 
-    def _captured_tasks(self) -> list[TaskGroup]:
-        # The graph's task list while its capture runs (``Graph.tasks`` settles host arguments and is
-        # meant for a captured graph).
-        return self.graph._tasks
+    def _captured_tasks(self) -> tuple[TaskGroup, ...]:
+        return self.graph.tasks  # the tasks captured so far, in capture order
 
     def _outside(self, count: int) -> DevgraphError:
         return DevgraphError(

@@ -18,7 +18,7 @@ import torch
 import devgraph
 import devgraph.ops as ops
 from devgraph import DevgraphError
-from devgraph.graph import MultiStepGraph, step_lengths
+from devgraph.graph import MultiStepGraph, TaskGroup, step_lengths
 from devgraph.testing.models import DecoderConfig, KVBlockManager, make_decoder
 from devgraph.testing.speculative import MergedDraft, SeparateDraft, draft_metadata, eager_draft
 
@@ -344,3 +344,26 @@ def test_step_lengths_grow_by_one_per_step():
     assert step_lengths([3, 7], 3) == [[3, 7], [4, 8], [5, 9]]
     with pytest.raises(DevgraphError):
         step_lengths([3], 0)
+
+
+def test_cuda_code_path_notes_every_steps_lengths_and_reissues_nothing():
+    """No GPU here: a ``CudaGraph`` (constructing it makes no CUDA call) is given two steps' tasks as a
+    capture would leave them, and its replay stubbed. ``replay`` must reach CUDA's update path, which
+    only notes each step's lengths (its kernel reads the device tensors), and re-issue nothing."""
+    from devgraph.backends.cuda._device import CudaDevice
+
+    attn = Attention()
+    op = torch.ops.devgraph.paged_decode_attention.default
+    args = (attn.q, attn.k, attn.v, attn.table, attn.seq, [5, 20], 0.5)
+    graph = MultiStepGraph(CudaDevice(0), 2)
+    native = graph.graph
+    native._tasks = [TaskGroup.for_call(i, op, args, {}) for i in range(4)]  # 2 layers per step
+    native._state = "captured"
+    graph._step_tasks = [tuple(native._tasks[:2]), tuple(native._tasks[2:])]
+    replays = []
+    native._replay = lambda: replays.append(1)  # the instance's: no CUDA call
+    native._task_update_begin = lambda group: pytest.fail(f"task {group.index} re-issued on CUDA")
+    lens = step_lengths([6, 21], 2)
+    graph.replay([{"seq_lens_host": x} for x in lens])
+    assert replays == [1]
+    assert [t.host_args["seq_lens_host"] for t in native.tasks] == [lens[0], lens[0], lens[1], lens[1]]
