@@ -106,6 +106,10 @@ class MultiStepGraph:
         """
         if self._capturing:
             raise DevgraphError("this MultiStepGraph is already capturing; captures cannot nest")
+        if self.graph.is_captured():  # checked before its steps are forgotten: it stays replayable
+            raise DevgraphError(
+                "this MultiStepGraph was already captured; call reset() before capturing again"
+            )
         ops = self.device.updatable_ops if auto_update_ops is None else auto_update_ops
         self._bounds, self._step_tasks, self._open = [], [], None
         self._capturing = True

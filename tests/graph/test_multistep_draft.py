@@ -340,6 +340,17 @@ def test_a_step_task_no_given_name_reaches_is_refused(cpu):
         graph.replay([{"seq_lens_host": [6, 21]}])
 
 
+def test_a_second_capture_is_refused_and_the_first_still_replays(cpu):
+    graph = _capture(cpu, [1, 1])
+    with pytest.raises(DevgraphError, match="already captured; call reset"):
+        with graph.capture():
+            pass
+    graph.replay([{"seq_lens_host": x} for x in step_lengths([6, 21], 2)])
+    graph.reset()
+    with pytest.raises(DevgraphError, match="needs a captured graph"):
+        graph.replay([{"seq_lens_host": [6, 21]}] * 2)
+
+
 def test_step_lengths_grow_by_one_per_step():
     assert step_lengths([3, 7], 3) == [[3, 7], [4, 8], [5, 9]]
     with pytest.raises(DevgraphError):
