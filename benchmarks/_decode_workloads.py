@@ -367,7 +367,7 @@ def capture_by_hand(dev: devgraph.Device, wl: Workload, b: int, *, own_inputs: b
         graph, out, capture_s = cuda_graph_capture(call, before=prepare)
         return HandGraph(graph.replay, out, copies, capture_s, graph.pool(), graph.reset)
     # What the runner's graph of bucket b replays with: {op argument: the batch's host values}.
-    host = wl.runner.padded_host_args(kwargs, b) if wl.runner is not None else {}
+    host = wl.runner.inputs.padded_host_args(kwargs, b) if wl.runner is not None else {}
     for _ in range(2):
         prepare()
         call()

@@ -226,26 +226,27 @@ def call_stages(dev: devgraph.Device, wl: Workload, b: int, hand: HandGraph, ite
     """
     runner = wl.runner
     part = runner.part
-    inputs = part.inputs
+    inputs = runner.inputs
     kwargs = wl.inputs[b]
     call = inputs.read((), kwargs)
-    size = choose_bucket(call.batch, part.buckets)
-    guard = part.capture_loop.guard
+    buckets = part.buckets or []
+    size = choose_bucket(call.batch, buckets)
+    guard = runner.capture_loop.guard
     host = inputs.padded_host_args(call.host, size) if runner.config.host_args else None
 
     def checks() -> None:
         inputs.watch.replaced()
         if guard is not None:
             guard.changed()
-        inputs.match(call, part.match_word)
-        choose_bucket(call.batch, part.buckets)
+        inputs.match(call, part.words.match)
+        choose_bucket(call.batch, buckets)
 
     def hand_copies() -> None:
         for static, value in hand.copies:
             static.copy_(value)
 
     def replay() -> None:
-        part.replay(call, size, host)
+        part.cut(part.replay(call, size, host), size, call.batch)
 
     def host_us(fn: Callable[[], Any], before: Callable[[], Any]) -> float:
         wl.prepare(b)  # the HF step advances its cache's write position: put it back, untimed
@@ -302,7 +303,7 @@ def batch_row(
     runner = wl.runner
     bucket = choose_bucket(b, runner.sizes)
     graph = runner.graph(bucket)
-    host = runner.padded_host_args(kwargs, bucket) or None  # what the runner replays with
+    host = runner.inputs.padded_host_args(kwargs, bucket) or None  # what the runner replays with
     tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
     ours = [(runner.inputs.rows(k, 0, b), v) for k, v in tensors.items()]
     hand = capture_by_hand(dev, wl, b, own_inputs=True)

@@ -282,7 +282,7 @@ def devgraph_methods(
     bucket = choose_bucket(b, wl.runner.sizes)
     row["bucket"] = bucket
     graph = wl.runner.graph(bucket)
-    host = wl.runner.padded_host_args(wl.inputs[b], bucket) or None  # what the runner replays with
+    host = wl.runner.inputs.padded_host_args(wl.inputs[b], bucket) or None  # what the runner replays with
     replay, err = attempt(
         f"devgraph replay {wl.name} batch {b}",
         lambda: time_method(

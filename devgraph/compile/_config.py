@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from devgraph._errors import DevgraphError
+from devgraph._modes import MODE_TABLE
 
 if TYPE_CHECKING:
     from devgraph.graph import Device
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 __all__ = ["MODES", "CompileConfig", "compile_option_names"]
 
 #: Graph modes, after vLLM's CUDAGraphMode.
-MODES = ("full", "piecewise", "full_and_piecewise")
+MODES = tuple(name for name, mode in MODE_TABLE.items() if mode.serves != "breakable")
 
 
 def _sizes(value: Any) -> tuple[int, ...] | None:

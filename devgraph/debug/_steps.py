@@ -121,7 +121,7 @@ def step_plan(step: ServedStep) -> tuple[Plan, list[str]]:
         traced.interpret = True
     if runner.pieces is not None:
         plan = _piecewise_plan(runner.pieces, (), kwargs)
-        tokens = runner.pieces.inputs.read((), kwargs).batch
+        tokens = runner.inputs.read((), kwargs).batch
         sizes = runner.pieces.plan.sizes if runner.pieces.plan is not None else ()
         if tokens not in sizes:
             notes.append(

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from devgraph._errors import DevgraphError
 from devgraph.debug._probe import OpProbe, OpRecord, module_names
-from devgraph.graph import BreakableGraph, Device, probe_captures
+from devgraph.graph import Device, probe_captures
 
 __all__ = ["Call", "Plan", "callable_plan", "probed", "served_plan", "traced_plans"]
 
@@ -180,7 +180,7 @@ def served_plan(graphed: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     report's ``reproduces`` compares with.
     """
     runner = graphed.runner
-    parts = [p for p in (runner.full, runner.pieces, runner.breakable) if p is not None]
+    parts = runner.parts
     before = [p.stats.replays for p in parts]
     fallbacks = dict(runner.stats.fallbacks)
     with torch.no_grad():
@@ -201,17 +201,18 @@ def served_plan(graphed: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 
 def _part_plan(part: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
-    """The plan of the runner part that served a call: its bucket captured again with the probe."""
-    from devgraph.runner import BreakableGraphs, Pieces, WholeGraphs
-
-    if isinstance(part, BreakableGraphs):  # a WholeGraphs whose graphs are breakable
-        breaks = part.config.breaks
-        return _full_plan(part, args, kwargs, lambda: BreakableGraph(part.device, breaks), "breakable graph")
-    if isinstance(part, WholeGraphs):
-        return _full_plan(part, args, kwargs)
-    if isinstance(part, Pieces):
+    """The plan of the runner part that served a call: its bucket captured again with the probe, as
+    the part says (``part.words.probe``: a graph per bucket made by its ``make_graph``, or pieces)."""
+    probe = part.words.probe
+    if probe == "whole":
+        noun = "breakable graph" if part.words.kind == "breakable" else "graph"
+        return _full_plan(part, args, kwargs, part.make_graph, noun)
+    if probe == "pieces":
         return _piecewise_plan(part, args, kwargs)
-    raise DevgraphError(f"bisect does not know the part {type(part).__name__}; bisect graphed.module")
+    raise DevgraphError(
+        f"bisect does not know how to probe the part {type(part).__name__} (words.probe={probe!r}); "
+        "bisect graphed.module"
+    )
 
 
 def traced_plans(traced: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Plan]:
@@ -270,7 +271,7 @@ def _full_plan(
     state, as a decode step writes its KV cache, has the state it started from put back)."""
     from devgraph.runner import choose_bucket
 
-    inputs, config, dev, fn = runner.inputs, runner.config, runner.device, runner.fn
+    inputs, config, dev, fn = runner.kit.inputs, runner.config, runner.device, runner.fn
     call = inputs.read(args, kwargs)
     size = choose_bucket(call.batch, runner.sizes)
     assert size is not None
@@ -328,7 +329,7 @@ def _piecewise_plan(runner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     Reads ``plan.sizes``, ``config``, ``compile_config``, ``inputs.read``, ``fn`` and ``device``."""
     from devgraph.runner import GraphRunner, choose_bucket
 
-    call = runner.inputs.read(args, kwargs)
+    call = runner.kit.inputs.read(args, kwargs)
     sizes = runner.plan.sizes if runner.plan is not None else ()
     size = choose_bucket(call.batch, list(sizes)) if sizes else None
     if size is None:

@@ -1,15 +1,14 @@
-"""The graph runner: one call path (``GraphRunner``) whose "which graphs" is a part.
+"""The graph runner: one call path (``GraphRunner``) whose "which graphs" is a part (``Part``).
 
-``WholeGraphs`` (one graph per batch-size bucket), ``Pieces`` (a model cut at its splitting ops,
-each piece captured per token-count size; it uses ``devgraph.compile``, which sits below) and
-``BreakableGraphs`` (one breakable capture per bucket: segment graphs, break ops run eagerly in
-between) are the parts; ``full_and_piecewise`` and ``full_and_breakable`` route decode batches to
-whole graphs. ``GraphedModule`` is what ``devgraph.wrap``
-returns: a model whose calls a runner serves.
+``WholeGraphs`` (one graph per batch-size bucket; with ``breaks``, one breakable capture per bucket:
+segment graphs, break ops run eagerly in between) and ``Pieces`` (a model cut at its splitting ops,
+each piece captured per token-count size; it uses ``devgraph.compile``, which sits below) are the
+parts; ``full_and_piecewise`` and ``full_and_breakable`` route decode batches to whole graphs
+(``MODE_TABLE``). ``GraphedModule`` is what ``devgraph.wrap`` returns: a model whose calls a runner
+serves.
 """
 
 from devgraph.runner._accounts import Accounts
-from devgraph.runner._breakable import BreakableGraphs, BreakableStats
 from devgraph.runner._buckets import choose_bucket, default_batch_sizes, normalise_batch_sizes
 from devgraph.runner._calls import Call, Unsupported, signature_of
 from devgraph.runner._config import (
@@ -23,22 +22,24 @@ from devgraph.runner._config import (
 )
 from devgraph.runner._graphed import GraphedModule
 from devgraph.runner._model_state import capture_warnings
+from devgraph.runner._part import Kit, Part, Words
 from devgraph.runner._pieces import Pieces, PiecewiseStats
 from devgraph.runner._rounding import RowCountRounding
-from devgraph.runner._runner import GraphRunner, Part, piecewise_config, piecewise_runner
+from devgraph.runner._runner import PARTS, GraphRunner, piecewise_config, piecewise_runner
 from devgraph.runner._tensors import tensor_version
 from devgraph.runner._threads import ThreadOwner
-from devgraph.runner._whole import WholeGraphs
+from devgraph.runner._whole import BreakableStats, WholeGraphs
 
 __all__ = [
     "MODES",
     "MODE_TABLE",
+    "PARTS",
     "Accounts",
-    "BreakableGraphs",
     "BreakableStats",
     "Call",
     "GraphRunner",
     "GraphedModule",
+    "Kit",
     "Mode",
     "Part",
     "Pieces",
@@ -49,6 +50,7 @@ __all__ = [
     "ThreadOwner",
     "Unsupported",
     "WholeGraphs",
+    "Words",
     "capture_warnings",
     "choose_bucket",
     "default_batch_sizes",

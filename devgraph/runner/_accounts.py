@@ -23,6 +23,7 @@ logger = logging.getLogger("devgraph")
 class Accounts:
     """What a runner counts in its ``stats`` and warns about once: eager calls by reason, recaptures.
 
+    One per runner, for every part: eager calls and recaptures are counted in the runner's ``stats``.
     ``warned`` holds the categories already warned about (capture warnings use it too).
     ``serve_what`` says in ``strict=True`` errors what could not be done ("from a graph").
     """
@@ -77,13 +78,15 @@ class Accounts:
             "call: pass it as an argument, or keep it in a tensor the forward reads",
         )
 
-    def note_rounding(self, found: Sequence[RowCountRounding], device: str, option: str) -> None:
-        """Keep the padding check's row-count rounding (``found``; empty: bit for bit) in
-        ``stats.row_count_rounding``; the first time any is found, log it (``_rounding.report``: an
+    def note_rounding(
+        self, found: Sequence[RowCountRounding], device: str, option: str, stats: RunnerStats
+    ) -> None:
+        """Keep the padding check's row-count rounding (``found``; empty: bit for bit) in the capturing
+        part's ``stats.row_count_rounding``; the first time any is found, log it (``_rounding.report``: an
         INFO record of the ``devgraph`` logger, on stderr by default like the capture summary).
         Not a fallback: padded calls still replay."""
         with self.lock:
-            self.stats.row_count_rounding = tuple(found)
+            stats.row_count_rounding = tuple(found)
             first = bool(found) and "row_count_rounding" not in self.warned
             if first:
                 self.warned.add("row_count_rounding")

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,11 +29,15 @@ from devgraph.runner._gc_baseline import application_froze_objects
 from devgraph.runner._guard import AttributeGuard
 from devgraph.runner._inputs import StaticInputs, ambient
 from devgraph.runner._model_state import capture_warnings
+from devgraph.runner._padding import PaddingVerdict
 from devgraph.runner._progress import progress, size_ranges
 from devgraph.runner._ranks import RankCheck, capture_context, check_capture
 from devgraph.runner._snapshot import Change, StateSnapshot, traced_state
 
-__all__ = ["CaptureLoop", "Prepare", "gc_frozen", "part_core"]
+if TYPE_CHECKING:
+    from devgraph.runner._part import Words
+
+__all__ = ["CaptureLoop", "Prepare", "gc_frozen"]
 
 logger = logging.getLogger("devgraph")
 
@@ -85,11 +89,11 @@ def gc_frozen() -> Iterator[None]:
 
 
 class CaptureLoop:
-    """How a runner captures: ``all_or_nothing`` around the runner's build, ``run`` over the sizes.
+    """How a runner captures, one loop for every part: ``all_or_nothing`` around a part's capture,
+    ``run`` over its sizes.
 
-    ``size_noun`` and ``size_options`` name the captured sizes and the options that set them when
-    ranks disagree. ``rank_check`` is the per-call rank check (``check_ranks="every_call"``), set by
-    ``run`` (None: nothing is exchanged per call).
+    ``rank_check`` is the per-call rank check (``check_ranks="every_call"``), set by ``run`` (None:
+    nothing is exchanged per call).
     """
 
     def __init__(
@@ -97,21 +101,14 @@ class CaptureLoop:
         inputs: StaticInputs,
         device: Device,
         config: RunnerConfig,
-        stats: RunnerStats,
         accounts: Accounts,
-        *,
         shared: SharedPool,
-        size_noun: str,
-        size_options: str,
     ) -> None:
         self.inputs = inputs
         self.device = device
         self.config = config
-        self.stats = stats
         self.accounts = accounts
         self.shared = shared
-        self.size_noun = size_noun
-        self.size_options = size_options
         self.rank_check: RankCheck | None = None
         #: what the capture's runs changed, by path, kept while the state is put back between sizes
         self._changed: dict[str, Change] = {}
@@ -124,12 +121,9 @@ class CaptureLoop:
         self.guard: AttributeGuard | None = None
 
     def clear(self) -> None:
-        """Forget the capture's stats (a runner's reset; the counters stay)."""
-        self.stats.captured_sizes = ()
-        self.stats.row_count_rounding = ()
+        """Forget the capture (a runner's reset)."""
         self.guard = None
-        self.stats.pool_bytes = 0
-        self.stats.capture_seconds = 0.0
+        self.rank_check = None
 
     def all_or_nothing(self, build: Callable[[], None], drop: Callable[[], None]) -> None:
         """Run ``build`` (the runner's capture of every size); on any failure ``drop`` it all.
@@ -195,22 +189,22 @@ class CaptureLoop:
         sizes: list[int],
         prepare: Prepare,
         *,
-        remedy: str,
+        stats: RunnerStats,
+        words: Words,
         summary: str,
         tail: str = "",
-        desc: str,
         example: Call | None = None,
-    ) -> None:
+    ) -> PaddingVerdict | None:
         """Capture ``sizes`` largest first into one pool on one side stream.
 
         For each size: buffers filled with padding (what warm-up and capture see), the side
         stream made to wait for that fill, ``warmup_iters`` eager runs on it, then the capture; a
-        ``CaptureError`` gains the size and ``remedy``. With an ``example``, first the padding check
-        (``StaticInputs.check_padding``; after the ranks agreed on ``sizes``, so every rank runs the
-        model as often) sets ``inputs.padding_verdict``. Sets the capture stats and logs one line:
-        ``summary`` (``{sizes}`` filled in), device, seconds, pool growth, ``tail``; then the row-count
-        rounding the padding check found (``Accounts.note_rounding``: once per part). Runs inside
-        ``all_or_nothing``, which drops everything when a size fails.
+        ``CaptureError`` gains the size and the part's remedy (``words``). With an ``example``, first
+        the padding check (``StaticInputs.check_padding``; after the ranks agreed on ``sizes``, so every
+        rank runs the model as often), whose verdict it returns. Sets the part's capture ``stats`` and
+        logs one line: ``summary`` (``{sizes}`` filled in), device, seconds, pool growth, ``tail``; then
+        the row-count rounding the padding check found (``Accounts.note_rounding``: once per runner).
+        Runs inside ``all_or_nothing``, which drops everything when a size fails.
         """
         inputs, device = self.inputs, self.device
         # One side stream for every size: CUDA's allocator reuses a shared pool's freed blocks only
@@ -218,15 +212,16 @@ class CaptureLoop:
         stream = self.shared.stream or device.capture_stream()
         # every rank captures these sizes, or every rank raises
         self.rank_check = check_capture(
-            self.config, device.torch_device.type, sizes, self.size_noun, self.size_options
+            self.config, device.torch_device.type, sizes, words.size_noun, words.size_options
         )
+        verdict = None
         start = time.perf_counter()
         with gc_frozen(), capture_context(self.config):
             before = device.memory_stats().reserved  # after the collection: dead pools are gone
             if example is not None and self.config.check_padding:
-                inputs.padding_verdict = inputs.check_padding(example, sizes, self.state)
+                verdict = inputs.check_padding(example, sizes, self.state)
                 self._put_back()  # warm-ups start from the state before capture
-            for size in progress(sorted(sizes, reverse=True), desc):
+            for size in progress(sorted(sizes, reverse=True), f"devgraph {words.desc} ({device})"):
                 inputs.fill_padding()
                 before_run = inputs.buffer_versions()
                 # Values too: a kernel that writes memory directly (an extension op, ``x.data``)
@@ -241,7 +236,7 @@ class CaptureLoop:
                 try:
                     capture()
                 except CaptureError as err:
-                    better = f"{err.remedy}; {remedy}" if err.remedy else remedy
+                    better = f"{err.remedy}; {words.remedy}" if err.remedy else words.remedy
                     raise err.with_batch_size(size, better) from err
                 device.synchronize()
                 # A model that writes its own inputs would leave data in padding rows at replay.
@@ -256,7 +251,6 @@ class CaptureLoop:
                     # every size's warm-ups start from the state before capture: a write position the
                     # runs advance (a static KV cache's) would otherwise walk past its end over the sizes
                     self._put_back()
-        stats = self.stats
         stats.capture_seconds = time.perf_counter() - start
         stats.pool_bytes = device.memory_stats().reserved - before
         stats.captured_sizes = tuple(sorted(sizes))
@@ -279,28 +273,8 @@ class CaptureLoop:
                 stats.pool_bytes / 2**20,
                 tail,
             )
-        verdict = inputs.padding_verdict  # a refusal carries no rounding: padded calls run eagerly
-        found = verdict.rounding if verdict is not None else ()
-        self.accounts.note_rounding(found, str(device), self.size_options.split("/")[0])
-
-
-def part_core(
-    fn: Callable[..., Any],
-    device: Device,
-    config: RunnerConfig,
-    stats: RunnerStats,
-    lock: threading.RLock,
-    shared: SharedPool,
-    *,
-    serve_what: str,
-    size_noun: str,
-    size_options: str,
-) -> tuple[StaticInputs, Accounts, CaptureLoop]:
-    """What every runner part is built on: its ``StaticInputs``, its ``Accounts`` (counting under the
-    runner's ``lock``) and its ``CaptureLoop`` into ``shared``."""
-    inputs = StaticInputs(fn, device, config)
-    accounts = Accounts(config, stats, lock, serve_what)
-    loop = CaptureLoop(
-        inputs, device, config, stats, accounts, shared=shared, size_noun=size_noun, size_options=size_options
-    )
-    return inputs, accounts, loop
+        found = (
+            verdict.rounding if verdict is not None else ()
+        )  # a refusal carries none: padded calls run eagerly
+        self.accounts.note_rounding(found, str(device), words.size_options.split("/")[0], stats)
+        return verdict

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 import attrs
 
 from devgraph._errors import DevgraphError
+from devgraph._modes import MODE_TABLE, MODES, Mode
 from devgraph.runner._rounding import RowCountRounding
 
 if TYPE_CHECKING:
@@ -84,33 +85,6 @@ def _batch_sizes(value: Any) -> tuple[int, ...] | None:
 def _optional_positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None:
         positive_int(attribute.name, value)
-
-
-@attrs.frozen
-class Mode:
-    """One mode of the runner: which part serves its calls (``serves``: ``"whole"`` graphs per
-    bucket, ``"pieces"`` of a traced model (devgraph.compile), ``"breakable"`` graphs
-    (devgraph.graph)) and whether whole graphs serve uniform decode batches first (``routes``: the
-    ``full_and_*`` modes, told by ``is_decode``)."""
-
-    name: str
-    serves: str
-    routes: bool = False
-
-
-#: Every mode, by name: the one table ``wrap``, the runner, the Hugging Face adapter and the Dynamo
-#: front end read.
-MODE_TABLE = {
-    m.name: m
-    for m in (
-        Mode("full", "whole"),
-        Mode("piecewise", "pieces"),
-        Mode("full_and_piecewise", "pieces", routes=True),
-        Mode("breakable", "breakable"),
-        Mode("full_and_breakable", "breakable", routes=True),
-    )
-}
-MODES = tuple(MODE_TABLE)
 
 
 def _break_names(value: Any) -> tuple[str, ...]:

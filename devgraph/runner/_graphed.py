@@ -200,7 +200,7 @@ def _unpickle(module: Any, fn: Any, device: Any, options: _PickledOptions) -> Gr
     from devgraph._plugins import device as find_device
     from devgraph.runner._runner import GraphRunner
 
-    compile_config, caller_serialises, is_decode = options.built_with
+    compile_config, caller_serialises, is_decode, part = options.built_with
     fresh = GraphRunner(
         module if fn is None else fn,
         find_device(device),
@@ -208,5 +208,6 @@ def _unpickle(module: Any, fn: Any, device: Any, options: _PickledOptions) -> Gr
         compile_config,
         caller_serialises=caller_serialises,
         is_decode=is_decode,
+        part=part,
     )
     return GraphedModule(module, fresh)

@@ -1,6 +1,6 @@
-"""StaticInputs: the static side of a runner part (``WholeGraphs``, ``Pieces``).
+"""StaticInputs: the static side of a runner, one for every part (``WholeGraphs``, ``Pieces``).
 
-A graph reads its inputs from fixed addresses. Every part holds one ``StaticInputs`` that reads
+A graph reads its inputs from fixed addresses. A runner holds one ``StaticInputs`` that reads
 each call (``CallReader``: batched tensors, static tensors, host lists, constants), matches it to
 the captured one (the call template, autocast and default dtype), copies it into static buffers
 sized for the largest size and pads it up to a captured size, and keeps what the graphs depend on
@@ -46,9 +46,7 @@ class StaticInputs:
     Attributes a runner reads: ``buffers`` (name -> static tensor, rows along the batch dim),
     ``written_by_model`` (buffers the model writes itself, seen at capture: padded every call, and
     their real rows copied back into the caller's tensors after every replay, ``store_written``),
-    ``exact_only`` (why calls padded up to a size would differ from eager; None: padding is exact),
-    ``padding_verdict`` (what the padding check found), ``watch`` (whether a weight, buffer or
-    submodule was replaced since capture) and ``weights`` (their addresses, for ``debug=True``).
+    ``watch`` (whether a weight, buffer or submodule was replaced since capture) and ``weights`` (their addresses, for ``debug=True``).
     """
 
     def __init__(self, fn: Callable[..., Any], device: Device, config: RunnerConfig) -> None:
@@ -69,8 +67,6 @@ class StaticInputs:
         self._template_check: TemplateCheck | None = None
         self.weights = WeightAddresses()
         self.watch = WeightWatch()
-        self.exact_only: str | None = None
-        self.padding_verdict: PaddingVerdict | None = None
         # Autocast and default dtype at capture (``ambient``): part of every call's template.
         self.ambient: Ambient | None = None
 
@@ -79,7 +75,7 @@ class StaticInputs:
         return self.reader.read(args, kwargs)
 
     def clear(self) -> None:
-        """Forget the capture: buffers, template, weight addresses, the padding verdict."""
+        """Forget the capture: buffers, template, weight addresses."""
         self.buffers.clear()
         self.used_rows.clear()
         self.written_by_model.clear()
@@ -89,8 +85,6 @@ class StaticInputs:
         self._template_check = None
         self.weights.clear()
         self.watch.clear()
-        self.exact_only = None
-        self.padding_verdict = None
         self.ambient = None
 
     # -- capture -------------------------------------------------------------------------------
@@ -130,7 +124,7 @@ class StaticInputs:
         """Whether calls padded up to the smallest and the largest of ``sizes`` that any call is
         padded to give the real rows what eager gives them (``devgraph.runner._padding``: ``r`` rows,
         the example's batch kept between the next smaller size and ``size - 1``), outputs and the
-        model's ``state`` alike; sets ``exact_only`` when not. Where padding is safe, the verdict
+        model's ``state`` alike (the verdict's ``exact_only`` says why not). Where padding is safe, the verdict
         carries the row-count rounding of every size checked."""
         ordered = sorted(set(sizes))
         below = dict(zip(ordered, [0, *ordered[:-1]]))
@@ -166,7 +160,6 @@ class StaticInputs:
                     f"{type(exc).__name__}: {exc}",
                 )
             if found.exact_only is not None:
-                self.exact_only = found.exact_only
                 return found
             verdict = verdict or found
             rounding[:0] = found.rounding  # smallest size first

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -47,15 +46,29 @@ from devgraph.compile import (
     plan_capture_sizes,
     trace_call,
 )
-from devgraph.graph import Device, Graph, SharedPool
+from devgraph.graph import Graph
 from devgraph.runner._calls import Call, Unsupported
-from devgraph.runner._capture_loop import part_core
 from devgraph.runner._config import RunnerConfig, RunnerStats
+from devgraph.runner._part import Kit, Words
 from devgraph.runner._progress import size_ranges
 
 __all__ = ["Pieces", "PiecewiseStats"]
 
 logger = logging.getLogger("devgraph")
+
+PIECES = Words(
+    kind="piecewise",
+    match="traced",
+    sizes="sizes",
+    graphs="pieces",
+    desc="piecewise capture",
+    serve_what="piecewise",
+    size_options="capture_sizes/capture_budget/traffic",
+    remedy="or run the offending op eagerly between the pieces (splitting_ops=[...]), "
+    "or capture fewer sizes (capture_sizes=[...])",
+    probe="pieces",
+    size_noun="capture sizes (tokens)",
+)
 
 
 @attrs.define
@@ -82,12 +95,9 @@ class Pieces:
     """Per-piece graphs of a traced, split model, one per piece and size (see the module docstring).
 
     Args:
-        fn: the model.
-        device: the device to capture on.
-        config: the runner's config (pad values, host args, batch dims, debug).
+        kit: what the runner lends (model, device, config: pad values, host args, batch dims, debug;
+            the pool shared with a ``WholeGraphs`` part, the inputs, the capture loop, the accounts).
         compile_config: splitting ops, compiler, passes, capture sizes and budget.
-        shared: the pool and side stream to capture into (shared with a ``WholeGraphs`` part).
-        lock: the runner's lock (the accounts count under it).
         full_sizes: the batch sizes of a ``WholeGraphs`` part beside this one (their graphs count
             against the device's capture budget).
         full_stats: that part's stats (reported in ``stats.full``).
@@ -95,52 +105,36 @@ class Pieces:
         DevgraphError: a compiler this device cannot run, or an unknown pass.
     """
 
-    kind = "piecewise"
-    match_word = "traced"
-    size_word = "sizes"
+    words = PIECES
 
     def __init__(
         self,
-        fn: Callable[..., Any],
-        device: Device,
-        config: RunnerConfig,
+        kit: Kit,
         compile_config: CompileConfig,
-        shared: SharedPool,
-        lock: threading.RLock,
         *,
         full_sizes: list[int] | None = None,
         full_stats: RunnerStats | None = None,
     ) -> None:
-        compile_config.check_device(device)  # its compiler and passes: refused here, not at trace
-        self.fn = fn
-        self.device = device
-        self.config = config
+        compile_config.check_device(kit.device)  # its compiler and passes: refused here, not at trace
+        self.kit = kit
+        self.fn, self.device, self.config = kit.fn, kit.device, kit.config
         self.compile_config = compile_config
-        self.shared = shared
+        self.shared = kit.shared
+        self.inputs = kit.inputs
         self.full_sizes = full_sizes or []
         requested = compile_config.capture_sizes
-        self.sizes = list(requested) if requested else list(self.full_sizes or _default_sizes(config))
+        self.sizes = list(requested) if requested else list(self.full_sizes or _default_sizes(self.config))
         self.stats = PiecewiseStats(full=full_stats)
-        self.inputs, self.accounts, self.capture_loop = part_core(
-            fn,
-            device,
-            config,
-            self.stats,
-            lock,
-            shared,
-            serve_what="piecewise",
-            size_noun="capture sizes (tokens)",
-            size_options="capture_sizes/capture_budget/traffic",
-        )
         self.plan: CapturePlan | None = None
-        #: The sizes a call is bucketed into: the captured ones (none before capture).
-        self.buckets: list[int] = []
+        #: The sizes a call is bucketed into: the captured ones (None before capture).
+        self.buckets: list[int] | None = None
+        self.exact_only: str | None = None
         #: Every trace, the first (symbolic, at the largest size) first (see the module docstring).
         self.traces: list[Traced] = []
         self._trace_at: dict[int, Traced | None] = {}
         # Eager pieces run the traced aten ops, which decide size-1 questions again at run time;
         # compiled ones keep what torch decided for a symbolic size (not 1) without a guard.
-        self._symbolic_serves_one = compile_config.compiler_for(device) == "eager"
+        self._symbolic_serves_one = compile_config.compiler_for(kit.device) == "eager"
         self._replay_inputs: dict[int, list[torch.Tensor]] = {}
 
     @property
@@ -152,10 +146,6 @@ class Pieces:
     def module(self) -> PiecewiseModule | None:
         """The first trace's ``PiecewiseModule`` (None before the first call or ``capture``)."""
         return self.traces[0].compiled.module if self.traces else None
-
-    @property
-    def captured(self) -> bool:
-        return bool(self.traces)
 
     def graphs(self, size: int) -> list[Graph]:
         """The captured graphs of ``size``, one per captured piece, in order."""
@@ -189,7 +179,8 @@ class Pieces:
     # -- serve ---------------------------------------------------------------------------------
 
     def replay(self, call: Call, size: int, host_args: Mapping[str, Any] | None) -> Any:
-        """Replay the pieces of ``size`` (the call is loaded), the splitting ops eagerly in between."""
+        """Replay the pieces of ``size`` (the call is loaded), the splitting ops eagerly in between;
+        the flat outputs (``cut`` rebuilds the forward's)."""
         traced = self.trace_for(size)
         assert traced is not None  # every captured size has its trace
         replay_inputs = self._replay_inputs.get(size)
@@ -197,8 +188,13 @@ class Pieces:
             replay_inputs = self._piece_inputs(traced, call, size)
             if not call.static:  # then the same tensors every call: the buffers' first rows, weights
                 self._replay_inputs[size] = replay_inputs
-        out = traced.compiled.module.replay(replay_inputs, size, host_args, debug=self.config.debug)
-        return self._assemble(traced, out, size, call.batch)
+        return traced.compiled.module.replay(replay_inputs, size, host_args, debug=self.config.debug)
+
+    def cut(self, outputs: Any, size: int, batch: int) -> Any:
+        """The forward's outputs from the pieces' flat ``outputs`` at ``size``, cut to ``batch`` rows."""
+        traced = self.trace_for(size)
+        assert traced is not None
+        return self._assemble(traced, outputs, size, batch)
 
     def beyond(self, call: Call, why: Unsupported) -> Any:
         """A call no captured size serves: the compiled pieces at the call's own size, uncaptured
@@ -217,7 +213,7 @@ class Pieces:
         if why.category == "batch_too_large":
             self._note_uncaptured(call.batch)
         else:
-            self.accounts.note_fallback(why.category, why.detail)
+            self.kit.accounts.note_fallback(why.category, why.detail)
         return self._run_uncaptured(traced, call)
 
     # -- capture -------------------------------------------------------------------------------
@@ -229,22 +225,24 @@ class Pieces:
         self.traces = []
         self._trace_at.clear()
         self.plan = None
-        self.buckets = []
+        self.buckets = None
+        self.exact_only = None
         self._replay_inputs.clear()
-        self.inputs.clear()
-        self.capture_loop.clear()
+        stats = self.stats
+        stats.captured_sizes = stats.row_count_rounding = ()
+        stats.pool_bytes, stats.capture_seconds = 0, 0.0
         self.stats.pieces = self.stats.splitting_ops = self.stats.traces = 0
         self.stats.passes = {}
         self.stats.dropped_sizes = ()
         self.stats.compile_seconds = 0.0
 
     def capture(self, example: Call) -> None:
-        """Trace, compile and capture every planned size (run inside ``CaptureLoop.all_or_nothing``)."""
+        """Trace, compile and capture every planned size (run inside ``CaptureLoop.all_or_nothing``; the
+        runner's inputs hold buffers of enough rows)."""
         inputs = self.inputs
         # The first trace marks the token dim dynamic, at the largest size (at least 2: a traced size
         # of 1 would make torch decide size-1 questions for that size).
         trace_size = max(2, max(self.sizes))
-        inputs.alloc(example, trace_size)
         start = time.perf_counter()
         first = self._trace(example, trace_size, run_sizes=[trace_size])
         self.traces = [first]
@@ -271,9 +269,7 @@ class Pieces:
         self.stats.pieces = module.captured_pieces
         self.stats.splitting_ops = sum(p.is_splitting_op for p in first.compiled.split.pieces)
         self.stats.passes = dict(first.compiled.pass_counts)
-        inputs.remember(example)
         self.plan = self._plan(max(t.compiled.module.captured_pieces for t in self.traces))
-        self.buckets = list(self.plan.sizes)
         self.stats.dropped_sizes = self.plan.dropped
         if len(self.traces) > 1:
             logger.info(
@@ -302,17 +298,18 @@ class Pieces:
 
             return warm_up, capture
 
-        self.capture_loop.run(
+        verdict = self.kit.loop.run(
             list(self.plan.sizes),
             prepare,
-            remedy="or run the offending op eagerly between the pieces (splitting_ops=[...]), "
-            "or capture fewer sizes (capture_sizes=[...])",
+            stats=self.stats,
+            words=self.words,
             summary=f"captured {module.captured_pieces} pieces x {len(self.plan.sizes)} sizes ({{sizes}})"
             + (f" from {len(self.traces)} traces" if len(self.traces) > 1 else ""),
             tail=f"; {self.stats.splitting_ops} splitting ops run eagerly in between",
-            desc=f"devgraph piecewise capture ({self.device})",
             example=example,
         )
+        self.exact_only = verdict.exact_only if verdict is not None else None
+        self.buckets = list(self.plan.sizes)
 
     def _trace(
         self, example: Call, size: int, *, run_sizes: list[int] | None = None, static: bool = False
@@ -404,10 +401,12 @@ class Pieces:
         return self._assemble(traced, out, call.batch, call.batch)
 
     def _note_uncaptured(self, tokens: int) -> None:
-        self.stats.eager_calls += 1
-        self.stats.fallbacks["size_not_captured"] = self.stats.fallbacks.get("size_not_captured", 0) + 1
-        if "size_not_captured" not in self.accounts.warned:
-            self.accounts.warned.add("size_not_captured")
+        accounts = self.kit.accounts
+        stats = accounts.stats  # the runner's counters of calls
+        stats.eager_calls += 1
+        stats.fallbacks["size_not_captured"] = stats.fallbacks.get("size_not_captured", 0) + 1
+        if "size_not_captured" not in accounts.warned:
+            accounts.warned.add("size_not_captured")
             assert self.plan is not None
             detail = (
                 f"{tokens} tokens is above the captured sizes ({size_ranges(self.plan.sizes) or 'none'}); such "

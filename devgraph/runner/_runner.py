@@ -1,12 +1,13 @@
 """GraphRunner: one call path in front of the model, whichever graphs serve it.
 
-*Which graphs* is a part: ``WholeGraphs`` (``_whole.py``: one graph of the whole forward per
-batch-size bucket, ``mode='full'``) or ``Pieces`` (``_pieces.py``: the model traced, split at its
-splitting ops and each piece captured per size, ``mode='piecewise'``). ``full_and_piecewise`` is a
-router over the two: uniform decode batches that fit a full-graph bucket to the whole graphs,
-everything else to the pieces, both capturing into one ``SharedPool``. A part holds its own
-``StaticInputs`` (the call's reading and matching, static buffers and padding, the weight watch),
-``Accounts`` and ``CaptureLoop``; the runner holds the lock, the thread owner and the call path.
+*Which graphs* is a part (``_part.py``): ``WholeGraphs`` (``_whole.py``: one graph of the whole forward
+per batch-size bucket, ``mode='full'``; with ``breaks``, one breakable graph per bucket,
+``mode='breakable'``) or ``Pieces`` (``_pieces.py``: the model traced, split at its splitting ops and
+each piece captured per size, ``mode='piecewise'``). ``MODE_TABLE`` (``_config.py``) says which part a
+mode serves from and whether whole graphs serve uniform decode batches first (the ``full_and_*``
+modes: both parts capture into one ``SharedPool``); ``PARTS`` below builds it. The runner holds what
+every part shares: the lock, the thread owner, one ``StaticInputs`` (reading, matching, static buffers
+and padding, the weight watch), one ``CaptureLoop`` and one ``Accounts``, and the call path.
 
 One call, top to bottom (``graphed(**batch)``; ``__call__`` and ``serve`` below, in this order):
 
@@ -19,33 +20,34 @@ One call, top to bottom (``graphed(**batch)``; ``__call__`` and ``serve`` below,
    tensors, host lists, constants, and the batch size; ``route`` picks the part.
 3. an empty batch falls back; a weight replaced since capture (``WeightWatch``), or a Python value
    the forward reads changed since capture (``AttributeGuard``: a flag, a training flag, a closure
-   cell), drops the part's graphs; the first call captures every size of the part.
+   cell), drops every part's graphs; the first call a part serves captures every size of it.
 4. match: ``StaticInputs.match``: the call is like the captured one (shapes but the batch dim,
    dtypes, devices, static tensors' addresses, constants, autocast, default dtype).
-5. bucket: ``choose_bucket``, the smallest captured size holding the batch; with
+5. bucket: the smallest captured size holding the batch (``choose_bucket``); with
    ``check_ranks="every_call"``, ``RankCheck.agree_on_call`` (``_ranks.py``): one all-gather, so
    every rank replays the same size or every rank raises. No size, or padding that changes the
-   result (``StaticInputs.exact_only``): the part's ``beyond`` (whole graphs: eager; pieces: the
+   result (the part's ``exact_only``): the part's ``beyond`` (whole graphs: eager; pieces: the
    compiled pieces uncaptured).
 6. load: ``StaticInputs.load`` copies each batched tensor into the first rows of its static
    buffer and fills padding only in rows an earlier call left data in; ``padded_host_args`` pads
    the host lists to the bucket.
 7. replay: the part's ``replay``: ``Graph.replay(host_args)`` per graph (on a backend whose tasks
    need a re-issue -- the CPU reference, NPU -- each task is re-issued with the new host values; on
-   CUDA the values are only noted), the splitting ops run eagerly in between for pieces.
-8. slice: the part cuts the outputs to the real batch along the dim that grows with the bucket;
-   inputs the forward writes in place (seen at capture) get their real rows back from the static
-   buffers (``StaticInputs.store_written``), as eager would have written them.
+   CUDA the values are only noted), the splitting ops or breaks run eagerly in between.
+8. cut: the part's ``cut`` cuts the outputs to the real batch along the dim that grows with the
+   bucket; inputs the forward writes in place (seen at capture) get their real rows back from the
+   static buffers (``StaticInputs.store_written``), as eager would have written them.
 
 Any ``Unsupported`` on the way runs the model eagerly (``_eager``), counted by reason.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import torch
@@ -54,7 +56,6 @@ from devgraph._errors import DevgraphError
 from devgraph.compile import CompileConfig
 from devgraph.graph import Device, Graph, SharedPool
 from devgraph.runner._accounts import Accounts
-from devgraph.runner._breakable import BreakableGraphs
 from devgraph.runner._buckets import choose_bucket
 from devgraph.runner._calls import Call, Unsupported
 from devgraph.runner._capture_loop import CaptureLoop
@@ -62,45 +63,30 @@ from devgraph.runner._config import MODE_TABLE, RunnerConfig, RunnerStats, posit
 from devgraph.runner._grad import for_grad
 from devgraph.runner._inputs import StaticInputs
 from devgraph.runner._padding import CATEGORY as PADDING_CATEGORY
+from devgraph.runner._part import Kit, Part
 from devgraph.runner._pieces import Pieces
 from devgraph.runner._threads import ThreadOwner
 from devgraph.runner._weights import registrations
-from devgraph.runner._whole import WholeGraphs
+from devgraph.runner._whole import BreakableStats, WholeGraphs
 
-__all__ = ["GraphRunner", "Part", "piecewise_runner"]
+__all__ = ["PARTS", "GraphRunner", "piecewise_runner"]
 
-
-class Part(Protocol):
-    """Which graphs serve a runner's calls: what the one call path needs of them.
-
-    ``WholeGraphs`` and ``Pieces`` are the two today. A part captures every size it serves from one
-    example call (``capture``, run inside ``capture_loop.all_or_nothing``), replays a call the runner
-    loaded into ``inputs`` at a bucket (``replay``, outputs cut to the call's rows), and serves a call
-    no bucket can (``beyond``: raise the ``Unsupported`` for an eager run, or serve it another way).
-    """
-
-    kind: str  # the mode's word: "full", "piecewise"
-    match_word: str  # what the call is matched against: "captured", "traced"
-    size_word: str  # how its sizes are named in messages
-    sizes: list[int]  # the sizes asked for
-    buckets: list[int]  # the sizes a call is bucketed into (the captured ones)
-    inputs: StaticInputs
-    accounts: Accounts
-    capture_loop: CaptureLoop
-
-    @property
-    def stats(self) -> RunnerStats: ...
-
-    @property
-    def captured(self) -> bool: ...
-
-    def capture(self, example: Call) -> None: ...
-
-    def drop(self) -> None: ...
-
-    def replay(self, call: Call, size: int, host_args: Mapping[str, Any] | None) -> Any: ...
-
-    def beyond(self, call: Call, why: Unsupported) -> Any: ...
+#: How the runner builds the part a mode serves from (``MODE_TABLE[mode].serves``): ``kit``, the
+#: ``CompileConfig`` it was given (None: the mode's defaults) and, in the ``full_and_*`` modes, the
+#: whole graphs beside it (None else).
+PartFactory = Callable[[Kit, CompileConfig | None, WholeGraphs | None], Part]
+PARTS: dict[str, PartFactory] = {
+    "whole": lambda kit, cc, full: WholeGraphs(kit),
+    "pieces": lambda kit, cc, full: Pieces(
+        kit,
+        cc or CompileConfig(mode=kit.config.mode),
+        full_sizes=full.sizes if full else None,
+        full_stats=full.stats if full else None,
+    ),
+    "breakable": lambda kit, cc, full: WholeGraphs(
+        kit, BreakableStats(full=full.stats if full else None), breaks=kit.config.breaks
+    ),
+}
 
 
 class GraphRunner:
@@ -109,14 +95,17 @@ class GraphRunner:
     Args:
         fn: the model (an ``nn.Module`` or any callable taking tensors).
         device: the devgraph device to capture on.
-        config: a ``RunnerConfig``; its ``mode`` picks the parts ('full', 'piecewise',
-            'full_and_piecewise').
+        config: a ``RunnerConfig``; its ``mode`` picks the parts (``MODE_TABLE``).
         compile_config: a ``CompileConfig`` for the pieces (splitting ops, compiler, passes, sizes);
             its ``mode`` wins over ``config.mode`` when given.
         caller_serialises: the caller consumes every output under its own lock before any other
             call is made, so calls from several threads are safe without ``clone_outputs``.
+        is_decode: in the ``full_and_*`` modes, tells a uniform decode batch (called with the call's
+            arguments by name; default the model's ``devgraph_is_decode``).
+        part: build the part that serves every call from the runner's ``Kit`` instead of the mode's
+            (a part of your own: ``devgraph.runner.Part``).
     Raises:
-        DevgraphError: ``full_and_piecewise`` without a way to tell decode batches (``is_decode``);
+        DevgraphError: a ``full_and_*`` mode without a way to tell decode batches (``is_decode``);
             a compiler this device cannot run; an unknown pass.
 
     Threads: calls are serialised by a lock. Outputs are views of graph memory overwritten by the
@@ -133,6 +122,7 @@ class GraphRunner:
         *,
         caller_serialises: bool = False,
         is_decode: Callable[..., bool] | None = None,
+        part: Callable[[Kit], Part] | None = None,
     ) -> None:
         config = config or RunnerConfig()
         mode = compile_config.mode if compile_config is not None else config.mode
@@ -141,78 +131,56 @@ class GraphRunner:
         self.device = device
         self.config = config
         # What ``fresh`` builds a like runner from (a copy of a wrapper gets one, nothing captured).
-        self._built_with = (compile_config, caller_serialises, is_decode)
+        self._built_with = (compile_config, caller_serialises, is_decode, part)
         self._lock = threading.RLock()
         self._grad = False  # the call in progress was made in grad mode
         self._params: tuple[int, tuple[torch.Tensor, ...]] = (-1, ())  # (registrations seen, parameters)
         self.threads = ThreadOwner(config, caller_serialises)
-        # One side stream for every capture of the runner, and one pool shared by its parts.
+        # One set of static inputs, one capture loop and one set of accounts for every part; one side
+        # stream for every capture and one pool the parts share.
         shared = SharedPool(device, stream=device.stream())
-        self.full: WholeGraphs | None = None
-        self.pieces: Pieces | None = None
-        self.breakable: BreakableGraphs | None = None
+        self.inputs = StaticInputs(fn, device, config)
+        self.accounts = Accounts(config, RunnerStats(), self._lock, "from a graph")
+        self.capture_loop = CaptureLoop(self.inputs, device, config, self.accounts, shared)
+        kit = Kit(fn, device, config, shared, self._lock, self.inputs, self.accounts, self.capture_loop)
+        table = MODE_TABLE[mode]
         self.is_decode: Callable[..., bool] | None = None
-        if mode == "full":
-            self.full = WholeGraphs(fn, device, config, shared, self._lock)
-            self.part: Part = self.full
-            return
-        if MODE_TABLE[mode].serves == "breakable":
-            self._breakable_parts(fn, device, config, shared, is_decode)
-            return
-        compile_config = compile_config or CompileConfig(mode=mode)
-        if MODE_TABLE[mode].routes:
-            self.is_decode = compile_config.is_decode or getattr(fn, "devgraph_is_decode", None)
-            if self.is_decode is None:
-                raise DevgraphError(
-                    "mode='full_and_piecewise' needs to tell uniform decode batches (full graph) from prefill "
-                    "and mixed batches (piecewise): pass is_decode=fn, called with the call's arguments by "
-                    "name and returning True for a decode batch (or give the model a devgraph_is_decode method)"
-                )
-            self.full = WholeGraphs(fn, device, attrs.evolve(config, mode="full"), shared, self._lock)
-        self.pieces = Pieces(
-            fn,
-            device,
-            config,
-            compile_config,
-            shared,
-            self._lock,
-            full_sizes=self.full.sizes if self.full else None,
-            full_stats=self.full.stats if self.full else None,
-        )
-        self.part = self.pieces
-
-    def _breakable_parts(
-        self,
-        fn: Callable[..., Any],
-        device: Device,
-        config: RunnerConfig,
-        shared: SharedPool,
-        is_decode: Callable[..., bool] | None,
-    ) -> None:
-        """``breakable``: breakable graphs serve every call; ``full_and_breakable``: whole graphs
-        serve uniform decode batches (``is_decode``), breakable graphs the rest."""
-        if MODE_TABLE[config.mode].routes:
+        #: the whole graphs that serve uniform decode batches first in the ``full_and_*`` modes (and
+        #: every call in ``full``)
+        self.full: WholeGraphs | None = None
+        if table.routes and part is None:
             self.is_decode = is_decode or getattr(fn, "devgraph_is_decode", None)
             if self.is_decode is None:
+                other = "piecewise" if table.serves == "pieces" else "breakable graphs"
                 raise DevgraphError(
-                    "mode='full_and_breakable' needs to tell uniform decode batches (whole graphs) from "
-                    "prefill and mixed batches (breakable graphs): pass is_decode=fn, called with the call's "
-                    "arguments by name and returning True for a decode batch (or give the model a "
-                    "devgraph_is_decode method)"
+                    f"mode={mode!r} needs to tell uniform decode batches (whole graphs) from prefill and "
+                    f"mixed batches ({other}): pass is_decode=fn, called with the call's arguments by name "
+                    "and returning True for a decode batch (or give the model a devgraph_is_decode method)"
                 )
-            self.full = WholeGraphs(
-                fn, device, attrs.evolve(config, mode="full", breaks=()), shared, self._lock
-            )
-        self.breakable = BreakableGraphs(
-            fn, device, config, shared, self._lock, full_stats=self.full.stats if self.full else None
+            self.full = WholeGraphs(attrs.evolve(kit, config=attrs.evolve(config, mode="full", breaks=())))
+        if part is not None:
+            self.part: Part = part(kit)
+        else:
+            self.part = PARTS[table.serves](kit, compile_config, self.full)
+        if self.full is None and isinstance(self.part, WholeGraphs) and not self.part.breakable:
+            self.full = self.part
+        self.accounts.stats = self.part.stats  # calls are counted in the primary part's stats
+        self.accounts.serve_what = self.part.words.serve_what
+        self.parts: list[Part] = [self.part] + ([self.full] if self.full not in (None, self.part) else [])
+        # What ``devgraph.bisect``, ``debug`` and tests reach for by name.
+        self.pieces: Pieces | None = self.part if isinstance(self.part, Pieces) else None
+        self.breakable: WholeGraphs | None = (
+            self.part if isinstance(self.part, WholeGraphs) and self.part.breakable else None
         )
-        self.part = self.breakable
+        # Static buffers of enough rows for every part (pieces trace at 2 rows at least).
+        self._rows = max(2, *(max(p.sizes, default=1) for p in self.parts))
 
     # -- what the primary part holds -------------------------------------------------------------
 
     @property
     def stats(self) -> Any:
-        """The primary part's counters (``RunnerStats``; ``PiecewiseStats`` with pieces)."""
+        """The runner's counters (the primary part's: ``RunnerStats``; ``PiecewiseStats`` with pieces,
+        ``BreakableStats`` with breakable graphs; the whole graphs' own in ``stats.full``)."""
         return self.part.stats
 
     @property
@@ -221,36 +189,23 @@ class GraphRunner:
         return self.part.sizes
 
     @property
-    def inputs(self) -> StaticInputs:
-        return self.part.inputs
-
-    @property
-    def accounts(self) -> Accounts:
-        return self.part.accounts
-
-    @property
-    def capture_loop(self) -> CaptureLoop:
-        return self.part.capture_loop
-
-    @property
     def captured(self) -> bool:
-        return self.part.captured
+        return self.part.buckets is not None
 
     def graph(self, batch_size: int) -> Graph:
         """The captured whole graph of bucket ``batch_size``.
 
         Raises:
-            DevgraphError: no such graph, or this runner captures pieces only (``mode='piecewise'``).
+            DevgraphError: no such graph, or this runner captures pieces or breakable graphs only.
         """
-        if self.breakable is not None and self.full is None:
-            raise DevgraphError(
-                "this runner captures breakable graphs, not whole graphs; the segments of a size are "
-                "runner.breakable.breakable_graph(size).graphs"
-            )
         if self.full is None:
+            where = (
+                "runner.breakable.breakable_graph(size).graphs"
+                if self.breakable is not None
+                else "runner.pieces.graphs(size)"
+            )
             raise DevgraphError(
-                "this runner captures pieces, not whole graphs; the pieces' graphs are "
-                "runner.pieces.graphs(size)"
+                f"this runner captures {self.part.words.graphs}, not whole graphs; its graphs are {where}"
             )
         return self.full.graph(batch_size)
 
@@ -275,18 +230,11 @@ class GraphRunner:
                 self._grad = outer
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        part = self.part
+        inputs = self.inputs
         try:
-            call = part.inputs.read(args, kwargs)  # read
+            call = inputs.read(args, kwargs)  # read
         except Unsupported as why:
-            if self.full is not None and part is not self.full and self._is_decode_unread(args, kwargs):
-                part = self.full  # a decode call: the full graphs' reader says why it cannot be served
-                try:
-                    call = part.inputs.read(args, kwargs)
-                except Unsupported as again:
-                    return self._eager(part, again, args, kwargs)
-                return self.serve(call, args, kwargs, part)
-            return self._eager(part, why, args, kwargs)
+            return self._eager(why, args, kwargs)
         return self.serve(call, args, kwargs, self.route(call))
 
     def route(self, call: Call) -> Part:
@@ -298,78 +246,79 @@ class GraphRunner:
             return self.part
         if choose_bucket(call.batch, full.sizes) is None:
             return self.part
-        return full if self.is_decode(**self.part.inputs.reader.arguments(call)) else self.part
+        return full if self.is_decode(**self.inputs.reader.arguments(call)) else self.part
 
     def serve(
         self, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any], part: Part | None = None
     ) -> Any:
-        """Serve a call already read by ``part`` (default: the primary one); ``args``/``kwargs`` run
-        eagerly when it cannot be served from its graphs."""
+        """Serve a call read by the runner's inputs from ``part`` (default: the primary one);
+        ``args``/``kwargs`` run eagerly when it cannot be served from its graphs. In order: stale
+        graphs dropped, the part captured on its first call, match, bucket, load, replay, cut, the
+        inputs the forward writes stored back."""
         part = part or self.part
-        inputs = part.inputs
+        inputs, loop = self.inputs, self.capture_loop
         try:
             if call.batch == 0:
                 raise Unsupported("empty_batch", "the call has 0 rows; there is nothing to replay")
             if inputs.watch.seen != registrations[0]:  # something registered a weight somewhere: look
                 replaced = inputs.watch.replaced()
                 if replaced is not None:
-                    part.drop()  # captured again just below
-                    part.accounts.note_recapture(replaced)
-            guard = part.capture_loop.guard
-            if guard is not None:  # a Python value the forward reads set since capture: capture again
-                changed = guard.changed()
+                    self._drop()  # captured again just below
+                    self.accounts.note_recapture(replaced)
+            if loop.guard is not None:  # a Python value the forward reads set since capture: capture again
+                changed = loop.guard.changed()
                 if changed is not None:
-                    part.drop()
-                    part.accounts.note_changed(changed)
-            if not part.captured:
-                part.capture_loop.all_or_nothing(lambda: part.capture(call), part.drop)
-            # match
-            inputs.match(call, part.match_word)
-            # bucket
+                    self._drop()
+                    self.accounts.note_changed(changed)
             buckets = part.buckets
-            size = choose_bucket(call.batch, buckets) if buckets else None
-            if part.capture_loop.rank_check is not None:
-                part.capture_loop.rank_check.agree_on_call(size)
+            if buckets is None:
+                loop.all_or_nothing(lambda: self._capture_part(part, call), self._drop)
+                buckets = part.buckets or []
+            # match
+            inputs.match(call, part.words.match)
+            # bucket
+            i = bisect.bisect_left(buckets, call.batch)  # choose_bucket, inline: the smallest that holds it
+            size = buckets[i] if i < len(buckets) else None
+            if loop.rank_check is not None:
+                loop.rank_check.agree_on_call(size)
             if size is None:
                 top = f"1..{buckets[-1]}" if buckets else "none"
-                return self._served(
-                    call,
-                    part.beyond(
-                        call,
-                        Unsupported(
-                            "batch_too_large",
-                            f"batch {call.batch} is outside the captured {part.size_word} ({top})",
-                        ),
-                    ),
+                why = Unsupported(
+                    "batch_too_large",
+                    f"batch {call.batch} is outside the captured {part.words.sizes} ({top})",
                 )
-            if inputs.exact_only is not None and size != call.batch:
-                return self._served(
-                    call,
-                    part.beyond(
-                        call,
-                        Unsupported(
-                            PADDING_CATEGORY, f"{inputs.exact_only}; {part.size_word} {buckets} still replay"
-                        ),
-                    ),
+                return self._served(call, part.beyond(call, why))
+            if part.exact_only is not None and size != call.batch:
+                why = Unsupported(
+                    PADDING_CATEGORY, f"{part.exact_only}; {part.words.sizes} {buckets} still replay"
                 )
+                return self._served(call, part.beyond(call, why))
             # load
             inputs.load(call, size)
             host_args = inputs.padded_host_args(call.host, size) if self.config.host_args else None
             if self.config.debug:
                 inputs.weights.check(self.fn)
-            # replay, slice
-            out = part.replay(call, size, host_args)
-            if inputs.written_by_model:  # the forward writes its inputs: so must the call, as eager
+            # replay, cut, store what the forward writes (as eager writes the caller's tensors)
+            out = part.cut(part.replay(call, size, host_args), size, call.batch)
+            if inputs.written_by_model:
                 inputs.store_written(call)
             part.stats.replays += 1
             return self._served(call, out) if self._grad else out
         except Unsupported as why:
             unsupported = why
         # Outside the except block: an error of the model's own eager run is not chained to ours.
-        return self._eager(part, unsupported, args, kwargs)
+        return self._eager(unsupported, args, kwargs)
 
-    def _eager(self, part: Part, why: Unsupported, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        part.accounts.note_fallback(why.category, why.detail)
+    def _capture_part(self, part: Part, example: Call) -> None:
+        """Capture every size of ``part`` from ``example`` (inside ``all_or_nothing``): the static
+        buffers first, once for every part, then the part's graphs."""
+        if not self.inputs.buffers:
+            self.inputs.alloc(example, self._rows)
+        part.capture(example)
+        self.inputs.remember(example)
+
+    def _eager(self, why: Unsupported, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.accounts.note_fallback(why.category, why.detail)
         if self._grad:  # as the caller asked: its autograd graph and all
             with torch.enable_grad():
                 return self.fn(*args, **kwargs)
@@ -398,17 +347,6 @@ class GraphRunner:
             self._params = (registrations[0], params)
         return params
 
-    def _is_decode_unread(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """``is_decode`` for a call the reader refused (it binds, but holds something no graph can
-        take): such a decode call goes to the full graphs, whose reader reports why."""
-        assert self.is_decode is not None
-        try:
-            bound = self.part.inputs.signature.bind(*args, **kwargs)
-        except TypeError:
-            return False
-        bound.apply_defaults()
-        return bool(self.is_decode(**bound.arguments))
-
     # -- public --------------------------------------------------------------------------------
 
     def capture(self, *example_args: Any, **example_kwargs: Any) -> GraphRunner:
@@ -420,15 +358,11 @@ class GraphRunner:
         with self._lock, torch.no_grad():
             self._drop()
             try:
-                for part in self._parts():
-                    try:
-                        call = part.inputs.read(example_args, example_kwargs)
-                    except Unsupported as why:
-                        raise DevgraphError(f"cannot capture from this example call: {why.detail}") from None
-                    part.capture_loop.all_or_nothing(lambda: part.capture(call), part.drop)  # noqa: B023
-            except BaseException:
-                self._drop()  # every part's graphs or none
-                raise
+                call = self.inputs.read(example_args, example_kwargs)
+            except Unsupported as why:
+                raise DevgraphError(f"cannot capture from this example call: {why.detail}") from None
+            for part in self.parts:
+                self.capture_loop.all_or_nothing(lambda: self._capture_part(part, call), self._drop)  # noqa: B023
         return self
 
     def reset(self) -> None:
@@ -444,7 +378,7 @@ class GraphRunner:
     def fresh(self, fn: Callable[..., Any], device: Device | None = None) -> GraphRunner:
         """A runner with this one's options over ``fn`` (on ``device``, default this one's), nothing
         captured: its first call captures. What a copy of a wrapper gets (graphs are never copied)."""
-        compile_config, caller_serialises, is_decode = self._built_with
+        compile_config, caller_serialises, is_decode, part = self._built_with
         return GraphRunner(
             fn,
             device or self.device,
@@ -452,6 +386,7 @@ class GraphRunner:
             compile_config,
             caller_serialises=caller_serialises,
             is_decode=is_decode,
+            part=part,
         )
 
     def note_fallback(self, category: str, detail: str) -> None:
@@ -461,19 +396,14 @@ class GraphRunner:
         Raises:
             DevgraphError: ``strict=True``.
         """
-        self.part.accounts.note_fallback(category, detail)
-
-    def padded_host_args(self, host: dict[str, list[Any]], size: int) -> dict[str, list[Any]]:
-        """The updatable tasks' host arguments for a call's host lists padded to bucket ``size``
-        (``{op argument: values}``, as ``Graph.replay(host_args=...)`` takes them)."""
-        return self.part.inputs.padded_host_args(host, size)
-
-    def _parts(self) -> list[Part]:
-        return [self.part] + ([self.full] if self.full is not None and self.full is not self.part else [])
+        self.accounts.note_fallback(category, detail)
 
     def _drop(self) -> None:
-        for part in self._parts():
+        """Every part's graphs, the static inputs and the capture loop's record: all or nothing."""
+        for part in self.parts:
             part.drop()
+        self.inputs.clear()
+        self.capture_loop.clear()
 
     def __repr__(self) -> str:
         return f"<GraphRunner {type(self.fn).__name__} on {self.device}, mode {self.config.mode}, sizes {self.sizes}>"

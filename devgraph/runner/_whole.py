@@ -2,108 +2,131 @@
 
 Capture follows SGLang's runner: static input buffers sized for the largest bucket, buckets captured
 largest first into one shared pool, warm-up runs before each capture (``CaptureLoop``). A replay
-loads nothing itself (the runner loaded the call into ``inputs``), replays the bucket's graph with the
-call's host arguments and cuts the outputs to the call's rows along the dim the padding check found.
+loads nothing itself (the runner loaded the call into its inputs), replays the bucket's graph with the
+call's host arguments; ``cut`` cuts the outputs to the call's rows along the dim the padding check found.
+
+Breakable (``breaks=``: ``mode='breakable'``, and the non-decode half of ``full_and_breakable``): each
+bucket's capture is a ``BreakableGraph`` (``devgraph.graph``): the forward cut into segment graphs at
+break ops (devgraph's attention ops, ``devgraph.mark_break``'d ops, the ``breaks=`` option, plugins'),
+which run eagerly between the segments at every replay with the call's host arguments. Nothing is traced
+or compiled, so a size costs one forward to capture, and attention that reads per-call host lengths
+(prefill, mixed batches) is served where a whole graph would freeze them. An op that should have been a
+break and was not (a custom op reading per-call host lists) is refused at capture with a
+``CaptureError`` naming it.
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from devgraph._errors import DevgraphError
-from devgraph.graph import Device, GraphSet, SharedPool
+from devgraph.graph import BreakableGraph, Graph, GraphSet
 from devgraph.runner._buckets import normalise_batch_sizes
 from devgraph.runner._calls import Call, Unsupported
-from devgraph.runner._capture_loop import part_core
-from devgraph.runner._config import RunnerConfig, RunnerStats
+from devgraph.runner._config import RunnerStats
 from devgraph.runner._padding import PaddingVerdict
+from devgraph.runner._part import Kit, Words
 
-__all__ = ["WholeGraphs"]
+__all__ = ["BreakableStats", "WholeGraphs"]
+
+WHOLE = Words(
+    kind="full",
+    match="captured",
+    sizes="batch sizes",
+    graphs="graphs",
+    desc="capture",
+    serve_what="from a graph",
+    size_options="batch_sizes/max_batch_size",
+    remedy="or capture fewer sizes (batch_sizes=[...] / a smaller max_batch_size), "
+    "or run the offending op eagerly (mode='piecewise')",
+)
+BREAKABLE = attrs.evolve(
+    WHOLE,
+    kind="breakable",
+    graphs="breakable graphs",
+    desc="breakable capture",
+    serve_what="from a breakable graph",
+    remedy="or capture fewer sizes (batch_sizes=[...] / a smaller max_batch_size)",
+)
+
+
+@attrs.define
+class BreakableStats(RunnerStats):
+    """Counters of a breakable runner (``graphed.stats``): ``RunnerStats`` and the segments'.
+
+    ``graphs``: segment graphs over every captured size; ``breaks``: break ops run eagerly per call;
+    ``full`` holds the whole graphs' own stats in ``full_and_breakable`` mode.
+    """
+
+    graphs: int = 0
+    breaks: int = 0
+    full: RunnerStats | None = None
 
 
 class WholeGraphs:
-    """One captured graph of the whole forward per batch-size bucket (``mode='full'``, and the decode
-    half of ``full_and_piecewise``).
+    """One captured graph of the whole forward per batch-size bucket (``mode='full'``, the decode half
+    of ``full_and_*``), or one breakable graph per bucket (``breaks``: ``mode='breakable'``).
 
     Args:
-        fn: the model.
-        device: the device to capture on.
-        config: the runner's config (``batch_sizes``/``max_batch_size`` set the buckets).
-        shared: the pool and side stream to capture into (shared with the runner's other part).
-        lock: the runner's lock (the accounts count under it).
-        make_graph: how each bucket's graph is made (default ``device.graph()``); a breakable part
-            makes ``BreakableGraph``s (``devgraph.graph.Replayable``: capture, replay, reset).
+        kit: what the runner lends (model, device, config, pool, inputs, capture loop, accounts);
+            ``config.batch_sizes``/``max_batch_size`` set the buckets.
+        stats: this part's counters (default new; the runner's own when this part is its primary).
+        breaks: capture ``BreakableGraph``s that run these ops (and the defaults) eagerly between
+            segments (None: one ``device.graph()`` per bucket).
     """
 
-    kind = "full"
-    match_word = "captured"
-    size_word = "batch sizes"
-    #: What a capture is called in the summary line, the progress bar and the accounts.
-    graph_noun = "graphs"
-    desc_word = "capture"
-    serve_what = "from a graph"
-    remedy = (
-        "or capture fewer sizes (batch_sizes=[...] / a smaller max_batch_size), "
-        "or run the offending op eagerly (mode='piecewise')"
-    )
-
     def __init__(
-        self,
-        fn: Callable[..., Any],
-        device: Device,
-        config: RunnerConfig,
-        shared: SharedPool,
-        lock: threading.RLock,
-        stats: RunnerStats | None = None,
-        make_graph: Callable[[], Any] | None = None,
+        self, kit: Kit, stats: RunnerStats | None = None, breaks: tuple[str, ...] | None = None
     ) -> None:
-        self.fn = fn
-        self.device = device
-        self.config = config
-        self.sizes = normalise_batch_sizes(config.batch_sizes, config.max_batch_size)
-        self.buckets = self.sizes  # the sizes a call is bucketed into
-        self.stats = stats if stats is not None else RunnerStats()
-        self.inputs, self.accounts, self.capture_loop = part_core(
-            fn,
-            device,
-            config,
-            self.stats,
-            lock,
-            shared,
-            serve_what=self.serve_what,
-            size_noun="batch sizes",
-            size_options="batch_sizes/max_batch_size",
+        self.kit = kit
+        self.fn, self.device, self.config = kit.fn, kit.device, kit.config
+        self.breakable = breaks is not None
+        self.words = BREAKABLE if self.breakable else WHOLE
+        self.sizes = normalise_batch_sizes(self.config.batch_sizes, self.config.max_batch_size)
+        self.buckets: list[int] | None = None
+        self.exact_only: str | None = None
+        self.stats = stats if stats is not None else (BreakableStats() if self.breakable else RunnerStats())
+        device = kit.device
+        #: how a bucket's graph is made (a ``devgraph.graph.Replayable``; the bisect makes its own)
+        self.make_graph: Callable[[], Any] = (
+            (lambda: BreakableGraph(device, breaks)) if breaks is not None else device.graph
         )
-        self.graphs: GraphSet[int, Any] = GraphSet(device, shared, make=make_graph or device.graph)
+        self.graphs: GraphSet[int, Any] = GraphSet(device, kit.shared, make=self.make_graph)
         self._out_dims: list[int | None] = []
 
-    @property
-    def captured(self) -> bool:
-        return bool(self.graphs)
-
     def graph(self, batch_size: int) -> Any:
-        """The captured graph (a ``Replayable``: ``make_graph``'s) of bucket ``batch_size``."""
+        """The captured graph (a ``Graph``, or a ``BreakableGraph`` with ``breaks``) of bucket ``batch_size``."""
         if batch_size not in self.graphs:
             raise DevgraphError(f"no graph for batch size {batch_size}; captured: {sorted(self.graphs)}")
         return self.graphs.graph(batch_size)
 
+    def breakable_graph(self, batch_size: int) -> BreakableGraph:
+        """The breakable graph (segments and breaks) of bucket ``batch_size``."""
+        graph: BreakableGraph = self.graph(batch_size)
+        return graph
+
+    def segment_graphs(self) -> list[Graph]:
+        """Every segment graph of every captured size, largest size first (breakable)."""
+        return [g for size in sorted(self.graphs, reverse=True) for g in self.breakable_graph(size).graphs]
+
     # -- serve ---------------------------------------------------------------------------------
 
     def replay(self, call: Call, size: int, host_args: Mapping[str, Any] | None) -> Any:
-        """Replay bucket ``size`` (the call is loaded) and return the outputs cut to its rows."""
-        return self._slice(self.graphs.replay(size, host_args), size, call.batch)
+        """Replay bucket ``size`` (the call is loaded)."""
+        return self.graphs.replay(size, host_args)
 
     def beyond(self, call: Call, why: Unsupported) -> Any:
         """A call no graph can serve (too large, or padding would change it): the runner runs it eagerly."""
         raise why
 
-    def _slice(self, outputs: Any, size: int, batch: int) -> Any:
+    def cut(self, outputs: Any, size: int, batch: int) -> Any:
+        """The outputs of bucket ``size`` cut to the call's ``batch`` rows (cloned with ``clone_outputs``)."""
         if isinstance(outputs, torch.Tensor):  # the common case, without flattening a tree
             dim = self._out_dims[0]
             if dim is not None and batch != size:
@@ -125,15 +148,20 @@ class WholeGraphs:
     # -- capture -------------------------------------------------------------------------------
 
     def drop(self) -> None:
-        """Forget the capture (graphs, buffers, template); the counters stay."""
+        """Forget the graphs and what the capture found; the counters of calls stay."""
         self.graphs.reset()
-        self.inputs.clear()
-        self.capture_loop.clear()
+        self.buckets = None
+        self.exact_only = None
+        stats = self.stats
+        stats.captured_sizes = stats.row_count_rounding = ()
+        stats.pool_bytes, stats.capture_seconds = 0, 0.0
+        if isinstance(stats, BreakableStats):
+            stats.graphs = stats.breaks = 0
 
     def capture(self, example: Call) -> None:
-        """Capture every bucket from ``example`` (run inside ``CaptureLoop.all_or_nothing``)."""
-        inputs = self.inputs
-        inputs.alloc(example, self.sizes[-1])
+        """Capture every bucket from ``example`` (run inside ``CaptureLoop.all_or_nothing``; the
+        runner's inputs hold buffers of enough rows)."""
+        inputs = self.kit.inputs
 
         def prepare(size: int) -> tuple[Callable[[], Any], Callable[[], None]]:
             host = {name: [self.config.pad_value(name)] * size for name in example.host}
@@ -154,27 +182,30 @@ class WholeGraphs:
 
             return warm_up, capture
 
-        self.capture_loop.run(
+        verdict = self.kit.loop.run(
             self.sizes,
             prepare,
-            remedy=self.remedy,
-            summary=f"captured {len(self.sizes)} {self.graph_noun} (batch sizes {{sizes}})",
-            desc=f"devgraph {self.desc_word} ({self.device})",
+            stats=self.stats,
+            words=self.words,
+            summary=f"captured {len(self.sizes)} {self.words.graphs} (batch sizes {{sizes}})",
             example=example,
         )
-        self._out_dims = self._decide_out_dims(inputs.padding_verdict)
-        inputs.remember(example)
+        self.exact_only = verdict.exact_only if verdict is not None else None
+        self._out_dims = self._decide_out_dims(verdict)
+        self.buckets = self.sizes
+        if isinstance(self.stats, BreakableStats):
+            self.stats.graphs = sum(len(self.breakable_graph(s).graphs) for s in self.graphs)
+            self.stats.breaks = len(self.breakable_graph(max(self.graphs)).captured_breaks)
 
     def _decide_out_dims(self, verdict: PaddingVerdict | None) -> list[int | None]:
         """Per output leaf, the dim cut to a call's rows: what the padding check found (one dim that
         grows with the rows, or none), if every captured bucket agrees; else padded calls run eagerly."""
-        inputs = self.inputs
         outputs = self.graphs.outputs()
         dims = _output_batch_dims(outputs)
         if verdict is None or verdict.out_dims is None:
             if dims is None:
                 dims = []
-                inputs.exact_only = inputs.exact_only or "the output's structure differs between buckets"
+                self.exact_only = self.exact_only or "the output's structure differs between buckets"
             return dims
         largest = tree_flatten(outputs[self.sizes[-1]])[0]
         for size, out in outputs.items():
@@ -185,13 +216,16 @@ class WholeGraphs:
                 for leaf, top, d in zip(leaves, largest, verdict.out_dims)
             )
             if not ok:
-                inputs.exact_only = inputs.exact_only or (
+                self.exact_only = self.exact_only or (
                     f"the outputs at bucket {size} are not the largest bucket's cut along the batch dim"
                 )
                 return dims or []
         return list(verdict.out_dims)
 
     def _check_host_args(self, graph: Any) -> None:
+        if self.breakable:
+            self._check_break_host_args(graph)
+            return
         for call_name, op_name in self.config.host_args:
             if not any(t.is_auto and t.takes(op_name) for t in graph.tasks):
                 ops = sorted({t.op for t in graph.tasks}) or ["none"]
@@ -199,6 +233,18 @@ class WholeGraphs:
                     f"host_args names {call_name!r} -> op argument {op_name!r}, but no updatable task in the "
                     f"captured graph takes {op_name!r} (updatable ops captured: {ops}; this device updates "
                     f"{list(self.device.updatable_ops)}). Pass host_args={{'{call_name}': '<op argument>'}}."
+                )
+
+    def _check_break_host_args(self, graph: BreakableGraph) -> None:
+        taken = {n for b in graph.captured_breaks for n in b.host_args}
+        taken.update(n for g in graph.graphs for t in g.tasks if t.is_auto for n in t.host_names)
+        for call_name, op_name in self.config.host_args:
+            if op_name not in taken:
+                ops = sorted({b.op for b in graph.captured_breaks}) or ["none"]
+                raise DevgraphError(
+                    f"host_args names {call_name!r} -> op argument {op_name!r}, but no break of the "
+                    f"breakable graph takes {op_name!r} (breaks captured: {ops}). Mark the op that reads "
+                    f"it as a break (breaks=['ns::op']) or pass host_args={{'{call_name}': '<op argument>'}}."
                 )
 
 

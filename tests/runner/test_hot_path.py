@@ -325,13 +325,13 @@ def test_pieces_check_only_inputs_that_may_move_outside_debug_mode():
     assert stable
     inputs = graphed.runner.pieces._replay_inputs[2]
     before = module.input_copies
-    module.replay(inputs, 2, graphed.runner.padded_host_args({}, 2))
+    module.replay(inputs, 2, graphed.runner.inputs.padded_host_args({}, 2))
     assert module.input_copies == before
     # ...and in debug mode the same replay checks it: a moved one is copied into place.
     moved = list(inputs)
     moved_index = next(k for k, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.dim() >= 1)
     moved[moved_index] = inputs[moved_index].clone()
-    module.replay(moved, 2, graphed.runner.padded_host_args({}, 2), debug=True)
+    module.replay(moved, 2, graphed.runner.inputs.padded_host_args({}, 2), debug=True)
     assert module.input_copies > before
 
 

@@ -136,7 +136,7 @@ class _DevgraphPlatform(SRTPlatform):
         # By the devgraph device that captures (not SGLang's device): NPU graphs get SGLang's NPU
         # runner, also on CPU tensors (devgraph's NPU backend on devgraph.testing's simulator).
         from devgraph.adapters.sglang._backend import devgraph_device_for
-        from devgraph.adapters.sglang._runner import graph_runner_cls
+        from devgraph.adapters.sglang._decode_runner import graph_runner_cls
 
         return graph_runner_cls(devgraph_device_for(self.device_name))
 

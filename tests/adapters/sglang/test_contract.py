@@ -218,7 +218,7 @@ def test_activate_is_inert_unless_sglang_platform_selects_devgraph(monkeypatch):
 def test_selected_platform_is_out_of_tree_with_devgraph_runner_and_backend(monkeypatch):
     from sglang.srt.platforms import _load_platform_class
 
-    from devgraph.adapters.sglang._runner import DevgraphDecodeGraphRunner
+    from devgraph.adapters.sglang._decode_runner import DevgraphDecodeGraphRunner
 
     monkeypatch.setenv("SGLANG_PLATFORM", "devgraph")
     monkeypatch.setenv("DEVGRAPH_BACKEND", "cpu")
@@ -238,7 +238,7 @@ def test_npu_backend_on_cpu_tensors_gets_the_cpu_platform_with_npu_graphs_and_sg
 
     from devgraph.adapters.sglang._backend import devgraph_device_for
     from devgraph.adapters.sglang._platform import DevgraphCpuPlatform
-    from devgraph.adapters.sglang._runner import DevgraphDecodeGraphRunner, npu_graph_runner_cls
+    from devgraph.adapters.sglang._decode_runner import DevgraphDecodeGraphRunner, npu_graph_runner_cls
     from devgraph_sim.npu import simulated_torch_npu
 
     monkeypatch.setenv("SGLANG_PLATFORM", "devgraph")

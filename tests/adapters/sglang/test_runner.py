@@ -14,7 +14,7 @@ from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCuda
 
 from devgraph.adapters.sglang import _stats
 from devgraph.adapters.sglang._backend import DevgraphGraphBackend
-from devgraph.adapters.sglang._runner import (
+from devgraph.adapters.sglang._decode_runner import (
     DevgraphDecodeGraphRunner,
     _UsesDevgraphBackend,
     npu_graph_runner_cls,
@@ -103,7 +103,7 @@ def test_cpu_decode_runner_captures_without_torch_compile(monkeypatch):
 def test_cpu_decode_runner_replays_only_exact_sizes_and_counts_the_rest(monkeypatch, caplog, fresh_stats):
     runner = _decode_runner(monkeypatch, [1, 2, 4])
     batch = lambda bs: SimpleNamespace(batch_size=bs)  # noqa: E731
-    with caplog.at_level(logging.WARNING, logger="devgraph.adapters.sglang._runner"):
+    with caplog.at_level(logging.WARNING, logger="devgraph.adapters.sglang._decode_runner"):
         assert [runner.can_run_graph(batch(bs)) for bs in (1, 2, 4)] == [True] * 3
         # 3 would be padded to 4 by SGLang: a CPU GEMM rounds 3 rows of 4 unlike 3 rows alone.
         assert [runner.can_run_graph(batch(bs)) for bs in (3, 3, 8, 6, 8)] == [False] * 5
