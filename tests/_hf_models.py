@@ -17,18 +17,17 @@ from typing import Any
 import torch
 
 VOCAB = 128
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-    bos_token_id=1,
-    eos_token_id=2,
+#: The vocabulary and special tokens of every model here but GPT-1's and CPM-Ant's.
+_IDS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
+#: 2 layers of width 64, 4 query heads over 2 KV heads (in the names most configs use).
+DIMS = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
 )
+_COMMON = dict(DIMS, **_IDS)
 _HEAD = dict(_COMMON, head_dim=16)
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+#: Multi-head latent attention's ranks and head sizes (DeepSeek-V3, MiniCPM3, LongCat-Flash).
+_MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
 
 ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", _HEAD),
@@ -74,6 +73,7 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "DeepseekV3ForCausalLM",
         dict(
             _COMMON,
+            **_MLA,
             num_key_value_heads=4,
             n_routed_experts=8,
             n_group=2,
@@ -82,11 +82,6 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
             first_k_dense_replace=1,
             n_shared_experts=1,
             moe_intermediate_size=32,
-            q_lora_rank=32,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=16,
         ),
     ),
     "gemma3_text": (  # sliding and full layers, each with its own rotary embedding
@@ -98,22 +93,20 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "OPTConfig",
         "OPTForCausalLM",
         dict(
+            _IDS,
             hidden_size=64,
             ffn_dim=128,
             word_embed_proj_dim=64,
             num_hidden_layers=2,
             num_attention_heads=4,
-            vocab_size=VOCAB,
             max_position_embeddings=64,
-            bos_token_id=1,
-            eos_token_id=2,
             pad_token_id=0,
         ),
     ),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
-        dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2),
+        dict(_IDS, n_embd=64, n_layer=2, n_head=4),
     ),
     # multi-head latent attention, embeddings scaled by scale_emb (12): logits about ten times larger
     # than the others', so bf16's static-cache gap to eager's dynamic cache is larger in absolute terms
@@ -121,15 +114,7 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "minicpm3": (
         "MiniCPM3Config",
         "MiniCPM3ForCausalLM",
-        dict(
-            _COMMON,
-            num_key_value_heads=4,
-            q_lora_rank=32,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=16,
-        ),
+        dict(_COMMON, **_MLA, num_key_value_heads=4),
     ),
     # chunked attention, mixture of experts; its get_compiled_call returns the plain forward in
     # transformers 5.23-5.24, so the adapter shadows that method on the instance during generate
@@ -145,32 +130,16 @@ REFUSED: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bloom": (
         "BloomConfig",
         "BloomForCausalLM",
-        dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2),
+        dict(_IDS, hidden_size=64, n_layer=2, n_head=4),
     ),
     "mpt": (  # ALiBi through config.attn_config.alibi (and use_cache=False in its config)
         "MptConfig",
         "MptForCausalLM",
-        dict(
-            d_model=64,
-            n_heads=4,
-            n_layers=2,
-            expansion_ratio=2,
-            vocab_size=VOCAB,
-            max_seq_len=64,
-            bos_token_id=1,
-            eos_token_id=2,
-        ),
+        dict(_IDS, d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64),
     ),
 }
 
-_FALCON = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    vocab_size=VOCAB,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+_FALCON = dict(_IDS, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
 
 #: Architectures whose decode step transformers 5.23 writes with a line a graph cannot capture, found
 #: only by a recording (Falcon indexes with a Python list, a host tensor made inside the capture and
@@ -198,14 +167,12 @@ HOST_READING_DECODE: dict[str, tuple[str, str, dict[str, Any]]] = {
         "XGLMConfig",
         "XGLMForCausalLM",
         dict(
+            _IDS,
             d_model=64,
             ffn_dim=128,
             num_layers=2,
             attention_heads=4,
-            vocab_size=VOCAB,
             max_position_embeddings=64,
-            bos_token_id=1,
-            eos_token_id=2,
             pad_token_id=0,
         ),
     ),
@@ -213,6 +180,7 @@ HOST_READING_DECODE: dict[str, tuple[str, str, dict[str, Any]]] = {
         "JetMoeConfig",
         "JetMoeForCausalLM",
         dict(
+            _IDS,
             hidden_size=64,
             num_hidden_layers=2,
             num_key_value_heads=2,
@@ -220,30 +188,27 @@ HOST_READING_DECODE: dict[str, tuple[str, str, dict[str, Any]]] = {
             intermediate_size=128,
             num_local_experts=4,
             num_experts_per_tok=2,
-            vocab_size=VOCAB,
-            bos_token_id=1,
-            eos_token_id=2,
         ),
     ),
     "dbrx": (  # clip_qkv: transformers 5.23's DbrxAttention clamps with it, None fails
         "DbrxConfig",
         "DbrxForCausalLM",
         dict(
+            _IDS,
             d_model=64,
             n_heads=4,
             n_layers=2,
             max_seq_len=64,
-            vocab_size=VOCAB,
             attn_config=dict(kv_n_heads=2, clip_qkv=8.0),
             ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2),
-            bos_token_id=1,
-            eos_token_id=2,
         ),
     ),
     "longcat_flash": (  # one layer holds two attention layers (num_hidden_layers = 2 * num_layers)
         "LongcatFlashConfig",
         "LongcatFlashForCausalLM",
         dict(
+            _IDS,
+            **_MLA,
             hidden_size=64,
             num_layers=1,
             num_attention_heads=4,
@@ -253,15 +218,7 @@ HOST_READING_DECODE: dict[str, tuple[str, str, dict[str, Any]]] = {
             n_routed_experts=4,
             zero_expert_num=2,
             moe_topk=2,
-            q_lora_rank=32,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
             head_dim=8,
-            v_head_dim=16,
-            vocab_size=VOCAB,
-            bos_token_id=1,
-            eos_token_id=2,
         ),
     ),
 }
@@ -346,6 +303,7 @@ CACHE_LENGTH_DEPENDENT: dict[str, tuple[str, str, dict[str, Any]]] = {
         "GPTNeoConfig",
         "GPTNeoForCausalLM",
         dict(
+            _IDS,
             hidden_size=64,
             intermediate_size=128,
             num_layers=2,
@@ -353,9 +311,6 @@ CACHE_LENGTH_DEPENDENT: dict[str, tuple[str, str, dict[str, Any]]] = {
             attention_types=[[["global", "local"], 1]],
             window_size=4,
             max_position_embeddings=512,
-            vocab_size=VOCAB,
-            bos_token_id=1,
-            eos_token_id=2,
         ),
     ),
 }

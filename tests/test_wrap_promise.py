@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _tiny_modules import SeededLinear as Lin  # Linear(4, 4) from seed 0
 
 import devgraph
 from devgraph import DevgraphError
@@ -27,16 +28,6 @@ def _quiet(fn, *args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return fn(*args, **kwargs)
-
-
-class Lin(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.lin(x)
 
 
 def _x(n: int = 3, seed: int = 1) -> torch.Tensor:

@@ -231,19 +231,19 @@ class _Logits(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def hf_model(device):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=128,
+    pytest.importorskip("transformers")
+    from _hf_models import tiny_model
+
+    # tests/_hf_models.py's Llama (2 layers, vocab 128, seed 0) at width 32: head dim 8
+    llama = tiny_model(
+        "llama",
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        head_dim=8,
         max_position_embeddings=128,
         attn_implementation="sdpa",
     )
-    torch.manual_seed(0)
-    model = _Logits(transformers.LlamaForCausalLM(config).eval().requires_grad_(False))
+    model = _Logits(llama.requires_grad_(False))
     graphed = devgraph.wrap(
         model,
         device=device,

@@ -19,6 +19,7 @@ import warnings
 
 import pytest
 import torch
+from _tiny_modules import SeededLinear
 
 import devgraph
 from devgraph import DevgraphError
@@ -36,13 +37,11 @@ def device(request):
         yield devgraph.device("npu")
 
 
-class Branching(torch.nn.Module):
+class Branching(SeededLinear):
     """A linear layer whose output changes on one side of a branch on the token count."""
 
     def __init__(self, branch, device="cpu") -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = torch.nn.Linear(4, 4, device=device)
+        super().__init__(device=device)
         self.branch = branch
 
     def forward(self, x):
@@ -52,37 +51,22 @@ class Branching(torch.nn.Module):
         return y
 
 
-class SpecialCasesOne(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = torch.nn.Linear(4, 4)
-
+class SpecialCasesOne(SeededLinear):
     def forward(self, x):
         if x.shape[0] == 1:  # the branch under test
             return self.lin(x) * 2
         return self.lin(x)
 
 
-class SmallOnly(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = torch.nn.Linear(4, 4)
-
+class SmallOnly(SeededLinear):
     def forward(self, x):
         if x.shape[0] <= 64:  # the branch under test
             return self.lin(x)
         return self.lin(x) + 1
 
 
-class SqueezesTheTokenDim(torch.nn.Module):
+class SqueezesTheTokenDim(SeededLinear):
     """No Python branch: ``squeeze(1)`` drops the token dim only at 1 token, a decision inside torch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = torch.nn.Linear(4, 4)
 
     def forward(self, x):
         return self.lin(x).unsqueeze(0).squeeze(1).sum(0)
@@ -220,14 +204,9 @@ def test_a_branch_failing_above_the_captured_sizes_bounds_what_the_pieces_serve(
     assert graphed.stats.fallbacks == {"size_not_captured": 1, "token_count_branch": 1}
 
 
-class IndexesIn32Bits(torch.nn.Module):
+class IndexesIn32Bits(SeededLinear):
     """The shape of inductor's guard for 32-bit indexing (an H100 run met it: the model was refused), as
     a Python branch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = torch.nn.Linear(4, 4)
 
     def forward(self, x):
         if x.shape[0] * 2816 <= 2**31 - 1:  # the branch under test

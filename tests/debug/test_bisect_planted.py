@@ -57,6 +57,15 @@ def _line(fn, text: str) -> int:
     return start + next(i for i, line in enumerate(lines) if text in line)
 
 
+def _first_difference(report, op: str, fn, text: str):
+    """The report's first difference, checked to be ``op`` at the line of ``fn`` that holds ``text``."""
+    first = report.first
+    assert first is not None, report.text()
+    assert first.op == op
+    assert first.location.endswith(f":{_line(fn, text)}")
+    return first
+
+
 class PaddedRows(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -134,10 +143,7 @@ def test_batch_size_dependent_reduction_is_named(any_device):
     graphed = devgraph.wrap(model, device=dev, batch_sizes=[8])
     x = _ints(5, 32, device=dev.torch_device)
     report = bisect(graphed, x)
-    first = report.first
-    assert first is not None, report.text()
-    assert first.op == "bisect_plant::rowsum"
-    assert first.location.endswith(f":{_line(BatchDependent.forward, 'rowsum(h')}")
+    first = _first_difference(report, "bisect_plant::rowsum", BatchDependent.forward, "rowsum(h")
     assert first.against == "the call"
     assert 0 < first.max_rel < 1e-5  # rounding, not a wrong value
     assert report.reproduces  # the served graph gives what the bisect's capture gives
@@ -150,10 +156,7 @@ def test_host_lengths_frozen_at_capture_are_named(any_device):
     k = torch.randn(2, 6, 8, device=dev.torch_device)
     options = BisectOptions(capture_args=(q, k, [6, 6]))
     report = bisect(attention_step, q, k, [3, 5], bisect_options=options)
-    first = report.first
-    assert first is not None, report.text()
-    assert first.op == "bisect_plant::attention"
-    assert first.location.endswith(f":{_line(attention_step, 'attention(q, k')}")
+    first = _first_difference(report, "bisect_plant::attention", attention_step, "attention(q, k")
     assert first.max_rel > 0.01  # a wrong value, not rounding
     assert any("[6, 6]" in note and "[3, 5]" in note for note in report.notes)
 
@@ -188,11 +191,8 @@ def test_float32_gemm_rounding_with_the_row_count_is_named_where_it_starts():
     # 1 row: its graph captures that size alone, unpadded, so there is no rounding to find)
     graphed = _raw(model, device="cpu", batch_sizes=[2])
     report = bisect(graphed, x)
-    first = report.first
-    assert first is not None, report.text()
-    assert first.op == "aten::addmm"
     expected = "self.up(x)" if up_differs else "self.down(h)"
-    assert first.location.endswith(f":{_line(TwoLinears.forward, expected)}")
+    first = _first_difference(report, "aten::addmm", TwoLinears.forward, expected)
     assert first.module == ("up" if up_differs else "down")
     assert first.against == "the call"
     traced = devgraph.wrap(model, device="cpu", batch_sizes=[2])
@@ -212,10 +212,7 @@ def test_piecewise_pieces_are_bisected(frontend):
         warnings.filterwarnings("ignore", "devgraph: .*without Dynamo's guards", UserWarning)  # raw
         graphed = devgraph.wrap(model, device="cpu", mode="piecewise", frontend=frontend, capture_sizes=[8])
     report = bisect(graphed, _ints(5, 32))
-    first = report.first
-    assert first is not None, report.text()
-    assert first.op == "bisect_plant::rowsum"
-    assert first.location.endswith(f":{_line(BatchDependent.forward, 'rowsum(h')}")
+    _first_difference(report, "bisect_plant::rowsum", BatchDependent.forward, "rowsum(h")
     assert "piecewise" in report.subject and report.reproduces
 
 
@@ -273,10 +270,7 @@ def test_breakable_segments_are_bisected(any_device):
     model = _exact(BatchDependent()).to(dev.torch_device)
     graphed = devgraph.wrap(model, device=dev, mode="breakable", batch_sizes=[8])
     report = bisect(graphed, _ints(5, 32, device=dev.torch_device))
-    first = report.first
-    assert first is not None, report.text()
-    assert first.op == "bisect_plant::rowsum"
-    assert first.location.endswith(f":{_line(BatchDependent.forward, 'rowsum(h')}")
+    _first_difference(report, "bisect_plant::rowsum", BatchDependent.forward, "rowsum(h")
     assert "breakable graph of bucket 8" in report.subject and report.reproduces
 
 

@@ -147,29 +147,22 @@ def test_host_sync_inside_compiled_code_is_refused():
                 model(x)
 
 
-def test_wrap_of_compiled_module_serves_calls_from_graphs():
+@pytest.mark.parametrize(
+    ("backend", "batch_sizes", "calls", "replays"),
+    [("aot_eager", [2, 4], (1, 3, 4), 3), ("inductor", [4], (3, 4), 2)],
+)
+def test_wrap_of_compiled_module_serves_calls_from_graphs_equal_to_eager(
+    backend, batch_sizes, calls, replays
+):
     torch.manual_seed(0)
     block = Block()
-    graphed = devgraph.wrap(torch.compile(block, backend="aot_eager"), device="cpu", batch_sizes=[2, 4])
-    for rows in (1, 3, 4):
+    graphed = devgraph.wrap(torch.compile(block, backend=backend), device="cpu", batch_sizes=batch_sizes)
+    for rows in calls:
         x = torch.randn(rows, 8)
         got = graphed(x)
         with torch.no_grad():
             torch.testing.assert_close(got, block(x))
-    assert graphed.stats.replays == 3
-    assert graphed.stats.fallbacks == {}
-
-
-def test_wrap_of_inductor_compiled_module_equals_eager():
-    torch.manual_seed(0)
-    block = Block()
-    graphed = devgraph.wrap(torch.compile(block, backend="inductor"), device="cpu", batch_sizes=[4])
-    for rows in (3, 4):
-        x = torch.randn(rows, 8)
-        got = graphed(x)
-        with torch.no_grad():
-            torch.testing.assert_close(got, block(x))
-    assert graphed.stats.replays == 2
+    assert graphed.stats.replays == replays
     assert graphed.stats.fallbacks == {}
 
 

@@ -42,24 +42,25 @@ def test_outputs_are_held_weakly(dev):
     assert graphs.output(4).shape == (4,)
 
 
-def test_graph_sets_sharing_a_pool_capture_into_the_same_pool(dev):
+def _two_sets_sharing_a_pool(dev):
+    """A pool, two graph sets over it each holding a capture of size 1 (a doubling), and its input."""
     shared = SharedPool(dev)
     a: GraphSet[int] = GraphSet(dev, shared)
     b: GraphSet[int] = GraphSet(dev, shared)
     x = torch.ones(2)
     a.capture(1, _double(x))
     b.capture(1, _double(x))
+    return shared, a, b, x
+
+
+def test_graph_sets_sharing_a_pool_capture_into_the_same_pool(dev):
+    shared, a, b, _x = _two_sets_sharing_a_pool(dev)
     assert a.graph(1).pool() is b.graph(1).pool() is shared.pool
     assert shared.pool.in_use == 2
 
 
 def test_pool_is_renewed_only_once_every_graph_in_it_was_reset(dev):
-    shared = SharedPool(dev)
-    a: GraphSet[int] = GraphSet(dev, shared)
-    b: GraphSet[int] = GraphSet(dev, shared)
-    x = torch.ones(2)
-    a.capture(1, _double(x))
-    b.capture(1, _double(x))
+    shared, a, b, x = _two_sets_sharing_a_pool(dev)
     first = shared.pool
     a.reset()
     assert shared.pool is first and not first.retired  # b's graph still lives in it

@@ -13,19 +13,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from _hf_models import DIMS  # noqa: E402
+
 import devgraph  # noqa: E402
 from devgraph import DevgraphError  # noqa: E402
 from devgraph.adapters.hf import GraphedCausalLM  # noqa: E402
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=128,
-)
+TINY = dict(DIMS, head_dim=16, vocab_size=128)  # no special token ids: the families' own defaults
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),

@@ -34,6 +34,11 @@ def both(graphed, seed=None, **kwargs):
     return out, graphed.module.generate(**kwargs)
 
 
+def greedy(ids, mask, **more):
+    """``generate``'s keywords for ``NEW`` greedy tokens after the prompts ``ids`` (``mask``), and ``more``."""
+    return dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **more)
+
+
 def replays_during(graphed, fn):
     before = graphed.stats.replays
     result = fn()
@@ -42,7 +47,7 @@ def replays_during(graphed, fn):
 
 def test_generate_accepts_do_sample_false(llama):
     ids, mask = prompts(2, seed=1)
-    ((out, ref),) = [both(llama, input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)]
+    ((out, ref),) = [both(llama, **greedy(ids, mask))]
     assert torch.equal(out, ref)
 
 
@@ -118,9 +123,7 @@ def test_logits_processors_from_generation_options_match_eager(llama):
     options = dict(repetition_penalty=1.5, no_repeat_ngram_size=2, suppress_tokens=[5, 6], min_new_tokens=3)
     (out, ref), replays = replays_during(
         llama,
-        lambda: both(
-            llama, input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **options
-        ),
+        lambda: both(llama, **greedy(ids, mask, **options)),
     )
     assert torch.equal(out, ref)
     assert replays == NEW - 1
@@ -141,29 +144,14 @@ def test_custom_stopping_criteria_stop_like_eager(llama):
 
     ids, mask = prompts(1, seed=9)
     criteria = transformers.StoppingCriteriaList([StopAtLength()])
-    out, ref = both(
-        llama,
-        input_ids=ids,
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=NEW,
-        stopping_criteria=criteria,
-    )
+    out, ref = both(llama, **greedy(ids, mask, stopping_criteria=criteria))
     assert torch.equal(out, ref)
     assert out.shape[1] == 10
 
 
 def test_scores_and_logits_in_return_dict_match_eager(llama):
     ids, mask = prompts(2, seed=10)
-    out, ref = both(
-        llama,
-        input_ids=ids,
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=NEW,
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
+    out, ref = both(llama, **greedy(ids, mask, return_dict_in_generate=True, output_logits=True))
     assert torch.equal(out.sequences, ref.sequences)
     for got, want in zip(out.logits, ref.logits, strict=True):
         torch.testing.assert_close(got, want)
@@ -207,7 +195,7 @@ def test_fp16_greedy_matches_eager():
     graphed = devgraph.wrap(model, "cpu", batch_sizes=[4], max_cache_len=CACHE_LEN)
     ids, mask = prompts(4, seed=14)
     mask[1, :3] = 0
-    out, ref = both(graphed, input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    out, ref = both(graphed, **greedy(ids, mask))
     assert torch.equal(out, ref)
     assert graphed.stats.replays == NEW - 1
 

@@ -25,6 +25,8 @@ from devgraph import ops
 from devgraph.adapters.sglang import _stats
 from devgraph.adapters.sglang._backend import DevgraphGraphBackend
 
+pytestmark = pytest.mark.usefixtures("fresh_stats")  # every test starts and ends with the counters reset
+
 BUCKETS = [1, 2, 4]
 HEADS, KV_HEADS, DIM, BLOCK, BLOCKS, MAX_BLOCKS = 4, 2, 8, 4, 32, 6
 
@@ -96,13 +98,6 @@ def _capture(runner: StubRunner) -> DevgraphGraphBackend:
             lens = [1] * bs  # SGLang's fill value at capture
             backend.capture_one(ShapeKey(bs), lambda bs=bs, lens=lens: runner.step(bs, lens))
     return backend
-
-
-@pytest.fixture(autouse=True)
-def _fresh_stats():
-    _stats.reset()
-    yield
-    _stats.reset()
 
 
 def test_every_bucket_is_captured_largest_first_and_can_run():

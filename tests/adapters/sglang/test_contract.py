@@ -175,6 +175,14 @@ def test_plugin_hook_registry_has_what_devgraph_uses():
     assert hook_registry._current_plugin_source.get() is None  # set only inside load_plugins
 
 
+def _printed_json(code: str, env: dict[str, str]) -> dict:
+    """What ``python -c code`` prints as JSON on its last line, run in a fresh process under ``env``."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _hooked(env: dict[str, str]) -> dict:
     code = (
         "import json\n"
@@ -185,10 +193,7 @@ def _hooked(env: dict[str, str]) -> dict:
         "w = getattr(utils.resolve_prefill_backend, '__wrapped__', None)\n"
         "print(json.dumps({'wrapped': w is not None, 'runner_sees_it': r.resolve_prefill_backend is utils.resolve_prefill_backend}))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _printed_json(code, env)
 
 
 def test_general_plugin_hooks_prefill_resolution_only_under_sglang_platform_devgraph():
@@ -258,10 +263,7 @@ def _resolved_platform(env: dict[str, str]) -> dict:
         "import json; from sglang.srt.platforms import current_platform as p; "
         "print(json.dumps({'cls': type(p).__module__ + '.' + type(p).__name__, 'oot': p.is_out_of_tree()}))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _printed_json(code, env)
 
 
 def test_plain_sglang_resolves_its_own_platform_with_devgraph_installed():

@@ -26,6 +26,8 @@ from devgraph.adapters.sglang import _prefill, _stats
 from devgraph.adapters.sglang._attention import EXTEND_ATTENTION, DevgraphAttentionBackend
 from devgraph.adapters.sglang._prefill import DevgraphBreakableBackend, resolve_prefill_backend_hook
 
+pytestmark = pytest.mark.usefixtures("fresh_stats")  # every test starts and ends with the counters reset
+
 BUCKETS = [8, 16]
 HIDDEN, HEADS, KV_HEADS, DIM, LAYERS, SLOTS, REQS, CONTEXT = 32, 4, 2, 8, 2, 64, 4, 32
 
@@ -118,13 +120,6 @@ def _capture(runner: StubRunner) -> DevgraphBreakableBackend:
             batch = runner.batch(tokens, [tokens], [0], seed=tokens)
             backend.capture_one(ShapeKey(tokens), lambda b=batch, t=tokens: runner.body(b, t))
     return backend
-
-
-@pytest.fixture(autouse=True)
-def _fresh_stats():
-    _stats.reset()
-    yield
-    _stats.reset()
 
 
 def test_each_bucket_is_one_breakable_graph_cut_at_every_attention_layer():

@@ -12,7 +12,6 @@ pytest.importorskip("sglang.srt")
 
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
-from devgraph.adapters.sglang import _stats
 from devgraph.adapters.sglang._backend import DevgraphGraphBackend
 from devgraph.adapters.sglang._decode_runner import (
     DevgraphDecodeGraphRunner,
@@ -83,13 +82,6 @@ def _decode_runner(monkeypatch, capture_bs, compile_bs=()) -> DevgraphDecodeGrap
     runner.model_runner = SimpleNamespace(device="cpu")
     runner.backend = DevgraphGraphBackend(runner)
     return runner
-
-
-@pytest.fixture
-def fresh_stats():
-    _stats.reset()
-    yield _stats.stats
-    _stats.reset()
 
 
 def test_cpu_decode_runner_captures_without_torch_compile(monkeypatch):

@@ -7,51 +7,35 @@ from pathlib import Path
 WORDS = [f"w{i}" for i in range(250)]
 
 
-def build_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """Write a 2-layer Llama (head dim 32: vLLM's CPU attention minimum) and its tokenizer to ``path``."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<s>", "</s>"]
-    vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    config = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            # Larger than the default init so that greedy tokens differ from step to step (a graph
-            # replaying stale values shows up as different tokens).
-            p.normal_(0.0, 0.2) if p.dim() > 1 else p.fill_(1.0)
-    model.save_pretrained(path, safe_serialization=True)
-    fast.save_pretrained(path)
-    return path
+#: What the Bloom model shares with the others (its layer and head counts go by other names).
+_SHARED = dict(
+    vocab_size=len(WORDS) + 3, hidden_size=128, bos_token_id=1, eos_token_id=2, torch_dtype="float32"
+)
+_COMMON = dict(
+    _SHARED,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
-def _save(model_cls, config, path: Path, seed: int) -> Path:
+def _save(model_cls, config, path: Path, seed: int, embed_scale: float | None = None) -> Path:
+    """Builds ``model_cls(config)`` from ``seed``, draws its weights, and saves it and the tokenizer."""
     import torch
 
     torch.manual_seed(seed)
     model = model_cls(config)
     with torch.no_grad():
         for p in model.parameters():
+            # Larger than the default init so that greedy tokens differ from step to step (a graph
+            # replaying stale values shows up as different tokens).
             p.normal_(0.0, 0.2) if p.dim() > 1 else p.fill_(1.0)
+        if embed_scale is not None:
+            model.model.embed_tokens.weight.mul_(embed_scale)
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer().save_pretrained(path)
     return path
@@ -68,20 +52,11 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-_COMMON = dict(
-    vocab_size=len(WORDS) + 3,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=512,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-    torch_dtype="float32",
-)
+def build_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """Write a 2-layer Llama (head dim 32: vLLM's CPU attention minimum) and its tokenizer to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save(LlamaForCausalLM, LlamaConfig(**_COMMON), path, seed)
 
 
 def build_tiny_mixtral(path: Path, seed: int = 0) -> Path:
@@ -108,7 +83,6 @@ def build_tiny_gemma2(path: Path, seed: int = 0) -> Path:
     The embeddings are scaled down (Gemma2 ties them to the output and scales them up by
     ``sqrt(hidden)``; at full size the output repeats the current token whatever attention does).
     """
-    import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     common = dict(_COMMON, tie_word_embeddings=True)  # vLLM's Gemma2 always ties them
@@ -120,15 +94,7 @@ def build_tiny_gemma2(path: Path, seed: int = 0) -> Path:
         final_logit_softcapping=30.0,
         query_pre_attn_scalar=32,
     )
-    torch.manual_seed(seed)
-    model = Gemma2ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2) if p.dim() > 1 else p.fill_(1.0)
-        model.model.embed_tokens.weight.mul_(EMBED_SCALE)
-    model.save_pretrained(path, safe_serialization=True)
-    _tokenizer().save_pretrained(path)
-    return path
+    return _save(Gemma2ForCausalLM, config, path, seed, embed_scale=EMBED_SCALE)
 
 
 EMBED_SCALE = 0.1
@@ -138,13 +104,5 @@ def build_tiny_bloom(path: Path, seed: int = 0) -> Path:
     """A 2-layer Bloom: ALiBi position biases (no rotary), head dim 32, tied embeddings."""
     from transformers import BloomConfig, BloomForCausalLM
 
-    config = BloomConfig(
-        vocab_size=len(WORDS) + 3,
-        hidden_size=128,
-        n_layer=2,
-        n_head=4,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="float32",
-    )
+    config = BloomConfig(**_SHARED, n_layer=2, n_head=4)
     return _save(BloomForCausalLM, config, path, seed)

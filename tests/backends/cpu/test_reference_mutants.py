@@ -8,8 +8,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from _npu_sim_graphs import doubling_graph
 
 import devgraph
 from devgraph_sim.npu import simulated_torch_npu
@@ -37,35 +40,35 @@ def test_a_reissued_task_writes_its_fresh_output_at_replay_not_at_update(mode):
     torch.testing.assert_close(z, x * 3 + 1)
 
 
-def _doubling_graph(npu):
-    x = torch.ones(3)
-    graph = npu.NPUGraph()
-    with npu.graph(graph):
-        y = x * 2
-    x.fill_(5.0)
-    return graph, x, y
+@contextlib.contextmanager
+def _event_and_doubling_graph():
+    """On the simulator with lazy streams (a hang raises after 0.2 s): ``npu``, a doubling graph and
+    its output ``y`` (2 until a replay runs, 10 after), and an ``ExternalEvent``."""
+    with simulated_torch_npu(streams="lazy", hang_timeout=0.2) as sim:
+        graph, _x, y = doubling_graph(sim.npu)  # _x lives as long as the graph
+        yield sim.npu, graph, y, sim.npu.ExternalEvent()
+
+
+def _replay_is_held(npu, graph, stream, y):
+    """A replay queued on ``stream`` behind an event wait nothing satisfies: synchronising the stream
+    hangs, and the graph's output keeps the value it had before the replay."""
+    with npu.stream(stream):
+        graph.replay()
+    with pytest.raises(SimulatedHang):
+        stream.synchronize()
+    torch.testing.assert_close(y, torch.full((3,), 2.0))
 
 
 def test_an_external_event_wait_outside_a_graph_holds_its_stream_until_recorded():
-    with simulated_torch_npu(streams="lazy", hang_timeout=0.2) as sim:
-        npu = sim.npu
-        graph, _x, y = _doubling_graph(npu)
+    with _event_and_doubling_graph() as (npu, graph, y, event):
         waiter = npu.Stream()
-        event = npu.ExternalEvent()
         event.wait(waiter)
-        with npu.stream(waiter):
-            graph.replay()
-        with pytest.raises(SimulatedHang):
-            waiter.synchronize()  # nothing records the event: the wait holds the replay
-        torch.testing.assert_close(y, torch.full((3,), 2.0))
+        _replay_is_held(npu, graph, waiter, y)  # nothing records the event: the wait holds the replay
 
 
 def test_an_external_event_wait_outside_a_graph_runs_once_another_stream_records_it():
-    with simulated_torch_npu(streams="lazy", hang_timeout=0.2) as sim:
-        npu = sim.npu
-        graph, _x, y = _doubling_graph(npu)
+    with _event_and_doubling_graph() as (npu, graph, y, event):
         waiter, recorder = npu.Stream(), npu.Stream()
-        event = npu.ExternalEvent()
         event.wait(waiter)
         with npu.stream(waiter):
             graph.replay()
@@ -75,17 +78,10 @@ def test_an_external_event_wait_outside_a_graph_runs_once_another_stream_records
 
 
 def test_an_external_event_reset_outside_a_graph_clears_an_earlier_record():
-    with simulated_torch_npu(streams="lazy", hang_timeout=0.2) as sim:
-        npu = sim.npu
-        graph, _x, y = _doubling_graph(npu)
+    with _event_and_doubling_graph() as (npu, graph, y, event):
         stream = npu.Stream()
-        event = npu.ExternalEvent()
         event.record(stream)
         stream.synchronize()
         event.reset(stream)  # queued: clears the flag the record set
         event.wait(stream)
-        with npu.stream(stream):
-            graph.replay()
-        with pytest.raises(SimulatedHang):
-            stream.synchronize()
-        torch.testing.assert_close(y, torch.full((3,), 2.0))
+        _replay_is_held(npu, graph, stream, y)

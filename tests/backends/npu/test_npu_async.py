@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from _npu_sim_graphs import doubling_graph
 
 import devgraph
 import devgraph.ops as ops
@@ -93,18 +94,9 @@ def _close(got, want):
 # -- the simulator's streams ----------------------------------------------------------------------
 
 
-def _doubling_graph(npu):
-    x = torch.ones(3)
-    graph = npu.NPUGraph()
-    with npu.graph(graph):
-        y = x * 2
-    x.fill_(5.0)
-    return graph, x, y  # x must outlive the graph: it reads x (a device graph reads it by address)
-
-
 def test_lazy_stream_runs_only_when_the_host_synchronises():
     with simulated_torch_npu(streams="lazy") as sim:
-        graph, _x, y = _doubling_graph(sim.npu)
+        graph, _x, y = doubling_graph(sim.npu)
         graph.replay()
         torch.testing.assert_close(y, torch.full((3,), 2.0))  # queued, not run
         assert not sim.npu.current_stream().query()
@@ -115,7 +107,7 @@ def test_lazy_stream_runs_only_when_the_host_synchronises():
 def test_event_completes_when_its_stream_reaches_it():
     with simulated_torch_npu(streams="lazy") as sim:
         npu = sim.npu
-        graph, _x, y = _doubling_graph(npu)
+        graph, _x, y = doubling_graph(npu)
         side = npu.Stream()
         with npu.stream(side):
             graph.replay()
@@ -129,7 +121,7 @@ def test_event_completes_when_its_stream_reaches_it():
 def test_a_stream_waiting_on_another_makes_it_run():
     with simulated_torch_npu(streams="lazy") as sim:
         npu = sim.npu
-        graph, _x, y = _doubling_graph(npu)
+        graph, _x, y = doubling_graph(npu)
         producer, consumer = npu.Stream(), npu.Stream()
         with npu.stream(producer):
             graph.replay()
@@ -143,7 +135,7 @@ def test_an_unordered_side_stream_overtakes_on_a_device_sync():
     # is newest runs first, so a missing dependency shows.
     with simulated_torch_npu(streams="lazy") as sim:
         npu = sim.npu
-        graph_a, _x_a, y_a = _doubling_graph(npu)
+        graph_a, _x_a, y_a = doubling_graph(npu)
         x = torch.ones(3)
         graph_b = npu.NPUGraph()
         with npu.graph(graph_b):

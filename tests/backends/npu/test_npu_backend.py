@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+from _npu_cases import DTYPE, SCALE, attention_case, expected_attention
 
 import devgraph
 import devgraph.ops as ops
@@ -25,7 +26,6 @@ from devgraph_sim.npu._streams import SimulatedHang
 
 OP = "devgraph::paged_decode_attention"
 IFA = "devgraph_npu_sim::npu_fused_infer_attention_score"  # the simulated torch_npu op
-SCALE = 0.5
 
 
 def _real_torch_npu_installed() -> bool:
@@ -34,26 +34,8 @@ def _real_torch_npu_installed() -> bool:
     return "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is not None
 
 
-DTYPE = torch.bfloat16  # npu_fused_infer_attention_score takes float16/bfloat16 (not float32)
-
-
-def _attention_case(batch=2, heads=4, kv_heads=2, dim=8, block_size=16, blocks=8, max_blocks=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, dim, generator=g).to(DTYPE)
-    k = torch.randn(blocks, block_size, kv_heads, dim, generator=g).to(DTYPE)
-    v = torch.randn(blocks, block_size, kv_heads, dim, generator=g).to(DTYPE)
-    table = torch.randperm(blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)
-    return q, k, v, table
-
-
-def _expected(q, k, v, table, lens):
-    out = torch.empty_like(q)
-    _reference.paged_decode_attention_host_lens(q, k, v, table, lens, SCALE, out)
-    return out
-
-
 def _capture_attention(device, lens, *, auto=True):
-    q, k, v, table = _attention_case()
+    q, k, v, table = attention_case()
     seq = torch.tensor(lens, dtype=torch.int32)
     out = torch.empty_like(q)
     graph = device.graph()
@@ -220,30 +202,30 @@ def test_replay_without_update_uses_the_captured_lengths(npu):
     graph, out, doubled, case = _capture_attention(npu, [5, 9])
     graph.replay()
     graph.replay()  # no update in between: the graph must not hang, and stays stale
-    torch.testing.assert_close(out, _expected(*case, [5, 9]))
-    torch.testing.assert_close(doubled, 2 * _expected(*case, [5, 9]))
+    torch.testing.assert_close(out, expected_attention(*case, [5, 9]))
+    torch.testing.assert_close(doubled, 2 * expected_attention(*case, [5, 9]))
 
 
 def test_update_replays_with_new_lengths(npu):
     graph, out, doubled, case = _capture_attention(npu, [5, 9])
     graph.update({"seq_lens_host": [12, 3]})
     graph.replay()
-    torch.testing.assert_close(out, _expected(*case, [12, 3]))
-    torch.testing.assert_close(doubled, 2 * _expected(*case, [12, 3]))
-    assert not torch.allclose(out, _expected(*case, [5, 9]))
+    torch.testing.assert_close(out, expected_attention(*case, [12, 3]))
+    torch.testing.assert_close(doubled, 2 * expected_attention(*case, [12, 3]))
+    assert not torch.allclose(out, expected_attention(*case, [5, 9]))
 
 
 def test_updated_lengths_stay_until_the_next_update(npu):
     graph, out, _, case = _capture_attention(npu, [5, 9])
     graph.replay(host_args={"seq_lens_host": [7, 7]})
     graph.replay()
-    torch.testing.assert_close(out, _expected(*case, [7, 7]))
+    torch.testing.assert_close(out, expected_attention(*case, [7, 7]))
     graph.replay(host_args=[{"seq_lens_host": [1, 16]}])
-    torch.testing.assert_close(out, _expected(*case, [1, 16]))
+    torch.testing.assert_close(out, expected_attention(*case, [1, 16]))
 
 
 def test_explicit_task_group_is_reissued_in_task_update(npu):
-    q, k, v, table = _attention_case()
+    q, k, v, table = attention_case()
     seq = torch.tensor([5, 9], dtype=torch.int32)
     out = torch.empty_like(q)
     graph = npu.graph()
@@ -251,11 +233,11 @@ def test_explicit_task_group_is_reissued_in_task_update(npu):
         with graph.task_group() as group:
             ops.paged_decode_attention(q, k, v, table, seq, [5, 9], SCALE, out)
     graph.replay()
-    torch.testing.assert_close(out, _expected(q, k, v, table, [5, 9]))
+    torch.testing.assert_close(out, expected_attention(q, k, v, table, [5, 9]))
     with graph.task_update(group):
         ops.paged_decode_attention(q, k, v, table, seq, [2, 11], SCALE, out)
     graph.replay()
-    torch.testing.assert_close(out, _expected(q, k, v, table, [2, 11]))
+    torch.testing.assert_close(out, expected_attention(q, k, v, table, [2, 11]))
 
 
 def test_update_reuses_the_captured_attention_workspace(npu, monkeypatch):
@@ -420,7 +402,7 @@ def _ifa_kwargs(case):
 
 def test_auto_dispatch_capture_and_cpu_update_input(sim):
     npu = sim.npu
-    case = _attention_case()
+    case = attention_case()
     args, kwargs = _ifa_kwargs(case)
     graph = npu.NPUGraph()
     with npu.graph(graph, auto_dispatch_capture=True):
@@ -430,14 +412,14 @@ def test_auto_dispatch_capture_and_cpu_update_input(sim):
         npu.synchronize()  # auto-dispatched tasks need an update before every replay
     graph.update(cpu_update_input=[{"actual_seq_lengths_kv": [12, 3]}])
     graph.replay()
-    torch.testing.assert_close(attn.squeeze(2), _expected(*case, [12, 3]))
+    torch.testing.assert_close(attn.squeeze(2), expected_attention(*case, [12, 3]))
     with pytest.raises(RuntimeError, match="there are 1 operators"):
         graph.update(cpu_update_input=[{}, {}])
 
 
 def test_auto_dispatch_updates_paged_attention_context_lens(sim):
     npu = sim.npu
-    q, k, v, table = _attention_case()
+    q, k, v, table = attention_case()
     context_lens, out = torch.tensor([5, 9], dtype=torch.int32), torch.empty_like(q)
     graph = npu.NPUGraph()
     with npu.graph(graph, auto_dispatch_capture=True):
@@ -445,10 +427,10 @@ def test_auto_dispatch_updates_paged_attention_context_lens(sim):
     context_lens.fill_(1)  # read on the host at launch: the captured task does not see this
     graph.update([{"context_lens": torch.tensor([5, 9], dtype=torch.int32)}])
     graph.replay()
-    torch.testing.assert_close(out, _expected(q, k, v, table, [5, 9]))
+    torch.testing.assert_close(out, expected_attention(q, k, v, table, [5, 9]))
     graph.update([{"context_lens": torch.tensor([2, 13], dtype=torch.int32)}])
     graph.replay()
-    torch.testing.assert_close(out, _expected(q, k, v, table, [2, 13]))
+    torch.testing.assert_close(out, expected_attention(q, k, v, table, [2, 13]))
 
 
 def test_update_needs_auto_dispatch_capture(sim):
@@ -500,8 +482,8 @@ def test_rms_norm_runs_npu_rms_norm(sim, monkeypatch):
 def test_add_rms_norm_runs_npu_add_rms_norm(sim, monkeypatch):
     calls = _spy(monkeypatch, sim, "npu_add_rms_norm")
     x, r, w = _norm_case()
-    for got, want in zip(ops.add_rms_norm(x, r, w, 1e-6), _reference.add_rms_norm(x, r, w, 1e-6)):
-        torch.testing.assert_close(got, want)
+    # every output, as a sequence (its length included)
+    torch.testing.assert_close(ops.add_rms_norm(x, r, w, 1e-6), _reference.add_rms_norm(x, r, w, 1e-6))
     assert calls == ["npu_add_rms_norm"]
 
 
@@ -513,8 +495,7 @@ def test_add_rms_norm_quant_matches_the_reference(sim, monkeypatch, dtype):
     got = ops.add_rms_norm_quant(x, r, w, 1e-6, scale)
     want = _reference.add_rms_norm_quant(x, r, w, 1e-6, scale)
     assert got[0].dtype == torch.int8
-    for g, e in zip(got, want):
-        torch.testing.assert_close(g, e)
+    torch.testing.assert_close(got, want)  # every output
     assert calls == ["npu_quantize"]
 
 
@@ -526,8 +507,7 @@ def test_add_rms_norm_dynamic_quant_matches_the_reference(sim, monkeypatch, dtyp
     r[1].zero_()  # an all-zero row: scale is clamped, q is 0
     got = ops.add_rms_norm_dynamic_quant(x, r, w, 1e-6)
     want = _reference.add_rms_norm_dynamic_quant(x, r, w, 1e-6)
-    for g, e in zip(got, want):
-        torch.testing.assert_close(g, e)
+    torch.testing.assert_close(got, want)  # every output
     assert calls == (["npu_dynamic_quant"] if dtype == torch.bfloat16 else [])  # npu op: fp16/bf16 only
 
 
@@ -557,11 +537,11 @@ def test_paged_decode_attention_runs_fused_infer_attention_out(sim, monkeypatch)
             return real.out(*args, **kwargs)
 
     monkeypatch.setattr(sim, "npu_fused_infer_attention_score", Packet)
-    case = _attention_case()
+    case = attention_case()
     q, k, v, table = case
     seq = torch.tensor([5, 9], dtype=torch.int32)
     out = ops.paged_decode_attention(q, k, v, table, seq, [5, 9], SCALE)
-    torch.testing.assert_close(out, _expected(*case, [5, 9]))
+    torch.testing.assert_close(out, expected_attention(*case, [5, 9]))
     (kwargs,) = calls
     assert kwargs["actual_seq_lengths_kv"] == [5, 9] and kwargs["input_layout"] == "BNSD"
     assert kwargs["block_size"] == k.shape[1] and kwargs["num_key_value_heads"] == k.shape[2]
@@ -569,11 +549,11 @@ def test_paged_decode_attention_runs_fused_infer_attention_out(sim, monkeypatch)
 
 
 def test_paged_decode_attention_with_strided_out_and_int64_table(npu):
-    q, k, v, table = _attention_case()
+    q, k, v, table = attention_case()
     seq = torch.tensor([5, 9], dtype=torch.int32)
     out = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=q.dtype).transpose(1, 2)  # not contiguous
     ops.paged_decode_attention(q, k, v, table.long(), seq, [5, 9], SCALE, out)
-    torch.testing.assert_close(out, _expected(q, k, v, table, [5, 9]))
+    torch.testing.assert_close(out, expected_attention(q, k, v, table, [5, 9]))
 
 
 def _bad_call(case, kind):
@@ -588,7 +568,7 @@ def _bad_call(case, kind):
 def test_graph_work_refuses_attention_arguments_that_need_temporaries(npu, kind):
     # Regression: the kernel converted the table / staged the output through per-call temporaries;
     # a task update re-issued the task over new temporaries freed on return (use-after-free).
-    case = _attention_case()
+    case = attention_case()
     q, k, v, _ = case
     table, out = _bad_call(case, kind)
     seq = torch.tensor([5, 9], dtype=torch.int32)
@@ -598,7 +578,7 @@ def test_graph_work_refuses_attention_arguments_that_need_temporaries(npu, kind)
         with graph.capture(auto_update_ops=npu.updatable_ops):
             ops.paged_decode_attention(q, k, v, table, seq, [5, 9], SCALE, out)
     ops.paged_decode_attention(q, k, v, table, seq, [5, 9], SCALE, out)  # eager: converted
-    torch.testing.assert_close(out, _expected(*case, [5, 9]))
+    torch.testing.assert_close(out, expected_attention(*case, [5, 9]))
 
 
 _TEMPORARY = {
@@ -621,7 +601,7 @@ def test_simulator_catches_a_kernel_that_makes_temporaries_in_a_task_update(npu,
             out.copy_(target)
 
     monkeypatch.setitem(_registry._kernels, ("paged_decode_attention", "PrivateUse1"), converting)
-    case = _attention_case()
+    case = attention_case()
     q, k, v, _ = case
     table, out = _bad_call(case, kind)
     seq = torch.tensor([5, 9], dtype=torch.int32)
@@ -629,7 +609,7 @@ def test_simulator_catches_a_kernel_that_makes_temporaries_in_a_task_update(npu,
     with graph.capture(auto_update_ops=npu.updatable_ops):  # capture is fine: graph memory
         ops.paged_decode_attention(q, k, v, table, seq, [5, 9], SCALE, out)
     graph.replay()
-    torch.testing.assert_close(out, _expected(*case, [5, 9]))
+    torch.testing.assert_close(out, expected_attention(*case, [5, 9]))
     with pytest.raises(
         DevgraphError, match="simulated NPU task update reads/writes memory allocated during"
     ) as err:
@@ -641,14 +621,14 @@ def test_simulator_catches_a_kernel_that_makes_temporaries_in_a_task_update(npu,
 
 
 def test_npu_attention_refuses_float32_with_the_remedy(npu):
-    q, k, v, table = _attention_case()
+    q, k, v, table = attention_case()
     seq = torch.tensor([5, 9], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"takes float16 or bfloat16 .* torch.bfloat16"):
         ops.paged_decode_attention(q.float(), k.float(), v.float(), table, seq, [5, 9], SCALE)
 
 
 def test_npu_attention_refuses_a_block_size_page_attention_cannot_take(npu):
-    q, k, v, table = _attention_case(block_size=8)
+    q, k, v, table = attention_case(block_size=8)
     with pytest.raises(ValueError, match="block_size 8; page attention needs a multiple of 16"):
         ops.paged_decode_attention(q, k, v, table, torch.tensor([5, 9], dtype=torch.int32), [5, 9], SCALE)
 
@@ -693,7 +673,7 @@ _HARDWARE_RULES = {
 
 @pytest.mark.parametrize("rule", list(_HARDWARE_RULES))
 def test_simulated_attention_refuses_what_the_hardware_refuses(sim, rule):
-    case = _attention_case()
+    case = attention_case()
     overrides, message = _HARDWARE_RULES[rule]
     with pytest.raises(RuntimeError, match=message):
         _raw_ifa(sim, case, **overrides(case))
@@ -701,11 +681,11 @@ def test_simulated_attention_refuses_what_the_hardware_refuses(sim, rule):
 
 def test_simulated_attention_refuses_block_sizes_page_attention_cannot_take(sim):
     with pytest.raises(RuntimeError, match=r"block_size=8: page attention needs .* a multiple of 16"):
-        _raw_ifa(sim, _attention_case(block_size=8))
+        _raw_ifa(sim, attention_case(block_size=8))
 
 
 def test_simulated_attention_refuses_a_workspace_too_small_for_its_lengths(sim):
-    q, k, v, table = case = _attention_case()
+    q, k, v, table = case = attention_case()
     nb, bs, hkv, d = k.shape
     args = (q.unsqueeze(2), k.view(nb, bs, hkv * d), v.view(nb, bs, hkv * d))
     kwargs = dict(block_table=table, num_heads=q.shape[1], num_key_value_heads=hkv, scale=SCALE,
@@ -718,7 +698,7 @@ def test_simulated_attention_refuses_a_workspace_too_small_for_its_lengths(sim):
         *args, actual_seq_lengths_kv=[32, 32], workspace=full, out=out, **kwargs
     )
     torch.testing.assert_close(
-        out[0].squeeze(2), _expected(*case, [32, 32])
+        out[0].squeeze(2), expected_attention(*case, [32, 32])
     )  # the max workspace fits any lengths
     with pytest.raises(RuntimeError, match=r"workspace holds .* bytes, this call needs"):
         sim.npu_fused_infer_attention_score.out(
@@ -727,7 +707,7 @@ def test_simulated_attention_refuses_a_workspace_too_small_for_its_lengths(sim):
 
 
 def test_paged_decode_attention_needs_host_lengths(npu):
-    q, k, v, table = _attention_case()
+    q, k, v, table = attention_case()
     with pytest.raises(ValueError, match="seq_lens_host"):
         ops.paged_decode_attention(q, k, v, table, torch.tensor([5, 9], dtype=torch.int32), None, SCALE)
 
@@ -800,4 +780,4 @@ def test_update_beyond_the_kv_capacity_is_refused_and_the_task_keeps_its_lengths
     with pytest.raises(DevgraphError, match=r"actual_seq_lengths_kv\[0\]=999 exceeds the 32 tokens"):
         graph.update({"seq_lens_host": [999, 1]})
     graph.replay()
-    torch.testing.assert_close(out, _expected(*case, [5, 9]))
+    torch.testing.assert_close(out, expected_attention(*case, [5, 9]))

@@ -4,31 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _npu_cases import SCALE, attention_case, expected_attention
 
 import devgraph
 from devgraph import DevgraphError
-from devgraph.backends import _reference
 from devgraph.backends.npu import _handlers
 
-SCALE = 0.5
-DTYPE = torch.bfloat16
 IFA = "devgraph_npu_sim::npu_fused_infer_attention_score"
 PA = "devgraph_npu_sim::_npu_paged_attention"
-
-
-def _case(batch=2, heads=4, kv_heads=2, dim=8, block_size=16, blocks=8, max_blocks=2):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, heads, dim, generator=g).to(DTYPE)
-    k = torch.randn(blocks, block_size, kv_heads, dim, generator=g).to(DTYPE)
-    v = torch.randn(blocks, block_size, kv_heads, dim, generator=g).to(DTYPE)
-    table = torch.randperm(blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)
-    return q, k, v, table
-
-
-def _expected(q, k, v, table, lens):
-    out = torch.empty_like(q)
-    _reference.paged_decode_attention_host_lens(q, k, v, table, lens, SCALE, out)
-    return out
 
 
 def _ifa(sim, case, lens):
@@ -73,7 +56,7 @@ def test_ifa_default_called_directly_is_updated_through_the_registry(npu, sim):
     # A model calling torch_npu's attention itself (as vllm-ascend's do): the .default call is
     # captured as its handler captures it (.out over outputs allocated at capture), so a task update
     # rewrites the task into the buffers the rest of the graph reads.
-    case = _case()
+    case = attention_case()
     graph = npu.graph()
     with graph.capture(auto_update_ops=npu.updatable_ops):
         attn, _lse = _ifa(sim, case, [5, 9])
@@ -82,24 +65,24 @@ def test_ifa_default_called_directly_is_updated_through_the_registry(npu, sim):
     assert task.op == IFA and task.host_args["actual_seq_lengths_kv"] == [5, 9]
     graph.replay({"actual_seq_lengths_kv": [12, 3]})
     npu.synchronize()
-    expected = _expected(*case, [12, 3])
+    expected = expected_attention(*case, [12, 3])
     torch.testing.assert_close(attn.squeeze(2), expected)
     torch.testing.assert_close(doubled, expected * 2)
     graph.update({"actual_seq_lengths_kv": [2, 17]})
     graph.replay()
     npu.synchronize()
-    torch.testing.assert_close(doubled, _expected(*case, [2, 17]) * 2)
+    torch.testing.assert_close(doubled, expected_attention(*case, [2, 17]) * 2)
 
 
 def test_paged_attention_context_lens_is_updated_through_the_registry(npu, sim):
-    q, k, v, table = _case()
+    q, k, v, table = attention_case()
     context_lens, out = torch.tensor([5, 9], dtype=torch.int32), torch.empty_like(q)
     graph = npu.graph()
     with graph.capture(auto_update_ops=npu.updatable_ops):
         sim._npu_paged_attention(q, k, v, k.shape[2], q.shape[1], SCALE, table, context_lens, out)
     graph.replay({"context_lens": torch.tensor([2, 13], dtype=torch.int32)})
     npu.synchronize()
-    torch.testing.assert_close(out, _expected(q, k, v, table, [2, 13]))
+    torch.testing.assert_close(out, expected_attention(q, k, v, table, [2, 13]))
 
 
 def test_a_spec_that_disagrees_with_the_schema_is_refused(sim):
