@@ -242,8 +242,8 @@ def test_npu_backend_on_cpu_tensors_gets_the_cpu_platform_with_npu_graphs_and_sg
     from sglang.srt.platforms import _load_platform_class
 
     from devgraph.adapters.sglang._backend import devgraph_device_for
-    from devgraph.adapters.sglang._platform import DevgraphCpuPlatform
     from devgraph.adapters.sglang._decode_runner import DevgraphDecodeGraphRunner, npu_graph_runner_cls
+    from devgraph.adapters.sglang._platform import DevgraphCpuPlatform
     from devgraph_sim.npu import simulated_torch_npu
 
     monkeypatch.setenv("SGLANG_PLATFORM", "devgraph")
