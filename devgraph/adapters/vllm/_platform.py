@@ -62,6 +62,13 @@ class DevgraphPlatformMixin:
         )
 
     @classmethod
+    def apply_config_platform_defaults(cls, vllm_config: Any) -> None:
+        """The base platform's defaults; notes whether the user chose how vLLM's custom ops resolve
+        (vLLM picks for them right after this call, see ``_resolve_custom_ops``)."""
+        super().apply_config_platform_defaults(vllm_config)  # type: ignore[misc]
+        _note_custom_ops_choice(vllm_config)
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
         """The base platform's check, then graphs kept on (the CPU platform turns them off)."""
         from vllm.config import CompilationMode, CUDAGraphMode
@@ -122,6 +129,7 @@ class DevgraphPlatformMixin:
             if mode == CompilationMode.VLLM_COMPILE:
                 cc.backend = backend if backend not in ("", "inductor") else "eager"
                 _disable_cuda_only_passes(cc.pass_config)
+        _resolve_custom_ops(cls, vllm_config)
         if not parallel.worker_cls.startswith(_worker_module()):
             # The platform's own worker (and model runner), with devgraph's FULL-graph runner path.
             from devgraph.adapters.vllm._worker import worker_qualname
@@ -436,6 +444,57 @@ def _direct_devgraph_attention(cls: Any, vllm_config: Any) -> bool:
     attention directly, so that a FULL graph captures devgraph's op as an updatable task."""
     mode = vllm_config.compilation_config.cudagraph_mode
     return _devgraph_attention(cls, vllm_config) and not mode.requires_piecewise_compilation()
+
+
+#: Set on the compilation config by ``apply_config_platform_defaults``: True when the user gave no base
+#: mode for vLLM's custom ops ("all" / "none"), so that vLLM picks one from the compilation config.
+_CUSTOM_OPS_UNCHOSEN = "_devgraph_custom_ops_unchosen"
+CUSTOM_OPS_BASES = ("all", "none")
+
+
+def _note_custom_ops_choice(vllm_config: Any) -> None:
+    cc = vllm_config.compilation_config
+    setattr(cc, _CUSTOM_OPS_UNCHOSEN, not any(base in cc.custom_ops for base in CUSTOM_OPS_BASES))
+
+
+def custom_ops_base(mode: Any, backend: str) -> str:
+    """vLLM's own rule for the base mode of its custom ops (``VllmConfig.__post_init__``): their torch
+    implementations ("none") for inductor to compile, their platform kernels ("all") otherwise."""
+    from vllm.config import CompilationMode
+
+    return "none" if backend == "inductor" and mode != CompilationMode.NONE else "all"
+
+
+def _resolve_custom_ops(cls: Any, vllm_config: Any) -> None:
+    """vLLM's custom ops (RMSNorm, SiluAndMul, rotary, ...) resolved for the compilation that runs.
+
+    vLLM picks their base mode before the platform's check, from the compilation mode and backend it
+    was given: for its default config (``VLLM_COMPILE`` with inductor) their torch implementations,
+    which inductor fuses. On vLLM's CPU platform devgraph never runs inductor while it captures graphs
+    (the model runs uncompiled, or Dynamo-split into eager pieces), so that choice would leave the
+    model on torch code that neither vLLM engine a user runs executes there: ``enforce_eager`` runs
+    vLLM's C++ kernels (``torch.ops._C.rotary_embedding``, ...), the default config inductor's code.
+    vLLM's own rule applied to the compilation devgraph runs gives the kernels ``enforce_eager`` runs.
+    A base mode the user chose stays; so does vLLM's choice where devgraph keeps vLLM's compilation
+    (other platforms; no graphs: this runs only once graphs are kept on).
+    """
+    cc = vllm_config.compilation_config
+    if not getattr(cc, _CUSTOM_OPS_UNCHOSEN, False) or not _is_vllm_cpu(cls):
+        return
+    want = custom_ops_base(cc.mode, cc.backend)
+    bases = [op for op in cc.custom_ops if op in CUSTOM_OPS_BASES]
+    if bases == [want]:
+        return
+    cc.custom_ops = [op for op in cc.custom_ops if op not in CUSTOM_OPS_BASES] + [want]
+    logger.info(
+        "devgraph vLLM platform (cpu): vLLM's custom ops resolve to %s (custom_ops base mode %r, as for "
+        "compilation mode %s with backend %r; vLLM chose %s for the compilation it was given)",
+        "their platform kernels" if want == "all" else "their torch implementations",
+        want,
+        cc.mode.name,
+        cc.backend,
+        bases,
+    )
 
 
 def _disable_cuda_only_passes(pass_config: Any) -> None:

@@ -1,9 +1,11 @@
 """Run one vLLM engine and write its greedy tokens and devgraph's counters as JSON.
 
-Usage: python _run_engine.py MODEL_DIR MODE OUT_JSON, MODE in eager, eager-native (eager with vLLM's
-torch implementations of its custom ops), default (vLLM's default compilation
-config, unchanged), or a cudagraph_mode (PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE) with
-capture sizes 1, 2, 4, 8; ``breakable:PIECEWISE`` and ``breakable:FULL_AND_PIECEWISE`` are those
+Usage: python _run_engine.py MODEL_DIR MODE OUT_JSON, MODE in eager (``enforce_eager=True``), eager-native
+(eager with vLLM's torch implementations of its custom ops, ``custom_ops=["none"]``), default (vLLM's
+default compilation config, unchanged), or a cudagraph_mode (PIECEWISE, FULL, FULL_DECODE_ONLY,
+FULL_AND_PIECEWISE) with capture sizes 1, 2, 4, 8, set as a user sets it
+(``compilation_config={'cudagraph_mode': MODE, 'cudagraph_capture_sizes': [...]}``: vLLM's default
+compilation mode and backend otherwise); ``breakable:PIECEWISE`` and ``breakable:FULL_AND_PIECEWISE`` are those
 modes with vLLM's own switch VLLM_USE_BREAKABLE_CUDAGRAPH=1 (no torch.compile: PIECEWISE batches from
 breakable graphs of the whole model) and capture sizes up to 64, so that the prefill step (61 tokens)
 fits one too. More options go before the mode the same way (``OPTION:...:MODE``):
@@ -12,6 +14,8 @@ fits one too. More options go before the mode the same way (``OPTION:...:MODE``)
 a copy, so that every later step hands the graphs a tensor at another address than at capture (a
 broken runner);
 ``kv-fp8``: an fp8 KV cache (``kv_cache_dtype='fp8'``).
+A model directory with a ``tokenizer`` subdirectory (``_tiny_model.TOKENIZER_SUBDIR``) is given that
+tokenizer.
 Run in a fresh process per engine: vLLM resolves its platform once per process (DEVGRAPH_VLLM is
 read then). The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the
 graph wrappers' counters are this process's.
@@ -21,6 +25,9 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
+
+from _tiny_model import TOKENIZER_SUBDIR
 
 # Prompts of different lengths, more of them (10) than the largest capture size (8), each generating
 # a different number of tokens: decode batches shrink from 10 (above the largest size: eager) to 1.
@@ -77,21 +84,22 @@ def main(model: str, mode: str, out: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
-    compilation: dict = {"mode": 3, "backend": "eager"}  # VLLM_COMPILE, eager pieces
     if mode == "eager":
         kwargs = {"enforce_eager": True}
     elif mode == "eager-native":
-        # Eager with vLLM's torch implementations of its custom ops (RMSNorm, SiluAndMul, rotary):
-        # the model code a FULL_DECODE_ONLY engine with devgraph's attention runs, graphs aside.
+        # Eager with vLLM's torch implementations of its custom ops (RMSNorm, SiluAndMul, rotary)
+        # instead of its C++ kernels (what inductor compiles; a configuration users do not run eagerly).
         kwargs = {"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]}}
     elif mode == "default":
         kwargs = {"max_num_seqs": 8}  # vLLM's default compilation config; fewer capture sizes (16 at most)
     else:
-        compilation.update(cudagraph_mode=mode, cudagraph_capture_sizes=sizes)
-        kwargs = {"compilation_config": compilation}
+        kwargs = {"compilation_config": {"cudagraph_mode": mode, "cudagraph_capture_sizes": sizes}}
     kwargs.setdefault("max_num_seqs", 16)
     if "kv-fp8" in options:
         kwargs["kv_cache_dtype"] = "fp8"
+    tokenizer = Path(model) / TOKENIZER_SUBDIR
+    if tokenizer.is_dir():
+        kwargs["tokenizer"] = str(tokenizer)
     llm = LLM(model=model, dtype="float32", seed=0, max_model_len=128, **kwargs)
     if "moved-input-ids" in options:
         llm.collective_rpc(_move_input_ids)
@@ -118,6 +126,11 @@ def main(model: str, mode: str, out: str) -> None:
         "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name),
         "capture_sizes": list(llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes or []),
         "compilation_mode": str(llm.llm_engine.vllm_config.compilation_config.mode.name),
+        # vLLM's custom ops (RMSNorm, SiluAndMul, rotary, ...) the model's layers resolved to their
+        # platform kernels (enabled) or to their torch implementations (disabled), by name.
+        "custom_ops": list(llm.llm_engine.vllm_config.compilation_config.custom_ops),
+        "enabled_custom_ops": sorted(llm.llm_engine.vllm_config.compilation_config.enabled_custom_ops),
+        "disabled_custom_ops": sorted(llm.llm_engine.vllm_config.compilation_config.disabled_custom_ops),
         "stats": stats,
     }
     with open(out, "w") as f:

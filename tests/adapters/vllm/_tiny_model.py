@@ -106,3 +106,38 @@ def build_tiny_bloom(path: Path, seed: int = 0) -> Path:
 
     config = BloomConfig(**_SHARED, n_layer=2, n_head=4)
     return _save(BloomForCausalLM, config, path, seed)
+
+
+#: Where a model whose type transformers maps to its own tokenizer class keeps the word-level tokenizer
+#: (transformers 5 loads ``Qwen2Tokenizer`` for any ``qwen2``/``qwen2_moe`` checkpoint, which turns the
+#: test prompts into no tokens): the engine is given ``tokenizer=MODEL_DIR/tokenizer``.
+TOKENIZER_SUBDIR = "tokenizer"
+
+
+def _save_own_tokenizer(path: Path) -> Path:
+    _tokenizer().save_pretrained(path / TOKENIZER_SUBDIR)
+    return path
+
+
+def build_tiny_qwen2(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen2 (biased q/k/v projections, rotary, RMSNorm, SiLU-gated MLP)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**_COMMON)
+    return _save_own_tokenizer(_save(Qwen2ForCausalLM, config, path, seed))
+
+
+def build_tiny_qwen2_moe(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen2-MoE (4 experts, 2 per token, a gated shared expert): vLLM's fused MoE layer."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        **_COMMON,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        decoder_sparse_step=1,
+        norm_topk_prob=False,
+    )
+    return _save_own_tokenizer(_save(Qwen2MoeForCausalLM, config, path, seed))

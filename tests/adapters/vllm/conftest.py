@@ -43,6 +43,8 @@ def engine(tiny_model, tmp_path_factory) -> EngineRuns:
         build_tiny_bloom,
         build_tiny_gemma2,
         build_tiny_mixtral,
+        build_tiny_qwen2,
+        build_tiny_qwen2_moe,
         build_tiny_sliding_mistral,
     )
 
@@ -52,5 +54,7 @@ def engine(tiny_model, tmp_path_factory) -> EngineRuns:
         "sliding": build_tiny_sliding_mistral(tmp_path_factory.mktemp("tiny-sliding-mistral")),
         "gemma2": build_tiny_gemma2(tmp_path_factory.mktemp("tiny-gemma2")),
         "bloom": build_tiny_bloom(tmp_path_factory.mktemp("tiny-bloom")),
+        "qwen2": build_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2")),
+        "qwen2moe": build_tiny_qwen2_moe(tmp_path_factory.mktemp("tiny-qwen2-moe")),
     }
     return EngineRuns(models, tmp_path_factory.mktemp("engine-runs"))

