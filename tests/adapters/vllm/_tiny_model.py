@@ -148,3 +148,26 @@ def build_tiny_bloom(path: Path, seed: int = 0) -> Path:
         torch_dtype="float32",
     )
     return _save(BloomForCausalLM, config, path, seed)
+
+
+def build_tiny_llama_drafter(target: Path, path: Path) -> Path:
+    """A 1-layer Llama drafter for ``target`` (a ``build_tiny_llama`` model): the target's embeddings,
+    first layer, final norm and output head, so that its greedy drafts agree with the target's tokens
+    some of the time (speculative decoding then both accepts and rejects drafts). Same tokenizer."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    weights = load_file(target / "model.safetensors")
+    kept = {
+        k: v
+        for k, v in weights.items()
+        if not k.startswith("model.layers.") or k.startswith("model.layers.0.")
+    }
+    save_file(kept, path / "model.safetensors", metadata={"format": "pt"})
+    _tokenizer().save_pretrained(path)
+    return path
