@@ -1,9 +1,11 @@
 """vLLM speculative decoding with devgraph's graphs: the target's verify steps and the drafter's.
 
-Each engine runs the same requests with greedy sampling and ``num_speculative_tokens=3``; devgraph's
-engines are compared with vLLM without devgraph running the same model code (vLLM's default config runs
-the model uncompiled with vLLM's torch implementations of its custom ops there: ``eager-native``;
-breakable graphs run its C++ kernels: ``eager``). Equal means every greedy token, every top-5 logprob of
+Methods ``draft_model`` (a 1-layer Llama sharing the target's first layer), ``eagle`` (a random EAGLE
+head) and ``ngram``; each engine runs the same requests with greedy sampling and
+``num_speculative_tokens=3``. devgraph's engines are compared with vLLM without devgraph running the same
+model code (vLLM's default config runs the model uncompiled with vLLM's torch implementations of its
+custom ops there: ``eager-native``; breakable graphs and compiled PIECEWISE pieces run its C++ kernels:
+``eager``). Equal means every greedy token, every top-5 logprob of
 every position and vLLM's spec-decode counters (drafts, draft tokens, accepted tokens per position).
 """
 
@@ -21,7 +23,9 @@ SPEC_RUNS = (
     ("draft_model", "eager-native", False),
     ("draft_model", "default", True),
     ("draft_model", "eager", False),
-    ("draft_model", "breakable:FULL_AND_PIECEWISE", True),
+    ("draft_model", "PIECEWISE", True),
+    ("eagle", "eager", False),
+    ("eagle", "breakable:FULL_AND_PIECEWISE", True),
     ("ngram", "eager-native", False),
     ("ngram", "default", True),
 )
@@ -29,9 +33,13 @@ SPEC_RUNS = (
 
 @pytest.fixture(scope="module")
 def spec_engine(tiny_model, tmp_path_factory):
-    from _tiny_model import build_tiny_llama_drafter
+    from _tiny_model import build_tiny_eagle_head, build_tiny_llama_drafter
 
-    drafter = build_tiny_llama_drafter(tiny_model, tmp_path_factory.mktemp("tiny-llama-drafter"))
+    drafters = {
+        "draft_model": build_tiny_llama_drafter(tiny_model, tmp_path_factory.mktemp("tiny-llama-drafter")),
+        "eagle": build_tiny_eagle_head(tiny_model, tmp_path_factory.mktemp("tiny-eagle-head")),
+        "ngram": tiny_model,  # unused
+    }
     workdir = tmp_path_factory.mktemp("spec-runs")
     jobs = int(os.environ.get("DEVGRAPH_VLLM_TEST_JOBS", max(1, (os.cpu_count() or 2) // 2)))
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
@@ -39,7 +47,14 @@ def spec_engine(tiny_model, tmp_path_factory):
     def run(key):
         method, mode, devgraph = key
         out = workdir / f"{method}-{mode}-{devgraph}.json"
-        script = [str(HERE / "_run_spec_engine.py"), str(tiny_model), str(drafter), method, mode, str(out)]
+        script = [
+            str(HERE / "_run_spec_engine.py"),
+            str(tiny_model),
+            str(drafters[method]),
+            method,
+            mode,
+            str(out),
+        ]
         return run_python(script, engine_env(devgraph)), out
 
     futures = {key: pool.submit(run, key) for key in SPEC_RUNS}
@@ -79,16 +94,30 @@ def test_draft_model_default_config_verify_steps_replay_full_graphs(spec_engine)
     assert not any(k.startswith(("capture.draft", "unreplayed")) for k in stats)
 
 
-def test_draft_model_breakable_graphs_serve_the_drafter_and_the_target(spec_engine):
-    graphed = spec_engine("draft_model", "breakable:FULL_AND_PIECEWISE", True)
+def test_draft_model_piecewise_drafter_and_target_pieces_replayed(spec_engine):
+    # Compiled PIECEWISE (VLLM_COMPILE, eager pieces): vLLM's piecewise backend makes the drafter's
+    # piece wrappers too; they are told apart by the drafter's model tag.
+    graphed = spec_engine("draft_model", "PIECEWISE", True)
     assert_same_generation(graphed, spec_engine("draft_model", "eager", False))
+    assert graphed["cudagraph_mode"] == "PIECEWISE"
+    assert graphed["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
     stats = graphed["stats"]
-    assert graphed["cudagraph_mode"] == "FULL_AND_PIECEWISE"
-    # The drafter's own breakable graphs were captured and replayed (counted apart from the target's).
+    assert stats["capture.draft.PIECEWISE"] > 0 and stats["replay.draft.PIECEWISE"] > 0
+    assert stats["capture.PIECEWISE"] > 0 and stats["replay.PIECEWISE"] > 0
+    assert "unreplayed.draft.PIECEWISE" not in stats
+
+
+def test_eagle_head_breakable_graphs_serve_the_drafter_and_the_target(spec_engine):
+    # vLLM's CPU runner runs EAGLE (EagleLlamaForCausalLM, fed the target's hidden states); the head is
+    # the target's first layer, so some drafts are accepted: a drafter graph replaying wrong values
+    # would change vLLM's acceptance counters (the tokens cannot change: the target verifies them).
+    graphed = spec_engine("eagle", "breakable:FULL_AND_PIECEWISE", True)
+    assert_same_generation(graphed, spec_engine("eagle", "eager", False))
+    metrics = graphed["metrics"]
+    assert 0 < metrics["vllm:spec_decode_num_accepted_tokens"] < metrics["vllm:spec_decode_num_draft_tokens"]
+    stats = graphed["stats"]
     assert stats["capture.draft.BREAKABLE"] > 0 and stats["replay.draft.BREAKABLE"] > 0
-    assert stats["breaks.draft.BREAKABLE"] > 0
     assert "unreplayed.draft.BREAKABLE" not in stats
-    # The target: verify steps from task-updated FULL graphs.
     assert stats["replay.FULL"] > 0 and stats["update.FULL"] == stats["replay.FULL"]
 
 
