@@ -105,7 +105,7 @@ def wrap_drafter(model: Any, vllm_config: Any) -> Any:
     return wrapper
 
 
-#: True once this process has said that the drafter runs eagerly in FULL_DECODE_ONLY.
+#: True once this process has said that the drafter runs eagerly (FULL_DECODE_ONLY, ...).
 _said_drafter_eager = False
 
 
@@ -146,9 +146,9 @@ def check_speculative_config(
     if drafter_model and not spec.enforce_eager and not _drafter_has_graphs(cc) and not _said_drafter_eager:
         _said_drafter_eager = True
         logger.warning(
-            "devgraph vLLM platform: speculative decoding (%s) with cudagraph_mode=%s: the target's decode "
-            "and verify steps replay FULL graphs, the drafter's steps run eagerly (vLLM gives a drafter "
-            "PIECEWISE graphs only, and here it has none). For the drafter's graphs too set "
+            "devgraph vLLM platform: speculative decoding (%s) with cudagraph_mode=%s: the drafter's steps "
+            "run eagerly (vLLM gives a drafter PIECEWISE graphs only, and with this mode it has none; the "
+            "target's steps are served as without a drafter). For the drafter's graphs too set "
             "VLLM_USE_BREAKABLE_CUDAGRAPH=1 (FULL_AND_PIECEWISE: breakable graphs for the drafter and the "
             "target's mixed batches) or compilation_config={'cudagraph_mode': 'PIECEWISE'}",
             spec.method,
