@@ -85,7 +85,7 @@ class DevgraphBreakableWrapper(DevgraphGraphWrapper):
 
     @property
     def label(self) -> str:
-        return "BREAKABLE"
+        return self.role + "BREAKABLE"
 
     def _graph_set(self, shared: SharedPool) -> GraphSet[Any, BreakableGraph]:
         device, breaks = self.device, self.breaks

@@ -135,6 +135,7 @@ class DevgraphPlatformMixin:
             from devgraph.adapters.vllm._worker import worker_qualname
 
             parallel.worker_cls = worker_qualname(parallel.worker_cls)
+        _check_speculative_config(cls, vllm_config)  # on the final modes (the drafter's follow them)
         logger.info(
             "devgraph vLLM platform: device %s, cudagraph_mode %s%s, capture sizes %s",
             cls.devgraph_device_name,
@@ -163,7 +164,7 @@ class DevgraphPlatformMixin:
         if config is not None and _devgraph_attention(cls, config):
             from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-            qualname = _attention_backend_qualname(cls)
+            qualname = _attention_backend_qualname(cls, config)
             register_backend(AttentionBackendEnum.CUSTOM, qualname)
             return qualname
         return super().get_attn_backend_cls(  # type: ignore[misc]
@@ -350,9 +351,12 @@ def _uses_vllm_cpu_kernel(cls: Any) -> bool:
     return _is_vllm_cpu(cls) and cls.devgraph_device_name == "cpu"
 
 
-def _attention_backend_qualname(cls: Any) -> str:
-    """The attention backend FULL graphs use on a device that freezes host arguments."""
+def _attention_backend_qualname(cls: Any, vllm_config: Any = None) -> str:
+    """The attention backend FULL graphs use on a device that freezes host arguments (on the CPU
+    reference with speculative decoding, the one whose FULL graphs also serve the verify step)."""
     if _uses_vllm_cpu_kernel(cls):
+        if getattr(vllm_config, "speculative_config", None) is not None:
+            return "devgraph.adapters.vllm._cpu_verify_attention.DevgraphCpuSpecAttentionBackend"
         return "devgraph.adapters.vllm._cpu_attention.DevgraphCpuAttentionBackend"
     return "devgraph.adapters.vllm._attention.DevgraphAttentionBackend"
 
@@ -426,6 +430,21 @@ def _refuse_kv_cache_dtype(cls: Any, vllm_config: Any) -> None:
         f"attention, which {keeps}. Pass kv_cache_dtype='auto', or "
         "compilation_config={'cudagraph_mode': 'PIECEWISE'} (graphs of the pieces between the attention "
         f"calls, the platform's attention and its {dtype} cache eager), or unset {DEVGRAPH_VLLM_ENV}"
+    )
+
+
+def _check_speculative_config(cls: Any, vllm_config: Any) -> None:
+    """Speculative decoding: refused where devgraph's FULL graphs cannot serve the verify step
+    (``_spec_decode.check_speculative_config``)."""
+    if getattr(vllm_config, "speculative_config", None) is None:
+        return
+    from devgraph.adapters.vllm._spec_decode import check_speculative_config
+
+    check_speculative_config(
+        cls,
+        vllm_config,
+        devgraph_attention=_devgraph_attention(cls, vllm_config),
+        cpu_kernel=_uses_vllm_cpu_kernel(cls),
     )
 
 

@@ -105,15 +105,12 @@ def wrap_full_model(model: Any, vllm_config: Any) -> Any:
 
 
 def wrap_drafter_model(model: Any, vllm_config: Any) -> Any:
-    """A speculative-decoding drafter's model as the runner should hold it: vLLM's GPU runner wraps it in
-    its own ``BreakableCUDAGraphWrapper`` when breakable graphs are on; devgraph's takes its place."""
-    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
+    """A speculative-decoding drafter's model as the runner should hold it: with vLLM's breakable graphs
+    on, in devgraph's breakable wrapper (in place of vLLM's ``BreakableCUDAGraphWrapper`` on its GPU
+    runner, around the bare model on its CPU runner), counted as the drafter's (``_spec_decode``)."""
+    from devgraph.adapters.vllm._spec_decode import wrap_drafter
 
-    if isinstance(model, BreakableCUDAGraphWrapper):
-        from devgraph.adapters.vllm._breakable import DevgraphBreakableWrapper
-
-        return DevgraphBreakableWrapper(model.runnable, vllm_config)
-    return model
+    return wrap_drafter(model, vllm_config)
 
 
 def _num_tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:

@@ -78,6 +78,9 @@ class DevgraphWorkerMixin:
         report = getattr(getattr(self, "model_runner", None), "devgraph_report_eager_decode", None)
         if report is not None:
             report()
+        from devgraph.adapters.vllm._spec_decode import report_unreplayed_drafter_graphs
+
+        report_unreplayed_drafter_graphs()
         super().shutdown()  # type: ignore[misc]
 
 

@@ -22,6 +22,7 @@ import torch
 from devgraph._errors import DevgraphError
 from devgraph.adapters.vllm import _compare_eager, _stats
 from devgraph.adapters.vllm._host_args import step_host_args, updatable_ops
+from devgraph.adapters.vllm._spec_decode import DRAFT_PREFIX, is_drafter_runnable
 from devgraph.graph import Graph, GraphSet, MemoryPool, SharedPool, weak_ref_tensors
 
 __all__ = ["DevgraphGraphWrapper"]
@@ -150,6 +151,11 @@ class DevgraphGraphWrapper:
         )
         self.graphs.shared.adopt(pool)
         self.entries: dict[Any, _Entry] = {}
+        #: ``""`` for the target model's graphs, ``"draft."`` for a speculative drafter's (``stats()``
+        #: counts them apart: ``replay.draft.PIECEWISE``)
+        self.role = DRAFT_PREFIX if is_drafter_runnable(runnable) else ""
+        #: replays of this wrapper's graphs (a drafter's graphs captured but never replayed are reported)
+        self.replays = 0
         self.debug = os.environ.get("DEVGRAPH_DEBUG", "") == "1" or logging.getLogger("vllm").isEnabledFor(
             logging.DEBUG
         )
@@ -158,7 +164,7 @@ class DevgraphGraphWrapper:
     @property
     def label(self) -> str:
         """What the counters of ``stats()`` call this wrapper's graphs (``capture.<label>``, ...)."""
-        return str(self.runtime_mode.name)
+        return self.role + str(self.runtime_mode.name)
 
     def _graph_set(self, shared: SharedPool) -> GraphSet[Any, Any]:
         """The set holding this wrapper's graphs (one ``devgraph.Graph`` per batch descriptor)."""
@@ -305,6 +311,7 @@ class DevgraphGraphWrapper:
         if host_args is not None:
             _stats.count("update", self.label)
         _stats.count("replay", self.label)
+        self.replays += 1
         return output
 
     def _step_host_args(self, context: Any, graph: Graph) -> Mapping[str, Any] | None:

@@ -141,3 +141,63 @@ def build_tiny_qwen2_moe(path: Path, seed: int = 0) -> Path:
         norm_topk_prob=False,
     )
     return _save_own_tokenizer(_save(Qwen2MoeForCausalLM, config, path, seed))
+
+
+def build_tiny_llama_drafter(target: Path, path: Path) -> Path:
+    """A 1-layer Llama drafter for ``target`` (a ``build_tiny_llama`` model): the target's embeddings,
+    first layer, final norm and output head, so that its greedy drafts agree with the target's tokens
+    some of the time (speculative decoding then both accepts and rejects drafts). Same tokenizer."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    weights = load_file(target / "model.safetensors")
+    kept = {
+        k: v
+        for k, v in weights.items()
+        if not k.startswith("model.layers.") or k.startswith("model.layers.0.")
+    }
+    save_file(kept, path / "model.safetensors", metadata={"format": "pt"})
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+def build_tiny_eagle_head(target: Path, path: Path) -> Path:
+    """A 1-layer EAGLE head for ``target`` (a ``build_tiny_llama`` model), in the layout vLLM's
+    ``EagleLlamaForCausalLM`` loads (``speculative_config={'method': 'eagle'}``): ``fc`` maps (token
+    embedding, target hidden state) to the token embedding alone, and the decoder layer (vLLM drops its
+    input norm) is the target's first layer (rescaled for the missing norm); the embeddings and output head are the target's (vLLM
+    shares them). So the head drafts about as a 1-layer copy of the target would: some drafts are
+    accepted, and a drafter graph replaying wrong values shows in vLLM's acceptance counters."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    hidden = config["hidden_size"]
+    layer = "model.layers.0."
+    weights = {
+        name[len("model.") :]: tensor
+        for name, tensor in load_file(target / "model.safetensors").items()
+        if name.startswith(layer) and "input_layernorm" not in name
+    }
+    weights["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    # The target's first layer normalises its input before attention (weight 1), the head's does not:
+    # scale q, k, v by 1 / (the embeddings' typical RMS) and o back, so that the attention sees about
+    # what the target's does and adds about what it adds to the residual.
+    embed = load_file(target / "model.safetensors")["model.embed_tokens.weight"]
+    scale = float(1.0 / embed.pow(2).mean(dim=-1).sqrt().mean())
+    for name in ("q_proj", "k_proj", "v_proj"):
+        weights[f"layers.0.self_attn.{name}.weight"] = weights[f"layers.0.self_attn.{name}.weight"] * scale
+    weights["layers.0.self_attn.o_proj.weight"] = weights["layers.0.self_attn.o_proj.weight"] / scale
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    _tokenizer().save_pretrained(path)
+    return path

@@ -201,14 +201,19 @@ def test_without_vllms_flag_piecewise_is_left_to_vllm(cpu, monkeypatch):
     assert wrap_full_model(model, config) is model
 
 
-def test_a_drafters_vllm_breakable_wrapper_is_replaced_by_devgraphs(cpu, breakable_flag):
+def test_a_drafters_vllm_breakable_wrapper_is_replaced_by_devgraphs(cpu, breakable_flag, monkeypatch):
     from devgraph.adapters.vllm._breakable import DevgraphBreakableWrapper
     from devgraph.adapters.vllm._runner import wrap_drafter_model
 
     model, config = _Model(), _config()
     wrapped = wrap_drafter_model(_runner_model(config, model).inner, config)
     assert type(wrapped) is DevgraphBreakableWrapper and wrapped.runnable is model
-    assert wrap_drafter_model(model, config) is model  # a drafter vLLM left unwrapped stays so
+    # vLLM's CPU runner leaves the drafter bare: with the flag devgraph wraps it, as vLLM's GPU runner does.
+    bare = wrap_drafter_model(model, config)
+    assert type(bare) is DevgraphBreakableWrapper and bare.runnable is model
+    assert wrapped.label == bare.label == "draft.BREAKABLE"  # counted apart from the target's graphs
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH")
+    assert wrap_drafter_model(model, config) is model  # without the flag a bare drafter stays so
 
 
 # -- on the engine ----------------------------------------------------------------------------------
