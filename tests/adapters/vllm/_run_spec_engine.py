@@ -3,8 +3,7 @@
 Usage: python _run_spec_engine.py TARGET_DIR DRAFT_DIR METHOD MODE OUT_JSON
 
 METHOD: ``draft_model`` (DRAFT_DIR a smaller model with the target's vocabulary), ``eagle`` (DRAFT_DIR
-an EAGLE head) or ``ngram`` (DRAFT_DIR unused). MODE: ``eager`` (``enforce_eager``: vLLM's C++ kernels),
-``eager-native`` (``enforce_eager`` with vLLM's torch implementations of its custom ops), ``default``
+an EAGLE head) or ``ngram`` (DRAFT_DIR unused). MODE: ``eager`` (``enforce_eager``: vLLM's C++ kernels), ``default``
 (vLLM's default compilation config), a ``cudagraph_mode`` name, or ``breakable:MODE`` (vLLM's
 ``VLLM_USE_BREAKABLE_CUDAGRAPH=1``). Greedy sampling; the engine core runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so devgraph's counters are the engine's.
@@ -67,8 +66,6 @@ def main(target: str, draft: str, method: str, mode: str, out: str) -> None:
 
     if mode == "eager":
         kwargs: dict = {"enforce_eager": True}
-    elif mode == "eager-native":
-        kwargs = {"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]}}
     elif mode == "default":
         kwargs = {}
     else:
