@@ -149,7 +149,11 @@ class GraphRunner:
         #: every call in ``full``)
         self.full: WholeGraphs | None = None
         if table.routes and part is None:
-            self.is_decode = is_decode or getattr(fn, "devgraph_is_decode", None)
+            self.is_decode = (
+                is_decode
+                or (compile_config.is_decode if compile_config is not None else None)
+                or getattr(fn, "devgraph_is_decode", None)
+            )
             if self.is_decode is None:
                 other = "piecewise" if table.serves == "pieces" else "breakable graphs"
                 raise DevgraphError(
