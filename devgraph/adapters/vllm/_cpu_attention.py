@@ -77,8 +77,43 @@ def vllm_cpu_decode_attention(
     ``scheduler_window``, ``isa``, ``split_kv``: the builder's values).
     """
     n = len(seq_lens_host)
-    seq_lens = torch.tensor(seq_lens_host, dtype=torch.int32)
-    query_start_loc = torch.arange(n + 1, dtype=torch.int32)
+    run_cpu_attention(
+        query, key_cache, value_cache, output, block_table,
+        torch.tensor(seq_lens_host, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32), n,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        num_heads=num_heads, scheduler_window=scheduler_window, isa=isa, split_kv=split_kv, k_scale=k_scale,
+        v_scale=v_scale, kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+
+
+def run_cpu_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    output: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tokens: int,
+    *,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    num_heads: int,
+    scheduler_window: int,
+    isa: str,
+    split_kv: bool,
+    k_scale: float,
+    v_scale: float,
+    kv_cache_dtype: str,
+) -> None:
+    """vLLM's CPU attention of ``len(seq_lens)`` requests' first ``tokens`` query tokens, with the
+    scheduler metadata built exactly as ``CPUAttentionMetadataBuilder.build`` does (``num_heads``,
+    ``scheduler_window``, ``isa``, ``split_kv``: the builder's values): the decode and the verify ops'
+    one kernel call."""
+    n = seq_lens.numel()
     scheduler_metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
         num_reqs=n,
         num_heads=num_heads,
@@ -94,10 +129,10 @@ def vllm_cpu_decode_attention(
         kv_cache_dtype=kv_cache_dtype,
     )
     vllm_ops.cpu_attention_with_kv_cache(
-        query=query[:n],
+        query=query[:tokens],
         key_cache=key_cache,
         value_cache=value_cache,
-        output=output[:n],
+        output=output[:tokens],
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
         scale=scale,

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from vllm import _custom_ops as vllm_ops
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 
 from devgraph._errors import DevgraphError
@@ -36,6 +35,7 @@ from devgraph.adapters.vllm._cpu_attention import (
     DevgraphCpuAttentionMetadata,
     DevgraphCpuAttentionMetadataBuilder,
     _in_full_graph,
+    run_cpu_attention,
 )
 from devgraph.adapters.vllm._host_args import add_updatable_op
 
@@ -83,42 +83,14 @@ def vllm_cpu_verify_attention(
     does: the same call, on the same values, as the eager step.
     """
     n = real_requests(query_start_loc_host)
-    tokens = query_start_loc_host[n]
-    seq_lens = torch.tensor(seq_lens_host[:n], dtype=torch.int32)
-    query_start_loc = torch.tensor(query_start_loc_host[: n + 1], dtype=torch.int32)
-    scheduler_metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=n,
-        num_heads=num_heads,
-        num_kv_heads=key_cache.shape[1],
-        head_dim=query.shape[-1],
-        seq_lens=seq_lens,
-        dtype=query.dtype,
-        query_start_loc=query_start_loc,
-        causal=True,
-        sliding_window_size=scheduler_window,
-        isa=isa,
-        enable_kv_split=split_kv,
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    vllm_ops.cpu_attention_with_kv_cache(
-        query=query[:tokens],
-        key_cache=key_cache,
-        value_cache=value_cache,
-        output=output[:tokens],
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        scale=scale,
-        causal=True,
-        alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window,
-        block_table=block_table[:n],
-        softcap=softcap,
-        scheduler_metadata=scheduler_metadata,
-        s_aux=sinks,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        kv_cache_dtype=kv_cache_dtype,
-    )
+    run_cpu_attention(
+        query, key_cache, value_cache, output, block_table,
+        torch.tensor(seq_lens_host[:n], dtype=torch.int32),
+        torch.tensor(query_start_loc_host[: n + 1], dtype=torch.int32), query_start_loc_host[n],
+        scale=scale, sliding_window=sliding_window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        num_heads=num_heads, scheduler_window=scheduler_window, isa=isa, split_kv=split_kv, k_scale=k_scale,
+        v_scale=v_scale, kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
 
 
 _LIB = torch.library.Library("devgraph", "FRAGMENT")
