@@ -41,14 +41,18 @@ from _common import DEFAULT_OUT, PartialReport, logger, pyplot, report_header, s
 
 import devgraph
 from devgraph.backends import _reference
+from devgraph.backends.cuda import _kernels as cuda_kernels
 from devgraph.backends.cuda import _paged_attention
 
 KERNELS: dict[str, Callable[..., Any]] = {
     "old": _reference.paged_decode_attention_device_lens,
-    "window": lambda q, k, v, bt, lens, scale, out: out.copy_(
-        _paged_attention.window_decode(q, k, v, bt, lens, scale)
+    "window": lambda q, k, v, bt, lens, scale, out: _paged_attention.window_decode(
+        _reference.PagedAttentionArgs(q, k, v, bt, lens, [], scale, out)
     ),
-    "flex": _paged_attention.paged_decode_attention,
+    # The CUDA kernel with no window or soft cap: flex where it applies (the window otherwise).
+    "flex": lambda q, k, v, bt, lens, scale, out: cuda_kernels.paged_decode_attention(
+        q, k, v, bt, lens, [], scale, out
+    ),
 }
 GPU = {"batches": [1, 8, 32, 128], "contexts": [128, 512, 2048, 8192], "max_len": 8192}
 CPU = {"batches": [1, 2], "contexts": [16, 64], "max_len": 128}

@@ -19,7 +19,7 @@ Precision: reductions and softmax run in float32 whatever the input dtype; resul
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,12 +27,14 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_dynamic_quant",
     "add_rms_norm_quant",
+    "PagedAttentionArgs",
     "gather_block_table",
     "paged_decode_attention_device_lens",
     "paged_decode_attention_host_lens",
     "quantize_int8_dynamic",
     "quantize_int8_static",
     "rms_norm",
+    "rope_neox",
     "rotary_neox",
     "split_qkv_rms_norm_rope",
 ]
@@ -113,6 +115,13 @@ def rotary_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return out.to(x.dtype)
 
 
+def rope_neox(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary_neox`` of ``q[T, Hq, D]`` and of ``k[T, Hkv, D]`` with the same angles."""
+    return rotary_neox(q, cos, sin), rotary_neox(k, cos, sin)
+
+
 def split_qkv_rms_norm_rope(
     qkv: torch.Tensor,
     q_weight: torch.Tensor,
@@ -123,21 +132,50 @@ def split_qkv_rms_norm_rope(
     num_kv_heads: int,
     head_dim: int,
     eps: float,
+    *,
+    norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm,
+    rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rope_neox,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split ``qkv[T, (Hq + 2 Hkv) * D]``, RMSNorm q and k per head, then neox rotary on q and k.
 
     ``cos_sin_cache[max_pos, R]`` holds ``cos`` in its first half and ``sin`` in its second
     (``R == D`` normally, ``R < D`` for partial rotary). Returns contiguous
-    ``(q[T, Hq * D], k[T, Hkv * D], v[T, Hkv * D])`` in ``qkv``'s dtype.
+    ``(q[T, Hq * D], k[T, Hkv * D], v[T, Hkv * D])`` in ``qkv``'s dtype. ``norm`` (``rms_norm``'s
+    arguments) and ``rope`` (``rope_neox``'s) are the steps a backend's kernel may do its own way
+    (NPU: torch_npu's ops); the split, the gather of the angles and the layout stay these.
     """
     tokens = qkv.shape[0]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q = rms_norm(q.reshape(tokens, num_heads, head_dim), q_weight, eps)
-    k = rms_norm(k.reshape(tokens, num_kv_heads, head_dim), k_weight, eps)
-    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
-    q = rotary_neox(q, cos, sin).reshape(tokens, num_heads * head_dim)
-    k = rotary_neox(k, cos, sin).reshape(tokens, num_kv_heads * head_dim)
-    return q, k, v.clone(memory_format=torch.contiguous_format)  # never an alias of qkv
+    q = norm(q.reshape(tokens, num_heads, head_dim), q_weight, eps)
+    k = norm(k.reshape(tokens, num_kv_heads, head_dim), k_weight, eps)
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, R / 2]
+    q, k = rope(q, k, cos, sin)
+    return (
+        q.reshape(tokens, num_heads * head_dim),
+        k.reshape(tokens, num_kv_heads * head_dim),
+        v.clone(memory_format=torch.contiguous_format),  # never an alias of qkv
+    )
+
+
+class PagedAttentionArgs(NamedTuple):
+    """The arguments of ``devgraph::paged_decode_attention`` as every backend's kernel receives them.
+
+    The op's schema order (``devgraph.ops._defs.SCHEMAS``): a kernel takes ``*args, **kwargs`` and
+    reads them through this, so the one argument list is written once. ``seq_lens`` is the device
+    tensor of lengths (CUDA reads it), ``seq_lens_host`` the host list (the CPU reference and NPU
+    read it); ``sliding_window`` 0 and ``logits_soft_cap`` 0.0 mean none.
+    """
+
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_host: Sequence[int]
+    scale: float
+    out: torch.Tensor
+    sliding_window: int = 0
+    logits_soft_cap: float = 0.0
 
 
 def _attend(

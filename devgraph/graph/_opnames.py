@@ -15,6 +15,7 @@ from typing import Any
 from devgraph._errors import DevgraphError
 
 __all__ = [
+    "TORCH_NAMESPACES",
     "has_python_kernel",
     "is_view",
     "lookup_op",
@@ -111,17 +112,13 @@ def resolve_auto_update_ops(names: Sequence[str] | str, declared: Sequence[str] 
     return tuple(dict.fromkeys(resolved))
 
 
-# Namespaces whose Python kernels run whole (torch's own, and devgraph's ops, whose kernels are pure
-# functions of their arguments, host arguments included, which task update changes). Any other op
-# whose Python kernel torch itself defined (torch.library.custom_op in a ``torch.*`` module, such as
-# ``_c10d_functional::_wrap_tensor_autograd``, which returns a tensor subclass) also runs whole.
-_WHOLE_NAMESPACES = frozenset(
+#: torch's own op namespaces (higher-order ops' included): their ops are torch's, never a user's.
+TORCH_NAMESPACES = frozenset(
     {
         "aten",
         "prims",
         "prim",
         "rngprims",
-        "devgraph",
         "c10d",
         "c10d_functional",
         "_c10d_functional",
@@ -129,8 +126,15 @@ _WHOLE_NAMESPACES = frozenset(
         "_dtensor",
         "inductor",
         "debug_mode_ops",
+        "higher_order",
     }
 )
+
+# Namespaces whose Python kernels run whole (torch's own, and devgraph's ops, whose kernels are pure
+# functions of their arguments, host arguments included, which task update changes). Any other op
+# whose Python kernel torch itself defined (torch.library.custom_op in a ``torch.*`` module, such as
+# ``_c10d_functional::_wrap_tensor_autograd``, which returns a tensor subclass) also runs whole.
+_WHOLE_NAMESPACES = (TORCH_NAMESPACES - {"higher_order"}) | {"devgraph"}
 
 
 def _defined_by_torch(qualname: str) -> bool:

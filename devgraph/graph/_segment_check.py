@@ -11,25 +11,9 @@ from collections.abc import Collection
 from typing import Any
 
 from devgraph.graph._break_calls import tensors
+from devgraph.graph._opnames import TORCH_NAMESPACES
 
 __all__ = ["MARK_REMEDY", "TORCH_NAMESPACES", "refusal"]
-
-TORCH_NAMESPACES = frozenset(
-    {
-        "aten",
-        "prims",
-        "prim",
-        "rngprims",
-        "c10d",
-        "c10d_functional",
-        "_c10d_functional",
-        "_c10d_functional_autograd",
-        "_dtensor",
-        "inductor",
-        "debug_mode_ops",
-        "higher_order",
-    }
-)
 
 MARK_REMEDY = (
     "mark it as a break so it runs eagerly between the graphs with each call's values: "

@@ -72,6 +72,31 @@ def _same_device(op: str, first: str, ref: torch.Tensor, **others: torch.Tensor)
             _fail(op, arg, f"on {first}'s device {ref.device}", str(t.device))
 
 
+def _floating_tensor(op: str, arg: str, value: Any, expected: str, *, dims: int, last: int) -> torch.Tensor:
+    """A floating-point tensor ``expected``: ``dims`` dims, the last of size ``last``."""
+    t = _tensor(op, arg, value, expected)
+    if t.dim() != dims or t.shape[-1] != last:
+        _fail(op, arg, expected, _shape(t))
+    _floating(op, arg, t, expected)
+    return t
+
+
+def _like(op: str, arg: str, value: Any, first: str, ref: torch.Tensor, note: str) -> torch.Tensor:
+    """A tensor of ``ref``'s shape and dtype (``ref`` is argument ``first``; ``note`` says so)."""
+    t = _tensor(op, arg, value, f"shaped like {first} {_shape(ref)}")
+    if t.shape != ref.shape or t.dtype != ref.dtype:
+        _fail(op, arg, f"{ref.dtype} {_shape(ref)} ({note})", f"{t.dtype} {_shape(t)}")
+    return t
+
+
+def _per_sequence(op: str, arg: str, value: Any, dims: int, batch: int, expected: str) -> torch.Tensor:
+    """An int32 (or int64) index tensor of ``dims`` dims, one row per sequence (``batch``)."""
+    t = _tensor(op, arg, value, expected)
+    if t.dim() != dims or t.shape[0] != batch or t.dtype not in _INDEX_DTYPES:
+        _fail(op, arg, expected, f"{t.dtype} {_shape(t)}")
+    return t
+
+
 def _check_norm_args(op: str, x: Any, weight: Any, residual: Any = None) -> None:
     x = _tensor(op, "x", x, "[..., H]")
     if x.dim() < 1:
@@ -79,14 +104,7 @@ def _check_norm_args(op: str, x: Any, weight: Any, residual: Any = None) -> None
     _floating(op, "x", x, "[..., H]")
     hidden = x.shape[-1]
     if residual is not None:
-        residual = _tensor(op, "residual", residual, f"shaped like x {_shape(x)}")
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            _fail(
-                op,
-                "residual",
-                f"{x.dtype} {_shape(x)} (x's shape and dtype)",
-                f"{residual.dtype} {_shape(residual)}",
-            )
+        residual = _like(op, "residual", residual, "x", x, "x's shape and dtype")
         _same_device(op, "x", x, residual=residual)
     weight = _tensor(op, "weight", weight, f"[H] = [{hidden}]")
     if weight.dim() != 1 or weight.shape[0] != hidden:
@@ -134,10 +152,7 @@ def check_split_qkv_rms_norm_rope(
         )
     width = (num_heads + 2 * num_kv_heads) * head_dim
     expected = f"[T, (num_heads + 2 * num_kv_heads) * head_dim] = [T, {width}]"
-    qkv = _tensor(op, "qkv", qkv, expected)
-    if qkv.dim() != 2 or qkv.shape[1] != width:
-        _fail(op, "qkv", expected, _shape(qkv))
-    _floating(op, "qkv", qkv, expected)
+    qkv = _floating_tensor(op, "qkv", qkv, expected, dims=2, last=width)
     tokens = qkv.shape[0]
     for arg, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         w = _tensor(op, arg, w, f"[head_dim] = [{head_dim}]")
@@ -178,32 +193,15 @@ def check_paged_decode_attention(
     _floating(op, "query", query, "[B, Hq, D]")
     batch, hq, dim = query.shape
     expected = f"[num_blocks, block_size, Hkv, D = {dim}]"
-    key_cache = _tensor(op, "key_cache", key_cache, expected)
-    if key_cache.dim() != 4 or key_cache.shape[3] != dim:
-        _fail(op, "key_cache", expected, _shape(key_cache))
-    _floating(op, "key_cache", key_cache, expected)
+    key_cache = _floating_tensor(op, "key_cache", key_cache, expected, dims=4, last=dim)
     hkv = key_cache.shape[2]
     if hkv == 0 or hq % hkv != 0:
         _fail(op, "key_cache", f"with Hkv dividing Hq = {hq} (GQA), in {expected}", _shape(key_cache))
-    value_cache = _tensor(op, "value_cache", value_cache, f"shaped like key_cache {_shape(key_cache)}")
-    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
-        _fail(
-            op,
-            "value_cache",
-            f"{key_cache.dtype} {_shape(key_cache)} (like key_cache)",
-            f"{value_cache.dtype} {_shape(value_cache)}",
-        )
-    block_table = _tensor(op, "block_table", block_table, f"int32 [B = {batch}, max_blocks_per_seq]")
-    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.dtype not in _INDEX_DTYPES:
-        _fail(
-            op,
-            "block_table",
-            f"int32 [B = {batch}, max_blocks_per_seq]",
-            f"{block_table.dtype} {_shape(block_table)}",
-        )
-    seq_lens = _tensor(op, "seq_lens", seq_lens, f"int32 [B] = [{batch}]")
-    if seq_lens.dim() != 1 or seq_lens.shape[0] != batch or seq_lens.dtype not in _INDEX_DTYPES:
-        _fail(op, "seq_lens", f"int32 [B] = [{batch}]", f"{seq_lens.dtype} {_shape(seq_lens)}")
+    value_cache = _like(op, "value_cache", value_cache, "key_cache", key_cache, "like key_cache")
+    block_table = _per_sequence(
+        op, "block_table", block_table, 2, batch, f"int32 [B = {batch}, max_blocks_per_seq]"
+    )
+    seq_lens = _per_sequence(op, "seq_lens", seq_lens, 1, batch, f"int32 [B] = [{batch}]")
     # Empty is allowed: kernels that read the device lengths (CUDA) do not need host ones.
     if len(seq_lens_host) not in (0, batch):
         _fail(
@@ -270,39 +268,14 @@ def _fake_split_qkv_rms_norm_rope(
     )
 
 
-def _fake_paged_decode_attention(
-    query,
-    key_cache,
-    value_cache,
-    block_table,
-    seq_lens,
-    seq_lens_host,
-    scale,
-    out,
-    sliding_window=0,
-    logits_soft_cap=0.0,
-):
-    check_paged_decode_attention(
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        seq_lens,
-        seq_lens_host,
-        scale,
-        out,
-        sliding_window,
-        logits_soft_cap,
-    )
-
-
 _FAKES: dict[str, tuple[Callable[..., Any], Callable[..., None]]] = {
     "rms_norm": (_fake_rms_norm, check_rms_norm),
     "add_rms_norm": (_fake_add_rms_norm, check_add_rms_norm),
     "add_rms_norm_quant": (_fake_add_rms_norm_quant, check_add_rms_norm_quant),
     "add_rms_norm_dynamic_quant": (_fake_add_rms_norm_dynamic_quant, check_add_rms_norm_dynamic_quant),
     "split_qkv_rms_norm_rope": (_fake_split_qkv_rms_norm_rope, check_split_qkv_rms_norm_rope),
-    "paged_decode_attention": (_fake_paged_decode_attention, check_paged_decode_attention),
+    # It writes ``out`` in place and returns nothing: its check is all its fake impl has to do.
+    "paged_decode_attention": (check_paged_decode_attention, check_paged_decode_attention),
 }
 
 

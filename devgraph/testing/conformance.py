@@ -460,12 +460,15 @@ def check_captures_serialised_per_device(device: Device) -> None:
     finally:
         first_inside.set()
         thread.join(60)
-    assert not errors, f"the second thread's capture failed: {errors[0]!r}"
-    assert not overlapped, (
-        "a second thread entered a capture on this device while the first was still capturing: "
-        "captures must be serialised per device (Device.capture_lock)"
+    _check_took_turns(
+        errors,
+        overlapped,
+        second_inside,
+        failed="the second thread's capture failed",
+        overlap="a second thread entered a capture on this device while the first was still capturing: "
+        "captures must be serialised per device (Device.capture_lock)",
+        never="the second thread never captured",
     )
-    assert second_inside.is_set(), "the second thread never captured"
 
 
 def check_update_and_replay_serialised(device: Device) -> None:
@@ -502,12 +505,31 @@ def check_update_and_replay_serialised(device: Device) -> None:
         replay_started.wait(30)
         overlapped = replayed.wait(OVERLAP_WAIT_S)
     thread.join(60)
-    assert not errors, f"the replaying thread failed: {errors[0]!r}"
-    assert not overlapped, (
-        "a replay from another thread ran while a task update of the same graph was open: update() "
-        "and replay() must be serialised by the graph's lock"
+    _check_took_turns(
+        errors,
+        overlapped,
+        replayed,
+        failed="the replaying thread failed",
+        overlap="a replay from another thread ran while a task update of the same graph was open: "
+        "update() and replay() must be serialised by the graph's lock",
+        never="the replaying thread never replayed",
     )
-    assert replayed.is_set(), "the replaying thread never replayed"
+
+
+def _check_took_turns(
+    errors: list[BaseException],
+    overlapped: bool,
+    done: threading.Event,
+    *,
+    failed: str,
+    overlap: str,
+    never: str,
+) -> None:
+    """The verdict of a two-thread check: the other thread raised nothing (``failed``), did not run
+    while this one held the lock (``overlap``), and did run once it was released (``never``)."""
+    assert not errors, f"{failed}: {errors[0]!r}"
+    assert not overlapped, overlap
+    assert done.is_set(), never
 
 
 def _stream_work_size(device: Device) -> int:

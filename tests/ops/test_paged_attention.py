@@ -195,6 +195,12 @@ def test_float32_query_over_a_bfloat16_cache_writes_a_float32_out():
     _close(got, _old(q, k, v, table, [7, 20], 0.3), torch.bfloat16)
 
 
+def _flex(q, k, v, table, seq_lens, scale, **options):
+    out = torch.empty_like(q)
+    pa.flex_decode(_reference.PagedAttentionArgs(q, k, v, table, seq_lens, [], scale, out), **options)
+    return out
+
+
 def test_compiled_flex_skips_unlisted_blocks_on_cpu():
     """The real block-sparse kernel (flex's CPU compiler), with the kernel's mask_mod alone.
 
@@ -208,19 +214,18 @@ def test_compiled_flex_skips_unlisted_blocks_on_cpu():
     unused[table.view(-1).long()] = False
     k[unused], v[unused] = float("nan"), float("nan")
     lens = [5, 48, 0]
-    got = pa.flex_decode(
-        q, k, v, table, torch.tensor(lens), 0.3, compiled=True, width=k.shape[0]
-    )  # flex's CPU compiler wants one kv_indices entry per cache block
+    # flex's CPU compiler wants one kv_indices entry per cache block
+    got = _flex(q, k, v, table, torch.tensor(lens), 0.3, compiled=True, width=k.shape[0])
     _close(got, _old(q, k, v, table, lens, 0.3), torch.float32)
     compiles = dict(counters["stats"])
     lens = [17, 1, 32]  # new lengths, same shapes, under capture's host-sync guard: no recompile
     seq_lens = torch.tensor(lens)
     with HostSyncGuard("cpu"):  # its checks apply to these (CPU) tensors
-        got = pa.flex_decode(q, k, v, table, seq_lens, 0.3, compiled=True, width=k.shape[0])
+        got = _flex(q, k, v, table, seq_lens, 0.3, compiled=True, width=k.shape[0])
     _close(got, _old(q, k, v, table, lens, 0.3), torch.float32)
     assert dict(counters["stats"]) == compiles
     q4, table4, lens = torch.cat([q, q[:1]]), torch.cat([table, table[:1]]), [17, 1, 32, 20]
-    got = pa.flex_decode(q4, k, v, table4, torch.tensor(lens), 0.3, compiled=True, width=k.shape[0])
+    got = _flex(q4, k, v, table4, torch.tensor(lens), 0.3, compiled=True, width=k.shape[0])
     _close(got, _old(q4, k, v, table4, lens, 0.3), torch.float32)
     assert dict(counters["stats"]) == compiles  # batch 3 ran padded to 4: batch 4 reuses its kernel
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from devgraph._errors import CaptureError, DevgraphError
 from devgraph.adapters.hf._cache import SharedStaticCache
@@ -38,20 +39,24 @@ _IGNORED_IF_DEFAULT["output_hidden_states"] = (None, False)
 _IGNORED_IF_DEFAULT["cache_position"] = (None,)
 
 
-class DecodeStep(nn.Module):
-    """One decode step over the shared cache's first ``B`` rows: what the runner captures.
+#: How a step hands its masks to the model: ``(None,)`` for one tensor, else the dict keys.
+MaskKeys = tuple[str | None, ...]
 
-    ``forward(input_ids[B, 1], position_ids[B, 1] | None, mask0[B, 1, 1, L], mask1, mask2)`` returns
-    the logits ``[B, 1, vocab]``. ``mask_keys`` says how the masks are handed to the model: ``(None,)``
-    for one tensor, else the dict keys of ``mask0, mask1, ...``.
+
+class MaskedStep(nn.Module):
+    """A model's forward over the shared cache, with its attention masks passed as ``mask0..mask2``.
+
+    What ``DecodeStep`` and the verify step share: ``forward(input_ids, position_ids | None, mask0,
+    mask1, mask2)`` hands the masks in use (``len(mask_keys)`` of them) to ``_step``. ``mask_keys``
+    says how the masks are handed to the model: ``(None,)`` for one tensor, else the dict keys of
+    ``mask0, mask1, ...``; the first call through the route fixes it.
     """
 
-    def __init__(self, model: Any, cache: SharedStaticCache, extra_kwargs: dict[str, Any]) -> None:
+    def __init__(self, model: Any, cache: SharedStaticCache) -> None:
         super().__init__()
         self.model = model
         self.cache = cache
-        self.extra_kwargs = extra_kwargs
-        self.mask_keys: tuple[str | None, ...] | None = None  # fixed by the first decode call
+        self.mask_keys: MaskKeys | None = None  # fixed by the first call
         self.cache_kwarg = cache_kwarg(model)
 
     def forward(
@@ -63,18 +68,43 @@ class DecodeStep(nn.Module):
         mask2: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert self.mask_keys is not None
-        masks = (mask0, mask1, mask2)[: len(self.mask_keys)]
-        attention_mask = attention_mask_of(self.mask_keys, masks)
-        out = self.model(
+        return self._step(
+            input_ids, position_ids, self.mask_keys, (mask0, mask1, mask2)[: len(self.mask_keys)]
+        )
+
+    def _step(self, input_ids: Tensor, position_ids: Tensor | None, keys: MaskKeys, masks: Any) -> Tensor:
+        raise NotImplementedError
+
+    def _model(
+        self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Any, cache: Any, **extra: Any
+    ) -> Any:
+        """The model's forward over ``cache`` (a view of the shared cache), with its output as a dict."""
+        return self.model(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
-            **{self.cache_kwarg: self.cache.view(input_ids.shape[0])},
+            **{self.cache_kwarg: cache},
             use_cache=True,
             return_dict=True,
-            **self.extra_kwargs,
+            **extra,
         )
-        return out.logits
+
+
+class DecodeStep(MaskedStep):
+    """One decode step over the shared cache's first ``B`` rows: what the runner captures.
+
+    ``forward(input_ids[B, 1], position_ids[B, 1] | None, mask0[B, 1, 1, L], mask1, mask2)`` returns
+    the logits ``[B, 1, vocab]`` (``MaskedStep`` says how the masks are handed on).
+    """
+
+    def __init__(self, model: Any, cache: SharedStaticCache, extra_kwargs: dict[str, Any]) -> None:
+        super().__init__(model, cache)
+        self.extra_kwargs = extra_kwargs
+
+    def _step(self, input_ids: Tensor, position_ids: Tensor | None, keys: MaskKeys, masks: Any) -> Tensor:
+        attention_mask = attention_mask_of(keys, masks)
+        cache = self.cache.view(input_ids.shape[0])
+        return self._model(input_ids, position_ids, attention_mask, cache, **self.extra_kwargs).logits
 
 
 def attention_mask_of(keys: tuple[str | None, ...], masks: Any) -> Any:
@@ -99,6 +129,7 @@ def mask_structure(
     return tuple(k for k, _ in items), [t for _, t in items]
 
 
+@attrs.define(eq=False, slots=False)
 class DecodeRoute:
     """The forward transformers calls for each step after the prefill; decode steps replay graphs.
 
@@ -106,27 +137,23 @@ class DecodeRoute:
     decode call that had to run eagerly (it counts and warns).
     """
 
-    def __init__(
-        self,
-        model: Any,
-        step: DecodeStep,
-        runner: Any,
-        on_eager: Any,
-        prefill: Any = None,
-        traced: bool = False,
-    ) -> None:
-        self.model = model
-        #: the runner is a ``TracedModule``: Dynamo traces the step and its graphs capture at the first
-        #: call (the state the capture's runs write put back by the graphs' own snapshot)
-        self.traced = traced
-        self.step = step
-        self.runner = runner
-        self.on_eager = on_eager
-        self.prefill = prefill  # a PiecewisePrefill (piecewise modes) or None: prefill runs eagerly
-        self.decode_calls = 0  # forwards of one token per row that reached this route (hf.py checks)
-        self.prefill_calls = 0  # forwards of several tokens per row that reached it
-        self.stage = "decode"  # what the last call was: which graphs a CaptureError came from
-        self.log: Any = None  # a StepLog while devgraph.bisect records a generate (_steplog)
+    model: Any
+    step: DecodeStep
+    runner: Any
+    on_eager: Any
+    #: a PiecewisePrefill (piecewise modes) or None: prefill runs eagerly
+    prefill: Any = None
+    #: the runner is a ``TracedModule``: Dynamo traces the step and its graphs capture at the first
+    #: call (the state the capture's runs write put back by the graphs' own snapshot)
+    traced: bool = False
+    #: forwards of one token per row that reached this route (hf.py checks)
+    decode_calls: int = attrs.field(default=0, init=False)
+    #: forwards of several tokens per row that reached it
+    prefill_calls: int = attrs.field(default=0, init=False)
+    #: what the last call was: which graphs a CaptureError came from
+    stage: str = attrs.field(default="decode", init=False)
+    #: a StepLog while devgraph.bisect records a generate (_steplog)
+    log: Any = attrs.field(default=None, init=False)
 
     def __call__(self, **kwargs: Any) -> Any:
         why = self._not_decode(kwargs)

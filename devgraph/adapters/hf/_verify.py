@@ -46,12 +46,12 @@ from typing import Any
 
 import attrs
 import torch
-from torch import nn
+from torch import Tensor
 
 from devgraph._errors import CaptureError
 from devgraph.adapters.hf._cache import SharedStaticCache
-from devgraph.adapters.hf._compat import CACHE_KEYS, cache_kwarg, cache_of, causal_lm_output
-from devgraph.adapters.hf._step import attention_mask_of, mask_structure
+from devgraph.adapters.hf._compat import CACHE_KEYS, cache_of, causal_lm_output
+from devgraph.adapters.hf._step import MaskedStep, MaskKeys, attention_mask_of, mask_structure
 
 __all__ = ["SpeculativeStats", "Verifier", "VerifyStats", "VerifyStep"]
 
@@ -133,50 +133,31 @@ class VerifyStats:
         )
 
 
-class VerifyStep(nn.Module):
+class VerifyStep(MaskedStep):
     """One verify step of a one-row assisted generate, its tokens as rows: what the graphs capture.
 
     ``forward(input_ids[T], position_ids[T] | None, mask0[T, L], mask1, mask2)`` runs the model over
     the shared cache's first row (writing ``T`` slots from its position) and returns the logits
-    ``[T, vocab]`` of every token. ``mask_keys`` as ``DecodeStep``'s.
+    ``[T, vocab]`` of every token. ``mask_keys`` as ``MaskedStep``'s.
     """
 
     start: torch.Tensor
 
     def __init__(self, model: Any, cache: SharedStaticCache) -> None:
-        super().__init__()
-        self.model = model
-        self.cache = cache
-        self.mask_keys: tuple[str | None, ...] | None = None  # fixed by the first verify call
-        self.cache_kwarg = cache_kwarg(model)
+        super().__init__(model, cache)
         #: the cache's write position before the step, set by the caller: the step moves every layer's
         #: position there first (inside the graph), so each warm-up and capture run of every size writes
         #: the same slots, from the call's position, instead of one run's tokens after another's
         self.register_buffer("start", torch.zeros((), dtype=torch.long), persistent=False)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        mask0: torch.Tensor | None = None,
-        mask1: torch.Tensor | None = None,
-        mask2: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        assert self.mask_keys is not None
-        masks = [m[None, None] for m in (mask0, mask1, mask2)[: len(self.mask_keys)]]  # type: ignore[index]
-        attention_mask = attention_mask_of(self.mask_keys, masks)
+    def _step(self, input_ids: Tensor, position_ids: Tensor | None, keys: MaskKeys, masks: Any) -> Tensor:
+        masks = [m[None, None] for m in masks]  # [T, L] -> [1, 1, T, L]
+        attention_mask = attention_mask_of(keys, masks)
         cache = self.cache.view(1)
         for layer in cache.layers:
             layer.cumulative_length.copy_(self.start)
-        out = self.model(
-            input_ids=input_ids[None],
-            position_ids=None if position_ids is None else position_ids[None],
-            attention_mask=attention_mask,
-            **{self.cache_kwarg: cache},
-            use_cache=True,
-            return_dict=True,
-        )
-        return out.logits[0]
+        positions = None if position_ids is None else position_ids[None]
+        return self._model(input_ids[None], positions, attention_mask, cache).logits[0]
 
 
 class Verifier:

@@ -28,7 +28,7 @@ from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import Bas
 import devgraph
 from devgraph._errors import DevgraphError
 from devgraph.adapters.sglang import _compare_eager, _stats
-from devgraph.graph import Device, Graph, GraphSet, Replayable, SharedPool
+from devgraph.graph import Device, Graph, GraphSet, Replayable, SharedPool, holds_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -81,23 +81,13 @@ def _weak_outputs(out: Any) -> Any:
         changes = {
             f.name: devgraph.weak_ref_tensors(getattr(out, f.name))
             for f in dataclasses.fields(out)
-            if f.init and _has_tensor(getattr(out, f.name))
+            if f.init and holds_tensor(getattr(out, f.name))
         }
         return dataclasses.replace(out, **changes)
     tensors = getattr(out, "tensors", None)
     if isinstance(tensors, dict):  # PPProxyTensors
         return type(out)(devgraph.weak_ref_tensors(tensors))
     return devgraph.weak_ref_tensors(out)
-
-
-def _has_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(_has_tensor(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_tensor(v) for v in value.values())
-    return False
 
 
 class GraphHolder:

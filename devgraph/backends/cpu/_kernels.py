@@ -8,10 +8,8 @@ device (DESIGN.md, graph contract point 3). Forgetting the update gives stale re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from devgraph.backends import _reference
 
@@ -20,28 +18,18 @@ __all__ = ["paged_decode_attention", "register_all"]
 KEY = "CPU"
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    seq_lens_host: Sequence[int],
-    scale: float,
-    out: torch.Tensor,
-    sliding_window: int = 0,
-    logits_soft_cap: float = 0.0,
-) -> None:
-    """The CPU kernel: attends over ``seq_lens_host`` tokens per sequence (the last ``sliding_window``
-    of them where that is > 0), scores soft-capped where ``logits_soft_cap`` > 0; ``seq_lens`` is not
-    read."""
-    if len(seq_lens_host) != query.shape[0]:
+def paged_decode_attention(*args: Any, **kwargs: Any) -> None:
+    """The CPU kernel (arguments: ``_reference.PagedAttentionArgs``): attends over ``seq_lens_host``
+    tokens per sequence (the last ``sliding_window`` of them where that is > 0), scores soft-capped
+    where ``logits_soft_cap`` > 0; ``seq_lens`` is not read."""
+    call = _reference.PagedAttentionArgs(*args, **kwargs)
+    if len(call.seq_lens_host) != call.query.shape[0]:
         raise ValueError(
-            f"devgraph.paged_decode_attention: seq_lens_host must list B = {query.shape[0]} lengths on "
-            f"the CPU reference backend (it reads the host lengths, like NPU), got {len(seq_lens_host)}"
+            f"devgraph.paged_decode_attention: seq_lens_host must list B = {call.query.shape[0]} lengths on "
+            f"the CPU reference backend (it reads the host lengths, like NPU), got {len(call.seq_lens_host)}"
         )
     _reference.paged_decode_attention_host_lens(
-        query, key_cache, value_cache, block_table, seq_lens_host, scale, out, sliding_window, logits_soft_cap
+        *call[:4], call.seq_lens_host, call.scale, call.out, call.sliding_window, call.logits_soft_cap
     )
 
 

@@ -15,10 +15,8 @@ on a CPU-only torch build too (the dispatcher accepts a ``CUDA`` kernel without 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from devgraph.backends import _reference
 from devgraph.backends.cuda import _paged_attention
@@ -28,31 +26,25 @@ __all__ = ["paged_decode_attention", "register_all"]
 KEY = "CUDA"
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    seq_lens_host: Sequence[int],
-    scale: float,
-    out: torch.Tensor,
-    sliding_window: int = 0,
-    logits_soft_cap: float = 0.0,
-) -> None:
-    """The CUDA kernel: attends over ``seq_lens`` (device) tokens per sequence; the host list is unused.
+def paged_decode_attention(*args: Any, **kwargs: Any) -> None:
+    """The CUDA kernel (arguments: ``_reference.PagedAttentionArgs``): attends over ``seq_lens``
+    (device) tokens per sequence; the host list is unused.
 
-    Device-agnostic torch code, so tests run it on CPU tensors too (flex eagerly there; see
-    ``_paged_attention`` for the paths and their cost). With a sliding window or a soft cap it
-    runs the reference device-length math (whole block table, float32, masked: capture-safe, not
-    tuned for speed).
+    Device-agnostic torch code, so tests run it on CPU tensors too: compiled flex on CUDA where
+    ``_paged_attention.flex_supported``, eager flex elsewhere (CPU tests of the same block mask),
+    the SDPA window otherwise (see ``_paged_attention`` for the paths and their cost). With a
+    sliding window or a soft cap it runs the reference device-length math (whole block table,
+    float32, masked: capture-safe, not tuned for speed).
     """
-    if sliding_window > 0 or logits_soft_cap > 0:
+    call = _reference.PagedAttentionArgs(*args, **kwargs)
+    if call.sliding_window > 0 or call.logits_soft_cap > 0:
         _reference.paged_decode_attention_device_lens(
-            query, key_cache, value_cache, block_table, seq_lens, scale, out, sliding_window, logits_soft_cap
+            *call[:5], call.scale, call.out, call.sliding_window, call.logits_soft_cap
         )
-        return
-    _paged_attention.paged_decode_attention(query, key_cache, value_cache, block_table, seq_lens, scale, out)
+    elif _paged_attention.flex_supported(call.query, call.key_cache):
+        _paged_attention.flex_decode(call, compiled=call.query.device.type == "cuda")
+    else:
+        _paged_attention.window_decode(call)
 
 
 def register_all(register: Callable[[str, str, Callable[..., Any]], None]) -> None:

@@ -59,14 +59,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from devgraph.backends._reference import gather_block_table
+from devgraph.backends._reference import PagedAttentionArgs, gather_block_table
 
 __all__ = [
     "MAX_COMPILED_SHAPES",
     "block_mask",
     "flex_decode",
     "flex_supported",
-    "paged_decode_attention",
     "window_decode",
 ]
 
@@ -173,24 +172,16 @@ def _no_function_modes() -> Iterator[None]:
         yield
 
 
-def flex_decode(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    compiled: bool = True,
-    width: int | None = None,
-) -> torch.Tensor:
-    """Flex attention over the blocks in use: ``[B, Hq, D]`` in the cache dtype.
+def flex_decode(call: PagedAttentionArgs, *, compiled: bool = True, width: int | None = None) -> None:
+    """Flex attention over the blocks in use, written into ``call.out`` (computed in the cache dtype).
 
+    ``call``: the op's arguments (its host lengths, window and soft cap are not read).
     ``compiled=False`` runs eager flex with the dense mask (same result; cost over the whole cache:
     for tests and CPU). ``width``: see ``block_mask``.
     """
     from torch.nn.attention.flex_attention import flex_attention
 
+    query, key_cache, value_cache, block_table, seq_lens = call[:5]
     batch, hq, dim = query.shape
     num_blocks, block_size, hkv, _ = key_cache.shape
     group = hq // hkv
@@ -210,12 +201,12 @@ def flex_decode(
     mask = block_mask(block_table, seq_lens, num_blocks, block_size, group, dense=not compiled, width=width)
     if compiled:
         with _no_function_modes(), torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_SHAPES):
-            result = _compiled_flex()(q, keys, values, block_mask=mask, scale=scale)
+            result = _compiled_flex()(q, keys, values, block_mask=mask, scale=call.scale)
     else:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            result = flex_attention(q, keys, values, block_mask=mask, scale=scale)
-    return _zero_empty(result[:batch].reshape(batch, hq, dim), seq_lens[:batch])
+            result = flex_attention(q, keys, values, block_mask=mask, scale=call.scale)
+    call.out.copy_(_zero_empty(result[:batch].reshape(batch, hq, dim), seq_lens[:batch]))
 
 
 def _zero_empty(result: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -223,15 +214,12 @@ def _zero_empty(result: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     return result.masked_fill((seq_lens <= 0).view(-1, 1, 1), 0.0)
 
 
-def window_decode(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """SDPA in the cache dtype over every block of the table, masked at the lengths: ``[B, Hq, D]``."""
+def window_decode(call: PagedAttentionArgs) -> None:
+    """SDPA in the cache dtype over every block of the table, masked at the lengths, into ``call.out``.
+
+    ``call``: the op's arguments (its host lengths, window and soft cap are not read).
+    """
+    query, key_cache, value_cache, block_table, seq_lens = call[:5]
     batch = block_table.shape[0]
     hkv, dim = key_cache.shape[2], key_cache.shape[3]
     group = query.shape[1] // hkv
@@ -242,27 +230,7 @@ def window_decode(
     # Position 0 stays visible to an empty sequence so no row is fully masked (NaN in some SDPA
     # kernels); _zero_empty then zeroes that row.
     visible = (positions[None, :] < _lengths(seq_lens, span)[:, None]) | (positions == 0)
-    result = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None, None, :], scale=scale)
-    return _zero_empty(result.reshape(batch, group * hkv, dim), seq_lens)
-
-
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-) -> None:
-    """Decode attention over ``seq_lens`` (device) tokens per sequence, written into ``out``.
-
-    Compiled flex on CUDA where ``flex_supported``; eager flex elsewhere (CPU tests of the same
-    block mask); the SDPA window otherwise.
-    """
-    if flex_supported(query, key_cache):
-        compiled = query.device.type == "cuda"
-        result = flex_decode(query, key_cache, value_cache, block_table, seq_lens, scale, compiled=compiled)
-    else:
-        result = window_decode(query, key_cache, value_cache, block_table, seq_lens, scale)
-    out.copy_(result)
+    result = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=visible[:, None, None, :], scale=call.scale
+    )
+    call.out.copy_(_zero_empty(result.reshape(batch, group * hkv, dim), seq_lens))

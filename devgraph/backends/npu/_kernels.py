@@ -221,36 +221,29 @@ def add_rms_norm_dynamic_quant(
     return q.reshape(y.shape), scale, x_sum
 
 
-def split_qkv_rms_norm_rope(
-    qkv: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary of ``q[T, Hq, D]`` and ``k[T, Hkv, D]`` by ``npu_rotary_mul`` ("half").
+
+    Partial rotary (``rotary_dim < head_dim``) uses the reference math.
+    """
+    tokens, head_dim = q.shape[0], q.shape[-1]
+    if 2 * cos.shape[-1] != head_dim:
+        return _reference.rope_neox(q, k, cos, sin)
     torch_npu = _torch_npu()
-    tokens = qkv.shape[0]
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q = torch_npu.npu_rms_norm(q.reshape(tokens, num_heads, head_dim), q_weight, epsilon=eps)[0]
-    k = torch_npu.npu_rms_norm(k.reshape(tokens, num_kv_heads, head_dim), k_weight, epsilon=eps)[0]
-    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, rotary_dim / 2]
-    if 2 * cos.shape[-1] == head_dim:
-        # npu_rotary_mul "half": r1 * x + r2 * cat(-x2, x1), the neox rotation with full-width cos/sin.
-        r1 = torch.cat([cos, cos], dim=-1).to(qkv.dtype).view(1, tokens, 1, head_dim)
-        r2 = torch.cat([sin, sin], dim=-1).to(qkv.dtype).view(1, tokens, 1, head_dim)
-        q = torch_npu.npu_rotary_mul(q.view(1, tokens, num_heads, head_dim), r1, r2)
-        k = torch_npu.npu_rotary_mul(k.view(1, tokens, num_kv_heads, head_dim), r1, r2)
-    else:
-        q, k = _reference.rotary_neox(q, cos, sin), _reference.rotary_neox(k, cos, sin)
+    # npu_rotary_mul "half": r1 * x + r2 * cat(-x2, x1), the neox rotation with full-width cos/sin.
+    r1 = torch.cat([cos, cos], dim=-1).to(q.dtype).view(1, tokens, 1, head_dim)
+    r2 = torch.cat([sin, sin], dim=-1).to(q.dtype).view(1, tokens, 1, head_dim)
     return (
-        q.reshape(tokens, num_heads * head_dim),
-        k.reshape(tokens, num_kv_heads * head_dim),
-        v.clone(memory_format=torch.contiguous_format),
+        torch_npu.npu_rotary_mul(q.view(1, *q.shape), r1, r2),
+        torch_npu.npu_rotary_mul(k.view(1, *k.shape), r1, r2),
     )
+
+
+def split_qkv_rms_norm_rope(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference's split and layout (its arguments) with torch_npu's RMSNorm and rotary."""
+    return _reference.split_qkv_rms_norm_rope(*args, norm=rms_norm, rope=_rope)
 
 
 def _in_graph_work(torch_npu: Any) -> bool:
@@ -298,22 +291,15 @@ def _check_attention_rules(query: torch.Tensor, key_cache: torch.Tensor, block_s
         )
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    seq_lens_host: Sequence[int],
-    scale: float,
-    out: torch.Tensor,
-    sliding_window: int = 0,
-    logits_soft_cap: float = 0.0,
-) -> None:
+def paged_decode_attention(*op_args: Any, **op_kwargs: Any) -> None:
     """Attends over ``seq_lens_host`` (host list) tokens per sequence; ``seq_lens`` is not read.
 
-    No sliding window and no logit soft-capping (``UNSUPPORTED_ARGUMENTS``): refused, see there.
+    Arguments: ``_reference.PagedAttentionArgs``. No sliding window and no logit soft-capping
+    (``UNSUPPORTED_ARGUMENTS``): refused, see there.
     """
+    call = _reference.PagedAttentionArgs(*op_args, **op_kwargs)
+    query, key_cache, value_cache, block_table = call[:4]
+    sliding_window, logits_soft_cap, out = call.sliding_window, call.logits_soft_cap, call.out
     if sliding_window > 0 or logits_soft_cap > 0:
         raise ValueError(
             f"devgraph.paged_decode_attention on npu: sliding_window={sliding_window}, "
@@ -325,7 +311,7 @@ def paged_decode_attention(
     torch_npu = _torch_npu()
     batch, heads, dim = query.shape
     num_blocks, block_size, kv_heads, _ = key_cache.shape
-    lengths = attention_lengths(seq_lens_host, batch)
+    lengths = attention_lengths(call.seq_lens_host, batch)
     _check_attention_rules(query, key_cache, block_size)
     in_graph = _in_graph_work(torch_npu)
     if block_table.dtype != torch.int32:
@@ -356,7 +342,7 @@ def paged_decode_attention(
         block_table=block_table,
         num_heads=heads,
         num_key_value_heads=kv_heads,
-        scale=float(scale),
+        scale=float(call.scale),
         input_layout="BNSD",
         block_size=block_size,
     )
