@@ -38,6 +38,7 @@ __all__ = [
     "eager_draft",
     "eager_families",
     "greedy_accept",
+    "perturbed_draft",
     "speculative_decode",
 ]
 
@@ -166,6 +167,19 @@ def eager_families(target: PagedDecoder, draft: PagedDecoder, k: int) -> dict[st
     from devgraph.runner import DraftSteps  # the runner sits above the models; testing may import it
 
     return {"decode": target, "verify": target, "draft": DraftSteps(draft, k), "draft_decode": draft}
+
+
+def perturbed_draft(target: PagedDecoder, noise: float = 0.1, seed: int = 7) -> PagedDecoder:
+    """A draft for ``target``: a copy of its weights plus Gaussian noise of ``noise`` times each
+    weight's mean magnitude, so that it drafts some of the target's tokens and misses others."""
+    import copy
+
+    draft = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_((torch.randn(p.shape, generator=gen) * noise * p.float().abs().mean()).to(p))
+    return draft
 
 
 def greedy_accept(drafted: torch.Tensor, verified: torch.Tensor) -> list[int]:

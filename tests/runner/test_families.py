@@ -19,7 +19,7 @@ import devgraph
 from devgraph import DevgraphError
 from devgraph.runner import VERIFY_TOKEN_COUNT, GraphFamilies, RunnerConfig
 from devgraph.testing.models import DecoderConfig, KVBlockManager, PagedDecoder, make_decoder
-from devgraph.testing.speculative import eager_families, speculative_decode
+from devgraph.testing.speculative import eager_families, perturbed_draft, speculative_decode
 
 K = 3
 PROMPTS = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2]]
@@ -43,16 +43,10 @@ def _config(dev) -> DecoderConfig:
     return DecoderConfig(num_layers=1, dtype=dtype)
 
 
-def _models(dev, noise: float = 0.1) -> tuple[PagedDecoder, PagedDecoder]:
+def _models(dev) -> tuple[PagedDecoder, PagedDecoder]:
     """A target and a draft: the target's weights plus noise (some drafted tokens accepted, some not)."""
-    config = _config(dev)
-    target = make_decoder(config, seed=3, device=dev.torch_device).eval()
-    draft = make_decoder(config, seed=3, device=dev.torch_device).eval()
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_((torch.randn(p.shape, generator=gen) * noise * p.float().abs().mean()).to(p))
-    return target, draft
+    target = make_decoder(_config(dev), seed=3, device=dev.torch_device).eval()
+    return target, perturbed_draft(target, noise=0.1, seed=7)
 
 
 def _runner_config(**extra) -> RunnerConfig:
