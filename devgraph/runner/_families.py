@@ -156,13 +156,17 @@ class MultiStepGraphs:
 
             return (lambda: self.fn(*args, **kwargs)), capture
 
-        kit.loop.run(
+        verdict = kit.loop.run(
             self.sizes,
             prepare,
             stats=self.stats,
             words=self.words,
+            example=example,  # the runner's padding check: padded rows must leave real rows as eager
             summary=f"captured {len(self.sizes)} {self.words.graphs} of {self.fn.steps} steps (batch sizes {{sizes}})",
         )
+        self.exact_only = verdict.exact_only if verdict is not None else None
+        if self.exact_only is None and verdict is not None and verdict.out_dims not in (None, [0]):
+            self.exact_only = f"the drafted tokens' rows are not dim 0 of the output ({verdict.out_dims})"
         self.buckets = self.sizes
 
     def replay(self, call: Call, size: int, host_args: Mapping[str, Any] | None) -> Any:

@@ -51,9 +51,8 @@ def _models(dev) -> tuple[PagedDecoder, PagedDecoder]:
 
 def _runner_config(**extra) -> RunnerConfig:
     opts = PagedDecoder.devgraph_options()
-    return RunnerConfig(
-        batch_sizes=(1, 2), pad_values=opts["pad_values"], host_args=opts["host_args"], **extra
-    )
+    extra.setdefault("batch_sizes", (1, 2))
+    return RunnerConfig(pad_values=opts["pad_values"], host_args=opts["host_args"], **extra)
 
 
 def _families(dev, target, draft, budget: int | None = 8) -> GraphFamilies:
@@ -212,3 +211,34 @@ def test_an_acceptance_that_differs_from_eager_is_warned_and_counted():
     acceptance = families.stats()["acceptance"]
     assert (acceptance.accepted, acceptance.drafted, acceptance.rounds) == (3, 12, 2)
     assert acceptance.eager_checks == 2 and acceptance.eager_mismatches == 1 and acceptance.rate == 0.25
+
+
+def _draft_args(manager: KVBlockManager, reqs: list[int], first: torch.Tensor) -> dict:
+    steps = [manager.decode_batch(reqs, [0] * len(reqs)) for _ in range(K)]
+    args = {
+        n: torch.stack([s[n] for s in steps], dim=1)
+        for n in ("positions", "block_table", "seq_lens", "slot_mapping")
+    }
+    return {"input_ids": first, **args, "seq_lens_host": steps[0]["seq_lens_host"]}
+
+
+def test_a_draft_call_padded_to_a_bucket_equals_k_eager_steps(dev):
+    _, draft = _models(dev)
+    _, eager_draft_model = _models(dev)
+    families = GraphFamilies(dev)
+    family = families.add_draft("draft", draft, _runner_config(batch_sizes=(2,)), k=K)
+    eager = eager_families(eager_draft_model, eager_draft_model, K)["draft"]
+    manager = KVBlockManager(_config(dev), device=dev.torch_device)
+    prompt = manager.decode_batch([0], [5])  # one request of one token, in both models' caches
+    with torch.no_grad():
+        draft(**prompt)
+        eager_draft_model(**prompt)
+        first = torch.tensor([9], device=dev.torch_device)
+        for _ in range(2):  # one request, padded to the bucket of 2; lengths grow between rounds
+            args = _draft_args(manager, [0], first)
+            got = family(**args).clone()
+            dev.synchronize()
+            want = eager(**args)
+            assert torch.equal(got.cpu(), want.cpu()) and got.shape == (1, K)
+            first = want[:, -1].contiguous()
+    assert family.stats.replays == 2 and family.stats.eager_calls == 0
