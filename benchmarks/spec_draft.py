@@ -15,6 +15,12 @@ Reported per k: host time per spec step and per draft step (the calling thread's
 (device-wide and stream/event host syncs, update submissions, replays), capture seconds and pool bytes.
 Before timing, both ways' tokens are checked equal to k eager steps (exit 1 if not).
 
+Per k also a whole greedy speculative loop served by ``devgraph.runner.GraphFamilies`` (decode,
+verify at ``k + 1`` tokens per request, the merged draft, the draft's plain step; one pool, one
+budget): per family its graphs, capture seconds, pool growth during its capture and replays, and the
+acceptance rate; its tokens and acceptance are checked equal to the same loop run eagerly (exit 1 if
+not). On ``npu`` this loop runs on the simulator's eager streams (it reads tokens between calls).
+
 On ``cpu`` the graphs are the **reference backend**, which re-executes the recorded ops from Python:
 the time is mostly the draft's compute. On ``npu`` the device is devgraph's **torch_npu simulator**
 (tests/sim) in lazy mode: only the host calls are timed, the device work runs at an untimed
@@ -45,8 +51,17 @@ from _common import DEFAULT_OUT, PartialReport, report_header
 from npu_update_order import instrument
 
 import devgraph
-from devgraph.testing.models import DecoderConfig, KVBlockManager, make_decoder
-from devgraph.testing.speculative import MergedDraft, SeparateDraft, draft_metadata, eager_draft
+from devgraph.runner import GraphFamilies, RunnerConfig
+from devgraph.testing.models import DecoderConfig, KVBlockManager, PagedDecoder, make_decoder
+from devgraph.testing.speculative import (
+    MergedDraft,
+    SeparateDraft,
+    draft_metadata,
+    eager_draft,
+    eager_families,
+    perturbed_draft,
+    speculative_decode,
+)
 
 NOTE = (
     "host figures on a shared 2-core CPU machine (torch CPU build): 'cpu' is the reference backend (a "
@@ -195,6 +210,72 @@ def measure(backend: str, k: int, layers: int, batch: int, iters: int) -> dict[s
     return result
 
 
+def measure_families(backend: str, k: int, layers: int, batch: int, rounds: int = 3) -> dict[str, Any]:
+    """A greedy speculative loop of ``batch`` requests served by graph families: per family its
+    graphs, capture seconds, pool growth and replays; the acceptance rate; checked against eager."""
+    context: Any
+    if backend == "cpu":
+        context = contextlib.nullcontext()
+    else:
+        from devgraph_sim.npu import simulated_torch_npu
+
+        context = simulated_torch_npu(streams="eager")
+    with context:
+        dev = devgraph.device(backend)
+        config = _config(backend, layers, k, ROUNDS)
+        where = dev.torch_device
+
+        def models() -> tuple[Any, Any]:
+            target = make_decoder(config, seed=5, device=where).eval()
+            return target, perturbed_draft(target, noise=0.1)
+
+        options = PagedDecoder.devgraph_options()
+        runner_config = RunnerConfig(
+            batch_sizes=(batch,), pad_values=options["pad_values"], host_args=options["host_args"]
+        )
+        families = GraphFamilies(dev, capture_budget=4)
+        target, draft = models()
+        families.add("decode", target, runner_config)
+        families.add_verify("verify", target, runner_config, k=k, requests=(batch,))
+        families.add_draft("draft", draft, runner_config, k=k)
+        families.add("draft_decode", draft, runner_config)
+        prompts = [[(5 * r + t) % config.vocab_size for t in range(4)] for r in range(batch)]
+        gc.collect()
+        served = speculative_decode(
+            families.families,
+            KVBlockManager(config, device=where),
+            prompts,
+            k,
+            rounds,
+            check=eager_families(*models(), k),
+            note=families.note_acceptance,
+            sync=dev.synchronize,
+        )
+        eager = speculative_decode(
+            eager_families(*models(), k), KVBlockManager(config, device=where), prompts, k, rounds
+        )
+        stats = families.close()
+        acceptance = stats["acceptance"]
+        if served.tokens != eager.tokens or served.accepted != eager.accepted or acceptance.eager_mismatches:
+            sys.exit(f"{backend} k={k} families: tokens or acceptance differ from the eager loop")
+        return {
+            "families": {
+                name: {
+                    "graphs": f.graphs,
+                    "capture_s": f.capture_seconds,
+                    "pool_bytes": f.pool_bytes,
+                    "replays": f.replays,
+                    "eager_calls": f.eager_calls,
+                }
+                for name, f in stats.items()
+                if name != "acceptance"
+            },
+            "rounds": rounds,
+            "acceptance_rate": acceptance.rate,
+            "checked_equal_to_eager_loop": True,
+        }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--devices", nargs="+", default=["cpu", "npu"], choices=["cpu", "npu"])
@@ -241,6 +322,16 @@ def main() -> None:
                     f"{r['capture_s']:>9.3f} {r['pool_bytes'] / 1024:>9.1f}  "
                     f"{r['calls_per_spec_step']}"
                 )
+            row["spec_loop"] = loop = measure_families(backend, k, args.layers, args.batch)
+            for name, f in loop["families"].items():
+                print(
+                    f"{backend:>6} {k:>3} family {name:>12}: {f['graphs']} graph(s), capture "
+                    f"{f['capture_s']:.3f} s, pool {f['pool_bytes'] / 1024:.1f} KiB, {f['replays']} replays, "
+                    f"{f['eager_calls']} eager"
+                )
+            print(
+                f"{backend:>6} {k:>3} acceptance rate {loop['acceptance_rate']:.2f} (equal to the eager loop)"
+            )
             report["results"][f"{backend}_k{k}"] = row
             partial.row_done(report)
     print(f"wrote {partial.finish(report)}")

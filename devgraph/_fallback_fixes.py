@@ -30,6 +30,11 @@ FIXES: dict[str, str] = {
         "torch._dynamo.config.recompile_limit if it takes few values"
     ),
     "python_random": "draw with torch's generators on tensors, or pass the number in as a tensor",
+    # devgraph.runner.GraphFamilies
+    "verify_token_count": (
+        "give a verify family requests x (k + 1) tokens (each request's last token and its k drafted ones), "
+        "or serve other token counts from a decode family"
+    ),
     # devgraph.wrap's runners (full, piecewise)
     "batch_too_large": "wrap with a larger max_batch_size (or a larger last entry in batch_sizes)",
     "padding_changes_result": (

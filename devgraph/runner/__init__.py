@@ -20,6 +20,15 @@ from devgraph.runner._config import (
     make_config,
     positive_ints,
 )
+from devgraph.runner._families import (
+    VERIFY_TOKEN_COUNT,
+    AcceptanceStats,
+    DraftSteps,
+    Family,
+    FamilyStats,
+    GraphFamilies,
+    MultiStepGraphs,
+)
 from devgraph.runner._graphed import GraphedModule
 from devgraph.runner._model_state import capture_warnings
 from devgraph.runner._part import Kit, Part, Words
@@ -34,13 +43,20 @@ __all__ = [
     "MODES",
     "MODE_TABLE",
     "PARTS",
+    "VERIFY_TOKEN_COUNT",
+    "AcceptanceStats",
     "Accounts",
     "BreakableStats",
     "Call",
+    "DraftSteps",
+    "Family",
+    "FamilyStats",
+    "GraphFamilies",
     "GraphRunner",
     "GraphedModule",
     "Kit",
     "Mode",
+    "MultiStepGraphs",
     "Part",
     "Pieces",
     "PiecewiseStats",

@@ -104,6 +104,8 @@ class GraphRunner:
             arguments by name; default the model's ``devgraph_is_decode``).
         part: build the part that serves every call from the runner's ``Kit`` instead of the mode's
             (a part of your own: ``devgraph.runner.Part``).
+        shared: the pool and side stream to capture into (None: a pool and stream of this runner's
+            own); several runners given one capture into one pool (``GraphFamilies``).
     Raises:
         DevgraphError: a ``full_and_*`` mode without a way to tell decode batches (``is_decode``);
             a compiler this device cannot run; an unknown pass.
@@ -123,6 +125,7 @@ class GraphRunner:
         caller_serialises: bool = False,
         is_decode: Callable[..., bool] | None = None,
         part: Callable[[Kit], Part] | None = None,
+        shared: SharedPool | None = None,
     ) -> None:
         config = config or RunnerConfig()
         mode = compile_config.mode if compile_config is not None else config.mode
@@ -137,8 +140,9 @@ class GraphRunner:
         self._params: tuple[int, tuple[torch.Tensor, ...]] = (-1, ())  # (registrations seen, parameters)
         self.threads = ThreadOwner(config, caller_serialises)
         # One set of static inputs, one capture loop and one set of accounts for every part; one side
-        # stream for every capture and one pool the parts share.
-        shared = SharedPool(device, stream=device.stream())
+        # stream for every capture and one pool the parts share (``shared``: with other runners too).
+        shared = shared if shared is not None else SharedPool(device, stream=device.stream())
+        self.shared = shared
         self.inputs = StaticInputs(fn, device, config)
         self.accounts = Accounts(config, RunnerStats(), self._lock, "from a graph")
         self.capture_loop = CaptureLoop(self.inputs, device, config, self.accounts, shared)

@@ -500,6 +500,21 @@ class KVBlockManager:
         if seq is not None:
             self._free.extend(reversed(seq.blocks))
 
+    def truncate(self, seq_id: Any, length: int) -> None:
+        """Shorten ``seq_id`` to its first ``length`` tokens (a speculative step's rejected tokens);
+        blocks no longer needed go back to the free list.
+
+        Raises:
+            ValueError: ``length`` is negative or longer than the sequence.
+        """
+        seq = self._seqs[seq_id]
+        if not 0 <= length <= seq.length:
+            raise ValueError(f"cannot truncate sequence {seq_id!r} of {seq.length} tokens to {length}")
+        keep = -(-length // self.config.block_size)
+        self._free.extend(reversed(seq.blocks[keep:]))
+        del seq.blocks[keep:]
+        seq.length = length
+
     def decode_batch(self, seq_ids: Sequence[Any], tokens: Sequence[int]) -> dict[str, Any]:
         """Append ``tokens[i]`` to sequence ``seq_ids[i]``; return the forward kwargs of that step.
 

@@ -9,6 +9,9 @@ step's token; positions and sequence lengths grow by one per step. The metadata 
 * ``MergedDraft``: the ``k`` steps captured as one ``MultiStepGraph``; one replay, one update.
 * ``SeparateDraft``: one step captured once and replayed ``k`` times (one update per step): what a
   runner without a merged graph does, the baseline of ``benchmarks/spec_draft.py``.
+* ``speculative_decode``: a whole greedy speculative loop (plain decode steps, a ``k``-step draft,
+  a ``k + 1``-token verify, greedy acceptance) over callables by family name: graph families
+  (``devgraph.runner.GraphFamilies``) or the eager models (``eager_families``).
 
 The draft here takes tokens, not the target's hidden states (EAGLE's draft also takes those): a
 simplification of the model, not of the graph's shape. Neither graph synchronises the device: read
@@ -18,15 +21,26 @@ stream instead).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from devgraph.graph import Device, MultiStepGraph
 from devgraph.testing.models import KVBlockManager, PagedDecoder
 
-__all__ = ["MergedDraft", "SeparateDraft", "draft_metadata", "eager_draft"]
+__all__ = [
+    "MergedDraft",
+    "SeparateDraft",
+    "SpeculativeResult",
+    "draft_metadata",
+    "eager_draft",
+    "eager_families",
+    "greedy_accept",
+    "perturbed_draft",
+    "speculative_decode",
+]
 
 #: The forward kwargs that are device tensors, one per step.
 _TENSORS = ("positions", "block_table", "seq_lens", "slot_mapping")
@@ -138,3 +152,131 @@ class SeparateDraft:
             self.graph.replay(host_args={"seq_lens_host": meta["seq_lens_host"]})
             self.drafted[i].copy_(self.buffers.ids[0])
         return self.drafted
+
+
+# -- a whole speculative loop --------------------------------------------------------------------
+
+#: The families a speculative loop calls: the target one token per request (``decode``) and ``k + 1``
+#: per request (``verify``), the draft ``k`` steps at once (``draft``, ``DraftSteps``'s arguments) and
+#: one step (``draft_decode``: the prompt, and a fully accepted round's last drafted token).
+FAMILY_NAMES = ("decode", "verify", "draft", "draft_decode")
+
+
+def eager_families(target: PagedDecoder, draft: PagedDecoder, k: int) -> dict[str, Callable[..., Any]]:
+    """The eager callables of a speculative loop's families (the reference a graphed loop equals)."""
+    from devgraph.runner import DraftSteps  # the runner sits above the models; testing may import it
+
+    return {"decode": target, "verify": target, "draft": DraftSteps(draft, k), "draft_decode": draft}
+
+
+def perturbed_draft(target: PagedDecoder, noise: float = 0.1, seed: int = 7) -> PagedDecoder:
+    """A draft for ``target``: a copy of its weights plus Gaussian noise of ``noise`` times each
+    weight's mean magnitude, so that it drafts some of the target's tokens and misses others."""
+    import copy
+
+    draft = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_((torch.randn(p.shape, generator=gen) * noise * p.float().abs().mean()).to(p))
+    return draft
+
+
+def greedy_accept(drafted: torch.Tensor, verified: torch.Tensor) -> list[int]:
+    """Per request, how many drafted tokens ``[R, k]`` the target's argmax ``[R, k + 1]`` accepts: the
+    longest prefix where ``drafted[:, j] == verified[:, j]``."""
+    same = (drafted == verified[:, : drafted.shape[1]]).to(torch.int64)
+    return [int(n) for n in same.cumprod(dim=1).sum(dim=1).tolist()]
+
+
+@attrs.frozen
+class SpeculativeResult:
+    """What ``speculative_decode`` produced: each request's generated tokens, and per round each
+    request's accepted count (and eager's on the same inputs, when checked)."""
+
+    tokens: list[list[int]]
+    accepted: list[list[int]]
+    eager_accepted: list[list[int]]
+
+
+def _rows(batch: Mapping[str, Any], index: list[int]) -> dict[str, Any]:
+    sel = torch.tensor(index, device=batch["input_ids"].device)
+    out: dict[str, Any] = {n: v.index_select(0, sel) for n, v in batch.items() if isinstance(v, torch.Tensor)}
+    out["seq_lens_host"] = [batch["seq_lens_host"][i] for i in index]
+    return out
+
+
+@torch.no_grad()
+def speculative_decode(
+    families: Mapping[str, Callable[..., Any]],
+    manager: KVBlockManager,
+    prompts: Sequence[Sequence[int]],
+    k: int,
+    rounds: int,
+    *,
+    check: Mapping[str, Callable[..., Any]] | None = None,
+    note: Callable[..., None] | None = None,
+    sync: Callable[[], None] = lambda: None,
+) -> SpeculativeResult:
+    """Greedy speculative decoding of ``prompts`` (one request each, all of one length) for ``rounds``.
+
+    The prompts go through ``decode`` and ``draft_decode`` one token per call (their last token
+    included: the target's first token is a plain decode step's argmax); then each round drafts
+    ``k`` tokens per request (``draft``), verifies ``k + 1`` (``verify``: the round's first token and
+    the drafted ones, request-major), accepts greedily, gives the rejected tokens' cache slots back
+    (``manager.truncate``), and feeds a fully accepted request's last drafted token to the draft
+    (``draft_decode``). ``check``: eager callables run on the same inputs every round (their own KV
+    caches, in step); their acceptance is passed to ``note(accepted, drafted, eager_accepted=...)``
+    (``GraphFamilies.note_acceptance``). ``sync`` runs before tokens are read on the host.
+    """
+    runs = [families] if check is None else [families, check]
+    reqs = list(range(len(prompts)))
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("speculative_decode takes prompts of one length (every plain step a full batch)")
+    batch: dict[str, Any] = {}
+    for t in range(len(prompts[0])):
+        batch = manager.decode_batch(reqs, [p[t] for p in prompts])
+        for fns in runs:
+            fns["draft_decode"](**batch)
+        logits = [fns["decode"](**batch) for fns in runs]
+    sync()
+    first = logits[0].argmax(-1).clone()
+    tokens = [[int(x)] for x in first.tolist()]
+    accepted_all: list[list[int]] = []
+    eager_all: list[list[int]] = []
+    for _ in range(rounds):
+        lengths = [manager.seq_len(r) for r in reqs]
+        steps = [manager.decode_batch(reqs, [0] * len(reqs)) for _ in range(k + 1)]
+        per_step = {n: torch.stack([s[n] for s in steps], dim=1) for n in _TENSORS}  # [R, k + 1, ...]
+        draft_args: dict[str, Any] = {n: v[:, :k] for n, v in per_step.items()}
+        draft_args.update(input_ids=first, seq_lens_host=steps[0]["seq_lens_host"])
+        verify_args: dict[str, Any] = {n: v.flatten(0, 1) for n, v in per_step.items()}  # request-major
+        verify_args["seq_lens_host"] = [s["seq_lens_host"][r] for r in reqs for s in steps]
+        results = []
+        for fns in runs:
+            drafted = fns["draft"](**draft_args).clone()  # a view of graph memory: kept past the next call
+            ids = torch.cat([first[:, None], drafted], dim=1).flatten()
+            verified = fns["verify"](input_ids=ids, **verify_args).argmax(-1).view(len(reqs), k + 1)
+            sync()
+            results.append((drafted, verified, greedy_accept(drafted, verified)))
+        drafted, verified, accepted = results[0]
+        accepted_all.append(accepted)
+        if check is not None:
+            eager_all.append(results[1][2])
+        if note is not None:
+            note(
+                sum(accepted), k * len(reqs), eager_accepted=sum(results[1][2]) if check is not None else None
+            )
+        full = [r for r in reqs if accepted[r] == k]
+        if full:  # the draft has not seen its own last token yet: one plain draft step
+            catch_up = _rows(steps[k], full)
+            for fns, (d, _, _) in zip(runs, results):
+                fns["draft_decode"](**{**catch_up, "input_ids": d[full, k - 1].contiguous()})
+        nxt = []
+        for r in reqs:
+            a = accepted[r]
+            tokens[r].extend([*(int(x) for x in drafted[r, :a].tolist()), int(verified[r, a])])
+            manager.truncate(r, lengths[r] + a + 1)
+            nxt.append(int(verified[r, a]))
+        first = torch.tensor(nxt, dtype=first.dtype, device=first.device)
+    return SpeculativeResult(tokens, accepted_all, eager_all)

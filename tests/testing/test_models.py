@@ -313,3 +313,18 @@ def test_block_manager_rejects_bad_batches(seq_ids, tokens, match):
 def test_block_manager_rejects_non_integer_slot_dtype():
     with pytest.raises(ValueError, match="slot_dtype"):
         KVBlockManager(DecoderConfig(), slot_dtype=torch.float32)
+
+
+def test_truncate_gives_back_the_blocks_a_shorter_sequence_no_longer_needs():
+    config = DecoderConfig(block_size=4)
+    manager = KVBlockManager(config)
+    free = manager.num_free_blocks
+    for _ in range(6):  # 6 tokens: 2 blocks
+        manager.decode_batch(["a"], [1])
+    assert len(manager.blocks("a")) == 2 and manager.num_free_blocks == free - 2
+    manager.truncate("a", 4)  # the rejected tokens' block back
+    assert manager.seq_len("a") == 4 and manager.num_free_blocks == free - 1
+    step = manager.decode_batch(["a"], [1])  # position 4 starts a fresh block again
+    assert step["positions"].tolist() == [4] and len(manager.blocks("a")) == 2
+    with pytest.raises(ValueError, match="cannot truncate"):
+        manager.truncate("a", 6)
