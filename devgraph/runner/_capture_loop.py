@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -24,7 +24,7 @@ from devgraph._errors import CaptureError, DevgraphError
 from devgraph.graph import Device, SharedPool
 from devgraph.runner._accounts import Accounts
 from devgraph.runner._calls import Call
-from devgraph.runner._config import RunnerConfig, RunnerStats
+from devgraph.runner._config import RunnerConfig, RunnerStats, Words
 from devgraph.runner._gc_baseline import application_froze_objects
 from devgraph.runner._guard import AttributeGuard
 from devgraph.runner._inputs import StaticInputs, ambient
@@ -33,9 +33,6 @@ from devgraph.runner._padding import PaddingVerdict
 from devgraph.runner._progress import progress, size_ranges
 from devgraph.runner._ranks import RankCheck, capture_context, check_capture
 from devgraph.runner._snapshot import Change, StateSnapshot, traced_state
-
-if TYPE_CHECKING:
-    from devgraph.runner._part import Words
 
 __all__ = ["CaptureLoop", "Prepare", "gc_frozen"]
 

@@ -23,6 +23,7 @@ __all__ = [
     "MODES",
     "MODE_TABLE",
     "Mode",
+    "Words",
     "RunnerConfig",
     "RunnerStats",
     "make_config",
@@ -95,6 +96,25 @@ def _break_names(value: Any) -> tuple[str, ...]:
 
 def _debug_default() -> bool:
     return os.environ.get("DEVGRAPH_DEBUG", "").strip() not in ("", "0", "false", "no")
+
+
+@attrs.frozen
+class Words:
+    """How a part is named in messages, the capture summary and the progress bar; and how the bisect
+    probes it (``probe``)."""
+
+    kind: str  # the mode's word: "full", "piecewise", "breakable"
+    match: str  # what a call is matched against: "captured", "traced"
+    sizes: str  # its sizes in messages: "batch sizes", "sizes"
+    graphs: str  # what its captures are called in the summary line: "graphs", "breakable graphs"
+    desc: str  # the progress bar's word: "capture", "breakable capture"
+    serve_what: str  # what could not be done, in ``strict=True`` errors: "from a graph"
+    size_options: str  # the options that set its sizes, named when ranks disagree
+    remedy: str  # what to do when a size cannot be captured (after the op's own remedy)
+    #: how ``devgraph.bisect`` captures a bucket again with its probe: ``"whole"`` (one graph of the
+    #: forward per bucket, made by the part's ``make_graph``) or ``"pieces"`` (the traced pieces)
+    probe: str = "whole"
+    size_noun: str = "batch sizes"  # its sizes, when ranks disagree
 
 
 @attrs.frozen

@@ -1,6 +1,6 @@
-"""What a runner part is: ``Part`` (which graphs serve a call), ``Words`` (how it is named in messages)
-and ``Kit`` (what the runner lends every part: one set of static inputs, one capture loop, one set of
-accounts).
+"""What a runner part is: ``Part`` (which graphs serve a call), ``Words`` (how it is named in
+messages; ``_config.py``) and ``Kit`` (what the runner lends every part: one set of static inputs, one
+capture loop, one set of accounts).
 
 A part only answers "which graphs": it captures its sizes from an example call, replays a loaded call at
 a bucket, cuts the outputs to the call's rows, and says what happens to a call beyond its sizes. Reading,
@@ -23,29 +23,10 @@ from devgraph.graph import Device, SharedPool
 from devgraph.runner._accounts import Accounts
 from devgraph.runner._calls import Call, Unsupported
 from devgraph.runner._capture_loop import CaptureLoop
-from devgraph.runner._config import RunnerConfig, RunnerStats
+from devgraph.runner._config import RunnerConfig, RunnerStats, Words
 from devgraph.runner._inputs import StaticInputs
 
 __all__ = ["Kit", "Part", "Words"]
-
-
-@attrs.frozen
-class Words:
-    """How a part is named in messages, the capture summary and the progress bar; and how the bisect
-    probes it (``probe``)."""
-
-    kind: str  # the mode's word: "full", "piecewise", "breakable"
-    match: str  # what a call is matched against: "captured", "traced"
-    sizes: str  # its sizes in messages: "batch sizes", "sizes"
-    graphs: str  # what its captures are called in the summary line: "graphs", "breakable graphs"
-    desc: str  # the progress bar's word: "capture", "breakable capture"
-    serve_what: str  # what could not be done, in ``strict=True`` errors: "from a graph"
-    size_options: str  # the options that set its sizes, named when ranks disagree
-    remedy: str  # what to do when a size cannot be captured (after the op's own remedy)
-    #: how ``devgraph.bisect`` captures a bucket again with its probe: ``"whole"`` (one graph of the
-    #: forward per bucket, made by the part's ``make_graph``) or ``"pieces"`` (the traced pieces)
-    probe: str = "whole"
-    size_noun: str = "batch sizes"  # its sizes, when ranks disagree
 
 
 @attrs.frozen

@@ -105,12 +105,34 @@ def wrap_full_model(model: Any, vllm_config: Any) -> Any:
 
 
 def wrap_drafter_model(model: Any, vllm_config: Any) -> Any:
-    """A speculative-decoding drafter's model as the runner should hold it: with vLLM's breakable graphs
-    on, in devgraph's breakable wrapper (in place of vLLM's ``BreakableCUDAGraphWrapper`` on its GPU
-    runner, around the bare model on its CPU runner), counted as the drafter's (``_spec_decode``)."""
-    from devgraph.adapters.vllm._spec_decode import wrap_drafter
+    """A speculative-decoding drafter's model as the runner should hold it: in a
+    ``DevgraphBreakableWrapper`` (counted as the drafter's, ``_spec_decode``) when vLLM's breakable graphs
+    are on, in place of vLLM's ``BreakableCUDAGraphWrapper`` (its GPU runner's) or around the bare model
+    (vLLM's CPU runner wraps nothing); else unchanged.
 
-    return wrap_drafter(model, vllm_config)
+    vLLM's GPU runner wraps the drafter whenever breakable graphs are on and graphs are not off; the
+    drafter's dispatcher then decides per step (PIECEWISE, or NONE: eager, counted ``eager.draft.*``).
+    """
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper, is_breakable_cudagraph_enabled
+
+    from devgraph.adapters.vllm._breakable import DevgraphBreakableWrapper
+    from devgraph.adapters.vllm._spec_decode import DRAFT_PREFIX
+
+    if isinstance(model, DevgraphGraphWrapper):
+        return model
+    if isinstance(model, BreakableCUDAGraphWrapper):
+        inner = model.runnable
+    elif (
+        is_breakable_cudagraph_enabled()
+        and vllm_config.compilation_config.cudagraph_mode.name != "NONE"
+        and not vllm_config.parallel_config.use_ubatching
+    ):
+        inner = model
+    else:
+        return model
+    wrapper = DevgraphBreakableWrapper(inner, vllm_config)
+    wrapper.role = DRAFT_PREFIX
+    return wrapper
 
 
 def _num_tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:

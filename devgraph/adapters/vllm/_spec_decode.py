@@ -5,8 +5,8 @@ vLLM gives the drafter (``draft_model``, ``eagle``) PIECEWISE graphs only (its d
 FULL mixed batches, else none), never FULL. devgraph serves them as compiled pieces
 (``cudagraph_mode=PIECEWISE``: vLLM's piecewise backend wraps each piece of the drafter in
 ``DevgraphGraphWrapper``) or as breakable graphs (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``: vLLM's CPU runner
-wraps nothing, so ``wrap_drafter`` puts a ``DevgraphBreakableWrapper`` around the drafter's model, as
-vLLM's GPU runner puts its ``BreakableCUDAGraphWrapper``). The drafter's wrappers count under
+wraps nothing, so ``_runner.wrap_drafter_model`` puts a ``DevgraphBreakableWrapper`` around the
+drafter's model, as vLLM's GPU runner puts its ``BreakableCUDAGraphWrapper``). The drafter's wrappers count under
 ``stats()["capture.draft.<mode>"]``, ``replay.draft.<mode>``, ...; one that captured graphs but never
 replayed one is counted (``unreplayed.draft.<mode>``) and warned about at shutdown.
 
@@ -22,30 +22,20 @@ from typing import Any
 from devgraph._errors import DevgraphError
 from devgraph.adapters.vllm import _stats
 from devgraph.adapters.vllm._plugin import DEVGRAPH_VLLM_ENV
+from devgraph.adapters.vllm._wrapper import (
+    DRAFT_PREFIX,
+    DevgraphGraphWrapper,
+    is_drafter_runnable,
+)
 
 __all__ = [
     "DRAFT_PREFIX",
     "check_speculative_config",
     "is_drafter_runnable",
     "report_unreplayed_drafter_graphs",
-    "wrap_drafter",
 ]
 
 logger = logging.getLogger("devgraph")
-
-#: ``stats()`` labels of the drafter's wrappers start with this (``capture.draft.PIECEWISE``).
-DRAFT_PREFIX = "draft."
-
-#: vLLM's model tags of drafter models (``set_model_tag`` around the drafter's ``get_model``): the
-#: compiled pieces of a drafter carry them as their backend's prefix.
-DRAFTER_MODEL_TAGS = ("draft_model", "eagle_head")
-
-
-def is_drafter_runnable(runnable: Any) -> bool:
-    """True for a compiled piece of a drafter model (its vLLM backend's prefix is the drafter's tag)."""
-    backend = getattr(runnable, "vllm_backend", None)
-    return getattr(backend, "prefix", None) in DRAFTER_MODEL_TAGS
-
 
 #: the wrappers already reported (each is reported once).
 _reported: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -54,8 +44,6 @@ _reported: weakref.WeakSet[Any] = weakref.WeakSet()
 def report_unreplayed_drafter_graphs() -> list[str]:
     """Warn once per call about drafter wrappers that captured graphs but never replayed one, and count
     them (``unreplayed.draft.<mode>``): the drafter then ran eagerly while its graphs sat unused."""
-    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
-
     unused: list[str] = []
     for wrapper in list(DevgraphGraphWrapper._all_instances):
         if not wrapper.label.startswith(DRAFT_PREFIX) or wrapper.replays or not wrapper.entries:
@@ -73,36 +61,6 @@ def report_unreplayed_drafter_graphs() -> list[str]:
             ", ".join(sorted(unused)),
         )
     return unused
-
-
-def wrap_drafter(model: Any, vllm_config: Any) -> Any:
-    """The drafter's model as the runner should hold it: in a ``DevgraphBreakableWrapper`` (counted as
-    the drafter's) when vLLM's breakable graphs are on, in place of vLLM's ``BreakableCUDAGraphWrapper``
-    (its GPU runner's) or around the bare model (vLLM's CPU runner wraps nothing); else unchanged.
-
-    vLLM's GPU runner wraps the drafter whenever breakable graphs are on and graphs are not off; the
-    drafter's dispatcher then decides per step (PIECEWISE, or NONE: eager, counted ``eager.draft.*``).
-    """
-    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper, is_breakable_cudagraph_enabled
-
-    from devgraph.adapters.vllm._breakable import DevgraphBreakableWrapper
-    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
-
-    if isinstance(model, DevgraphGraphWrapper):
-        return model
-    if isinstance(model, BreakableCUDAGraphWrapper):
-        inner = model.runnable
-    elif (
-        is_breakable_cudagraph_enabled()
-        and vllm_config.compilation_config.cudagraph_mode.name != "NONE"
-        and not vllm_config.parallel_config.use_ubatching
-    ):
-        inner = model
-    else:
-        return model
-    wrapper = DevgraphBreakableWrapper(inner, vllm_config)
-    wrapper.role = DRAFT_PREFIX
-    return wrapper
 
 
 #: True once this process has said that the drafter runs eagerly (FULL_DECODE_ONLY, ...).
@@ -158,7 +116,7 @@ def check_speculative_config(
 
 def _drafter_has_graphs(cc: Any) -> bool:
     """Whether vLLM's drafter gets graphs: its dispatcher has PIECEWISE keys when the target's mixed mode
-    is PIECEWISE or FULL, served by a breakable wrapper (``wrap_drafter``) or by compiled pieces."""
+    is PIECEWISE or FULL, served by a breakable wrapper (``_runner.wrap_drafter_model``) or by compiled pieces."""
     from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
     from vllm.config import CompilationMode
 

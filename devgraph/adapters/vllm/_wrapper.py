@@ -22,12 +22,24 @@ import torch
 from devgraph._errors import DevgraphError
 from devgraph.adapters.vllm import _compare_eager, _stats
 from devgraph.adapters.vllm._host_args import step_host_args, updatable_ops
-from devgraph.adapters.vllm._spec_decode import DRAFT_PREFIX, is_drafter_runnable
 from devgraph.graph import Graph, GraphSet, MemoryPool, SharedPool, weak_ref_tensors
 
 __all__ = ["DevgraphGraphWrapper"]
 
 logger = logging.getLogger("devgraph")
+
+#: ``stats()`` labels of the drafter's wrappers start with this (``capture.draft.PIECEWISE``).
+DRAFT_PREFIX = "draft."
+
+#: vLLM's model tags of drafter models (``set_model_tag`` around the drafter's ``get_model``): the
+#: compiled pieces of a drafter carry them as their backend's prefix.
+DRAFTER_MODEL_TAGS = ("draft_model", "eagle_head")
+
+
+def is_drafter_runnable(runnable: Any) -> bool:
+    """True for a compiled piece of a drafter model (its vLLM backend's prefix is the drafter's tag)."""
+    backend = getattr(runnable, "vllm_backend", None)
+    return getattr(backend, "prefix", None) in DRAFTER_MODEL_TAGS
 
 
 class _Entry:
