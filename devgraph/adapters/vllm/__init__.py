@@ -12,7 +12,7 @@ devgraph's device (``DEVGRAPH_BACKEND`` or the best available one) is subclassed
 * on devices that freeze host arguments (CPU reference, NPU) FULL graphs use devgraph's attention,
   task-updated every step;
 * with vLLM's own switch ``VLLM_USE_BREAKABLE_CUDAGRAPH=1`` the PIECEWISE batches replay devgraph
-  breakable graphs of the uncompiled model (``_breakable.DevgraphBreakableWrapper``), cut at vLLM's
+  breakable graphs of the uncompiled model (``DevgraphGraphWrapper.breakable``), cut at vLLM's
   attention and KV-cache ops, in place of vLLM's CUDA-only ``BreakableCUDAGraphWrapper``;
 * the graph pool is one devgraph pool, captures run on the devgraph device's capture stream;
 * on the CPU reference backend, graphs are switched back on (vLLM's CPU platform turns them off)

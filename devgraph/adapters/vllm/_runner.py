@@ -7,7 +7,7 @@ GPU runner) not at all. ``adopt_model_runner(runner)`` gives the runner the
 
 * ``load_model``: the platform's load, then the model's FULL wrapper (whichever class the platform
   used, or none) is replaced by a ``DevgraphGraphWrapper`` around the same model; with vLLM's
-  breakable graphs on (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``) a ``DevgraphBreakableWrapper`` serves the
+  breakable graphs on (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``) a breakable ``DevgraphGraphWrapper`` serves the
   PIECEWISE batches inside it, in place of vLLM's ``BreakableCUDAGraphWrapper`` (a drafter's too);
 * ``profile_cudagraph_memory``: vLLM swaps the pools of its own wrapper classes to a profiling pool
   and clears only those classes afterwards; devgraph's wrappers get the same treatment, so no
@@ -74,7 +74,7 @@ def _platform_wrapper(model: Any, mode: Any) -> Any:
 
 def wrap_full_model(model: Any, vllm_config: Any) -> Any:
     """``model`` as the runner should hold it: inside one FULL ``DevgraphGraphWrapper`` when FULL
-    graphs are on, inside a ``DevgraphBreakableWrapper`` for PIECEWISE batches when vLLM's breakable
+    graphs are on, inside a breakable ``DevgraphGraphWrapper`` for PIECEWISE batches when vLLM's breakable
     graphs are on (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``; the FULL wrapper then around it, as vLLM nests
     them), with the graph wrappers the platform put around it taken off first.
 
@@ -96,17 +96,15 @@ def wrap_full_model(model: Any, vllm_config: Any) -> Any:
     # The platform's own wrappers (devgraph's take their places): FULL outside, breakable inside.
     inner = _platform_wrapper(_platform_wrapper(model, CUDAGraphMode.FULL), CUDAGraphMode.PIECEWISE)
     if breakable:
-        from devgraph.adapters.vllm._breakable import DevgraphBreakableWrapper
-
-        inner = DevgraphBreakableWrapper(inner, vllm_config)
+        inner = DevgraphGraphWrapper.breakable(inner, vllm_config)
     if not full:
         return inner
     return DevgraphGraphWrapper(inner, vllm_config, runtime_mode=CUDAGraphMode.FULL)
 
 
 def wrap_drafter_model(model: Any, vllm_config: Any) -> Any:
-    """A speculative-decoding drafter's model as the runner should hold it: in a
-    ``DevgraphBreakableWrapper`` (counted as the drafter's, ``_spec_decode``) when vLLM's breakable graphs
+    """A speculative-decoding drafter's model as the runner should hold it: in a breakable
+    ``DevgraphGraphWrapper`` (counted as the drafter's, ``_spec_decode``) when vLLM's breakable graphs
     are on, in place of vLLM's ``BreakableCUDAGraphWrapper`` (its GPU runner's) or around the bare model
     (vLLM's CPU runner wraps nothing); else unchanged.
 
@@ -115,8 +113,7 @@ def wrap_drafter_model(model: Any, vllm_config: Any) -> Any:
     """
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper, is_breakable_cudagraph_enabled
 
-    from devgraph.adapters.vllm._breakable import DevgraphBreakableWrapper
-    from devgraph.adapters.vllm._spec_decode import DRAFT_PREFIX
+    from devgraph.adapters.vllm._wrapper import DRAFT_PREFIX
 
     if isinstance(model, DevgraphGraphWrapper):
         return model
@@ -130,7 +127,7 @@ def wrap_drafter_model(model: Any, vllm_config: Any) -> Any:
         inner = model
     else:
         return model
-    wrapper = DevgraphBreakableWrapper(inner, vllm_config)
+    wrapper = DevgraphGraphWrapper.breakable(inner, vllm_config)
     wrapper.role = DRAFT_PREFIX
     return wrapper
 

@@ -5,7 +5,7 @@ vLLM gives the drafter (``draft_model``, ``eagle``) PIECEWISE graphs only (its d
 FULL mixed batches, else none), never FULL. devgraph serves them as compiled pieces
 (``cudagraph_mode=PIECEWISE``: vLLM's piecewise backend wraps each piece of the drafter in
 ``DevgraphGraphWrapper``) or as breakable graphs (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``: vLLM's CPU runner
-wraps nothing, so ``_runner.wrap_drafter_model`` puts a ``DevgraphBreakableWrapper`` around the
+wraps nothing, so ``_runner.wrap_drafter_model`` puts a breakable ``DevgraphGraphWrapper`` around the
 drafter's model, as vLLM's GPU runner puts its ``BreakableCUDAGraphWrapper``). The drafter's wrappers count under
 ``stats()["capture.draft.<mode>"]``, ``replay.draft.<mode>``, ...; one that captured graphs but never
 replayed one is counted (``unreplayed.draft.<mode>``) and warned about at shutdown.

@@ -14,15 +14,16 @@ import gc
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 
 from devgraph._errors import DevgraphError
 from devgraph.adapters.vllm import _compare_eager, _stats
+from devgraph.adapters.vllm._breakable import check_breaks, vllm_break_ops
 from devgraph.adapters.vllm._host_args import step_host_args, updatable_ops
-from devgraph.graph import Graph, GraphSet, MemoryPool, SharedPool, weak_ref_tensors
+from devgraph.graph import BreakableGraph, Graph, GraphSet, MemoryPool, SharedPool, weak_ref_tensors
 
 __all__ = ["DevgraphGraphWrapper"]
 
@@ -113,6 +114,13 @@ class DevgraphGraphWrapper:
             wrapper around PIECEWISE ones).
         cudagraph_options: vLLM's ``CUDAGraphOptions`` (``gc_disable``, ``weak_ref_output``,
             ``debug_log_enable``).
+        breaks: serve vLLM's PIECEWISE mode with one devgraph ``BreakableGraph`` of the whole
+            (uncompiled) model per batch descriptor, cut at these ops (``_breakable.vllm_break_ops``;
+            ``DevgraphGraphWrapper.breakable`` picks them), in place of vLLM's
+            ``BreakableCUDAGraphWrapper``. Counted as ``capture.BREAKABLE``, ``replay.BREAKABLE``,
+            ``eager.BREAKABLE``, with ``segments.BREAKABLE`` and ``breaks.BREAKABLE``. Each break reads
+            the step's attention metadata from vLLM's forward context, so a replay hands it no host
+            arguments; a capture whose attention ran inside a segment is refused by name.
 
     The graphs share vLLM's global graph pool (a devgraph ``MemoryPool``) and the device's capture
     stream. Outputs are kept as weak references and are overwritten by the next replay. The first
@@ -131,6 +139,8 @@ class DevgraphGraphWrapper:
         vllm_config: Any,
         runtime_mode: Any,
         cudagraph_options: Any = None,
+        *,
+        breaks: Sequence[str] | None = None,
     ) -> None:
         from vllm.compilation.cuda_graph import CUDAGraphOptions
         from vllm.config import CUDAGraphMode
@@ -146,9 +156,13 @@ class DevgraphGraphWrapper:
                 f"DevgraphGraphWrapper runs on the devgraph vLLM platform, but vLLM's platform is "
                 f"{type(current_platform).__name__}: set DEVGRAPH_VLLM=1"
             )
+        if breaks is not None and runtime_mode != CUDAGraphMode.PIECEWISE:
+            raise DevgraphError(f"breakable graphs serve vLLM's PIECEWISE runtime mode, not {runtime_mode}")
         self.runnable = runnable
         self.vllm_config = vllm_config
         self.runtime_mode = runtime_mode
+        #: the break ops of a breakable wrapper (None: one ``devgraph.Graph`` per descriptor)
+        self.breaks: tuple[str, ...] | None = None if breaks is None else tuple(breaks)
         self.cudagraph_options = cudagraph_options or CUDAGraphOptions()
         self.device = current_platform.devgraph_device()
         pool = current_platform.get_global_graph_pool()
@@ -173,14 +187,29 @@ class DevgraphGraphWrapper:
         )
         DevgraphGraphWrapper._all_instances.add(self)
 
+    @classmethod
+    def breakable(
+        cls, runnable: Callable[..., Any], vllm_config: Any, cudagraph_options: Any = None
+    ) -> DevgraphGraphWrapper:
+        """A PIECEWISE wrapper of breakable graphs cut at the ops vLLM's compiled PIECEWISE mode splits
+        at (``_breakable.vllm_break_ops``)."""
+        from vllm.config import CUDAGraphMode
+
+        breaks = vllm_break_ops(vllm_config)
+        return cls(runnable, vllm_config, CUDAGraphMode.PIECEWISE, cudagraph_options, breaks=breaks)
+
     @property
     def label(self) -> str:
         """What the counters of ``stats()`` call this wrapper's graphs (``capture.<label>``, ...)."""
-        return self.role + str(self.runtime_mode.name)
+        return self.role + ("BREAKABLE" if self.breaks is not None else str(self.runtime_mode.name))
 
     def _graph_set(self, shared: SharedPool) -> GraphSet[Any, Any]:
-        """The set holding this wrapper's graphs (one ``devgraph.Graph`` per batch descriptor)."""
-        return GraphSet(self.device, shared)
+        """The set holding this wrapper's graphs: one ``devgraph.Graph`` per batch descriptor, or one
+        ``BreakableGraph`` (a ``Replayable`` like a Graph) with ``breaks``."""
+        device, breaks = self.device, self.breaks
+        if breaks is None:
+            return GraphSet(device, shared)
+        return GraphSet(device, shared, make=lambda: BreakableGraph(device, breaks))
 
     # -- vLLM's wrapper surface -----------------------------------------------------------------
 
@@ -295,6 +324,14 @@ class DevgraphGraphWrapper:
                 "attention called inside vLLM's opaque custom op?). Use cudagraph_mode=FULL_DECODE_ONLY "
                 "or PIECEWISE"
             )
+        if self.breaks is not None:
+            try:
+                check_breaks(graph, self.unwrap(), self.breaks, descriptor)
+            except DevgraphError:
+                self.graphs.discard(descriptor)
+                raise
+            _stats.count("segments", self.label, len(graph.graphs))
+            _stats.count("breaks", self.label, len(graph.captured_breaks))
         metadata = _metadata_addresses(context) if self.runtime_mode.name == "FULL" else {}
         self.entries[descriptor] = _Entry(addresses, metadata)
         _stats.count("capture", self.label)
@@ -326,8 +363,11 @@ class DevgraphGraphWrapper:
         self.replays += 1
         return output
 
-    def _step_host_args(self, context: Any, graph: Graph) -> Mapping[str, Any] | None:
-        """The host arguments this step's replay re-issues to the graph's updatable tasks (None: none)."""
+    def _step_host_args(self, context: Any, graph: Any) -> Mapping[str, Any] | None:
+        """The host arguments this step's replay re-issues to the graph's updatable tasks (None: none;
+        a breakable graph's breaks read the step's metadata from vLLM's forward context themselves)."""
+        if self.breaks is not None:
+            return None
         return step_host_args(context, graph) if graph.tasks else None
 
     def _check_addresses(self, descriptor: Any, entry: _Entry, now: list[tuple[str, int]]) -> None:

@@ -115,10 +115,10 @@ def test_breakable_replay_runs_the_break_with_each_steps_metadata(cpu):
     from vllm.config import CUDAGraphMode
 
     from devgraph.adapters.vllm import reset_stats, stats
-    from devgraph.adapters.vllm._breakable import DevgraphBreakableWrapper
+    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
 
     model, config = _Model(), _config()
-    wrapper = DevgraphBreakableWrapper(model, config)
+    wrapper = DevgraphGraphWrapper.breakable(model, config)
     reset_stats()
     with torch.no_grad():
         captured = step(wrapper, model, config, CAPTURED, mode=CUDAGraphMode.PIECEWISE, capture=True)
@@ -141,10 +141,10 @@ def test_attention_that_ran_inside_a_segment_is_refused_naming_the_layer(cpu):
     # captured with the capture step's metadata frozen. Refused at capture; nothing is kept.
     from vllm.config import CUDAGraphMode
 
-    from devgraph.adapters.vllm._breakable import DevgraphBreakableWrapper
+    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
 
     model, config = _Model(), _config(splitting_ops=())
-    wrapper = DevgraphBreakableWrapper(model, config)
+    wrapper = DevgraphGraphWrapper.breakable(model, config)
     assert OP not in wrapper.breaks
     with (
         torch.no_grad(),
@@ -173,7 +173,6 @@ def _runner_model(config, model):
 def test_runner_nests_full_around_breakable_in_place_of_vllms_wrappers(cpu, breakable_flag):
     from vllm.config import CUDAGraphMode
 
-    from devgraph.adapters.vllm._breakable import DevgraphBreakableWrapper
     from devgraph.adapters.vllm._runner import wrap_full_model
     from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
 
@@ -181,13 +180,16 @@ def test_runner_nests_full_around_breakable_in_place_of_vllms_wrappers(cpu, brea
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     wrapped = wrap_full_model(_runner_model(config, model).outer, config)  # vLLM's GPU runner's model
     assert type(wrapped) is DevgraphGraphWrapper and wrapped.runtime_mode == CUDAGraphMode.FULL
-    assert type(wrapped.runnable) is DevgraphBreakableWrapper and wrapped.runnable.runnable is model
+    assert (
+        wrapped.breaks is None and wrapped.runnable.breaks is not None and wrapped.runnable.runnable is model
+    )
     assert wrapped.unwrap() is model
     unwrapped = wrap_full_model(model, config)  # vLLM's CPU runner wraps nothing
-    assert type(unwrapped) is DevgraphGraphWrapper and type(unwrapped.runnable) is DevgraphBreakableWrapper
+    assert type(unwrapped) is DevgraphGraphWrapper and unwrapped.breaks is None
+    assert type(unwrapped.runnable) is DevgraphGraphWrapper and unwrapped.runnable.breaks is not None
     config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
     alone = wrap_full_model(model, config)
-    assert type(alone) is DevgraphBreakableWrapper and alone.runnable is model
+    assert type(alone) is DevgraphGraphWrapper and alone.breaks is not None and alone.runnable is model
 
 
 def test_without_vllms_flag_piecewise_is_left_to_vllm(cpu, monkeypatch):
@@ -202,15 +204,15 @@ def test_without_vllms_flag_piecewise_is_left_to_vllm(cpu, monkeypatch):
 
 
 def test_a_drafters_vllm_breakable_wrapper_is_replaced_by_devgraphs(cpu, breakable_flag, monkeypatch):
-    from devgraph.adapters.vllm._breakable import DevgraphBreakableWrapper
     from devgraph.adapters.vllm._runner import wrap_drafter_model
+    from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
 
     model, config = _Model(), _config()
     wrapped = wrap_drafter_model(_runner_model(config, model).inner, config)
-    assert type(wrapped) is DevgraphBreakableWrapper and wrapped.runnable is model
+    assert type(wrapped) is DevgraphGraphWrapper and wrapped.breaks is not None and wrapped.runnable is model
     # vLLM's CPU runner leaves the drafter bare: with the flag devgraph wraps it, as vLLM's GPU runner does.
     bare = wrap_drafter_model(model, config)
-    assert type(bare) is DevgraphBreakableWrapper and bare.runnable is model
+    assert type(bare) is DevgraphGraphWrapper and bare.breaks is not None and bare.runnable is model
     assert wrapped.label == bare.label == "draft.BREAKABLE"  # counted apart from the target's graphs
     monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH")
     assert wrap_drafter_model(model, config) is model  # without the flag a bare drafter stays so
