@@ -181,7 +181,9 @@ def test_drafter_graphs_captured_but_never_replayed_are_counted_and_warned(caplo
 
     def wrapper(role: str, replays: int) -> DevgraphGraphWrapper:
         w = object.__new__(DevgraphGraphWrapper)  # the counters' state only, no platform needed
-        w.__dict__.update(runnable=None, runtime_mode=CUDAGraphMode.PIECEWISE, role=role, replays=replays)
+        w.__dict__.update(
+            runnable=None, runtime_mode=CUDAGraphMode.PIECEWISE, breaks=None, role=role, replays=replays
+        )
         w.entries = {"size 4": None, "size 8": None}
         DevgraphGraphWrapper._all_instances.add(w)
         return w
