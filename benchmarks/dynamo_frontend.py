@@ -84,7 +84,7 @@ def _host_case(
         dyn(**batch)
     stub_replay(graph for _, graph in raw.runner.full.graphs.items())
     for runner in dyn.graphs.runners:
-        if runner.full is not None and runner.full.captured:
+        if runner.full is not None and runner.full.buckets is not None:
             stub_replay(graph for _, graph in runner.full.graphs.items())
     with dyn.graphs.recording() as log, torch.no_grad():
         dyn(**batch)
