@@ -260,6 +260,11 @@ class RunnerStats:
     #: ``DynamoStats`` says ``"dynamo"``
     frontend: str = "raw"
 
+    def forget_capture(self) -> None:
+        """Forget what a capture measured (a part's drop); the counters of calls stay."""
+        self.captured_sizes = self.row_count_rounding = ()
+        self.pool_bytes, self.capture_seconds = 0, 0.0
+
 
 class _Config(Protocol):
     """A config whose options name the wrapped function's arguments (``RunnerConfig``)."""

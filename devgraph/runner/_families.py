@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from devgraph._errors import DevgraphError
-from devgraph.graph import Device, MultiStepGraph, SharedPool
+from devgraph.graph import Device, MultiStepGraph, SharedPool, step_lengths
 from devgraph.runner._calls import Call, Unsupported
 from devgraph.runner._config import RunnerConfig, RunnerStats
 from devgraph.runner._part import Kit, Words
@@ -142,11 +142,7 @@ class MultiStepGraphs:
         inputs, kit = self.kit.inputs, self.kit
 
         def prepare(size: int) -> tuple[Callable[[], Any], Callable[[], None]]:
-            values: dict[str, Any] = dict(inputs.narrowed(size))
-            values.update(example.static)
-            values.update(example.consts)
-            values.update({name: [kit.config.pad_value(name)] * size for name in example.host})
-            args, kwargs = example.bind(inputs.signature, values)
+            args, kwargs = inputs.bound_at(example, size)
 
             def capture() -> None:
                 graph = MultiStepGraph(kit.device, self.fn.steps)
@@ -172,12 +168,8 @@ class MultiStepGraphs:
     def replay(self, call: Call, size: int, host_args: Mapping[str, Any] | None) -> Any:
         graph, out = self.graphs[size]
         if host_args:
-            graph.replay(
-                [
-                    {op: [int(n) + i for n in values] for op, values in host_args.items()}
-                    for i in range(graph.steps)
-                ]
-            )
+            per_op = {op: step_lengths(values, graph.steps) for op, values in host_args.items()}
+            graph.replay([{op: lengths[i] for op, lengths in per_op.items()} for i in range(graph.steps)])
         else:
             graph.replay(None)
         return out

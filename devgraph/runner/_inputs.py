@@ -102,6 +102,15 @@ class StaticInputs:
         self.template = example.template(cfg)
         self._template_check = None
 
+    def bound_at(self, example: Call, size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The example call on the buffers' first ``size`` rows, host lists all padding: what a part's
+        warm-ups and capture of ``size`` run."""
+        values: dict[str, Any] = dict(self.narrowed(size))
+        values.update(example.static)
+        values.update(example.consts)
+        values.update({name: [self.config.pad_value(name)] * size for name in example.host})
+        return example.bind(self.signature, values)
+
     def fill_padding(self) -> None:
         """Every buffer all padding (what warm-up and capture see)."""
         for name, buf in self.buffers.items():

@@ -228,9 +228,7 @@ class Pieces:
         self.buckets = None
         self.exact_only = None
         self._replay_inputs.clear()
-        stats = self.stats
-        stats.captured_sizes = stats.row_count_rounding = ()
-        stats.pool_bytes, stats.capture_seconds = 0, 0.0
+        self.stats.forget_capture()
         self.stats.pieces = self.stats.splitting_ops = self.stats.traces = 0
         self.stats.passes = {}
         self.stats.dropped_sizes = ()

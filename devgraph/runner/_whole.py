@@ -153,8 +153,7 @@ class WholeGraphs:
         self.buckets = None
         self.exact_only = None
         stats = self.stats
-        stats.captured_sizes = stats.row_count_rounding = ()
-        stats.pool_bytes, stats.capture_seconds = 0, 0.0
+        stats.forget_capture()
         if isinstance(stats, BreakableStats):
             stats.graphs = stats.breaks = 0
 
@@ -164,12 +163,7 @@ class WholeGraphs:
         inputs = self.kit.inputs
 
         def prepare(size: int) -> tuple[Callable[[], Any], Callable[[], None]]:
-            host = {name: [self.config.pad_value(name)] * size for name in example.host}
-            values: dict[str, Any] = dict(inputs.narrowed(size))
-            values.update(example.static)
-            values.update(example.consts)
-            values.update(host)
-            args, kwargs = example.bind(inputs.signature, values)
+            args, kwargs = inputs.bound_at(example, size)
 
             def warm_up() -> Any:
                 return self.fn(*args, **kwargs)
