@@ -29,7 +29,14 @@ def test_static_graph_wrapper_protocol_is_what_the_wrapper_implements():
 
     from devgraph.adapters.vllm._wrapper import DevgraphGraphWrapper
 
-    assert _params(CUDAGraphWrapper.__init__) == _params(DevgraphGraphWrapper.__init__)
+    # vLLM builds the wrapper with CUDAGraphWrapper's parameters; anything devgraph adds after them
+    # must be keyword-only with a default, so vLLM's own calls still bind.
+    theirs = list(inspect.signature(CUDAGraphWrapper.__init__).parameters.values())
+    ours = list(inspect.signature(DevgraphGraphWrapper.__init__).parameters.values())
+    assert [(p.name, p.kind) for p in ours[: len(theirs)]] == [(p.name, p.kind) for p in theirs]
+    for extra in ours[len(theirs) :]:
+        assert extra.kind is inspect.Parameter.KEYWORD_ONLY, extra.name
+        assert extra.default is not inspect.Parameter.empty, extra.name
     assert {f.name for f in dataclasses.fields(CUDAGraphOptions)} == {
         "debug_log_enable",
         "gc_disable",
