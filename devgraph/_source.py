@@ -2,7 +2,7 @@
 
 Errors name the user's line, not devgraph's or torch's: the innermost frame outside torch,
 devgraph (its ``testing`` package aside: its models are user code) and the standard
-library. The capture guard, the compiled-region recorder, the backends and the runner all use it,
+library. The capture check, the compiled-region recorder, the backends and the runner all use it,
 so it sits below all of them.
 """
 

@@ -12,7 +12,7 @@ from one that works there. ``DeferredWrites`` makes streams asynchronous the way
 
 ``Graph``'s public methods are final: a backend overrides private hooks, and a class body that
 overrides a public method is refused (``TypeError``). A few properties (the state machine, the locks,
-the host-sync guard) live in those public methods, so the backends breaking them replace the method
+the host-sync check) live in those public methods, so the backends breaking them replace the method
 after the class is made (``_replaces_final``), the one way past that refusal: the conformance suite
 must catch such a backend too.
 """
@@ -327,7 +327,7 @@ class _AutoTasks(TorchDispatchMode):
 
 
 @_replaces_final
-class _NoSyncGuardGraph(CpuGraph):
+class _NoSyncCheckGraph(CpuGraph):
     @contextlib.contextmanager
     def final_capture(
         self,
@@ -336,7 +336,7 @@ class _NoSyncGuardGraph(CpuGraph):
         *,
         auto_update_ops: Sequence[str] = (),
     ) -> Iterator[Graph]:
-        """Its own capture: states, lock, stream, pool and auto tasks, but no host-sync guard
+        """Its own capture: states, lock, stream, pool and auto tasks, but no host-sync check
         (``devgraph.graph._capture.capturing``)."""
         if self._state != "new":
             raise DevgraphError(f"cannot capture a graph that is {self._state}; reset() it first")
@@ -359,10 +359,10 @@ class _NoSyncGuardGraph(CpuGraph):
         self._state = "captured"
 
 
-class NoHostSyncGuard(CorrectDevice):
-    """Replaces ``capture`` and leaves out the host-sync guard: ``.item()`` records a frozen value."""
+class NoHostSyncCheck(CorrectDevice):
+    """Replaces ``capture`` and leaves out the host-sync check: ``.item()`` records a frozen value."""
 
-    graph_class = _NoSyncGuardGraph
+    graph_class = _NoSyncCheckGraph
 
 
 # -- locks -------------------------------------------------------------------------------------------
@@ -541,7 +541,7 @@ BROKEN: dict[type[CorrectDevice], str] = {
     HostArgsLive: "check_host_args_frozen",
     UpdateIgnored: "check_task_update",
     HostArgsOnlyNoted: "check_task_update",
-    NoHostSyncGuard: "check_capture_error_on_host_sync",
+    NoHostSyncCheck: "check_capture_error_on_host_sync",
     CapturesNotSerialised: "check_captures_serialised_per_device",
     ReplayWithoutLock: "check_update_and_replay_serialised",
     ReplayOfNothing: "check_replay_without_capture",

@@ -20,7 +20,7 @@ each replay does about them:
 * pool memory: outputs produced inside an earlier piece's capture, held by weak reference (as
   vLLM's piecewise backend does) so the pool can reuse them for the next size, and an eager
   splitting op's output that writes into such memory (devgraph's attention ops do). Checked at
-  every replay, a cheap guard (one or two per piece): an eager op may hand back other memory
+  every replay, a cheap check (one or two per piece): an eager op may hand back other memory
   than at capture, and the piece would then read stale memory without a word;
 * another piece's output passed as it is, in whatever memory (pool, a module input, or a view of
   that piece's staging buffer: an attention output transposed between two attention calls): that

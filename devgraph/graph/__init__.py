@@ -2,7 +2,7 @@
 
 * ``_contract``: ``Device``, ``Stream``, ``Event``, ``Graph``, ``MemoryPool`` (the interface; backends
   implement it).
-* ``_capture``: the capture guard (host syncs, collectives and updatable ops seen one by one).
+* ``_capture``: the capture check (host syncs, collectives and updatable ops seen one by one).
 * ``_tasks``: task groups (ops whose host arguments are re-issued at replay).
 * ``_multistep``: ``MultiStepGraph``, several steps (a speculative draft's) captured as one graph whose
   replay gives every step's tasks their host arguments in one update.
@@ -19,7 +19,7 @@ Importing this package imports no torch. Its face (``__all__``) is what other pa
 backends use: the contract, the graph set, task groups and host-argument application, and the refusal
 helpers a backend's capture needs (``raise_refusal``, ``is_collective``/``refuse_collective``,
 ``has_python_kernel``, ``lookup_op``, ``FUNCTION_SYNCS``/``SHAPE_REMEDY``), and ``host_sync_check`` (the
-capture guard around an eager run: what a capture would refuse, found before any capture). ``devgraph``
+capture check around an eager run: what a capture would refuse, found before any capture). ``devgraph``
 re-exports the user-facing names.
 """
 

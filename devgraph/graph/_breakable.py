@@ -24,11 +24,11 @@ result shape has no fake impl keeps the eager result of capture time (outside th
 into that.
 
 How a break is intercepted, and why there. Each segment's ``Graph.capture`` pushes modes: the
-host-sync guard (a ``TorchFunctionMode``), devgraph's capture dispatch mode and, on the CPU
+host-sync check (a ``TorchFunctionMode``), devgraph's capture dispatch mode and, on the CPU
 reference and the NPU simulator, the backend's op recorder (``TorchDispatchMode``\\s). Cutting a
 capture means popping those modes and pushing the next segment's, which is only sound from a place
 where they sit on top of their stacks in order. A dispatch mode is the wrong place: the host-sync
-guard is held aside while the call it let through is being dispatched, so popping it there pops
+check is held aside while the call it let through is being dispatched, so popping it there pops
 something else. ``BreakMode`` is a ``TorchFunctionMode`` entered *above* the first segment's modes
 (torch function modes see ``torch.ops`` calls, custom ops included, and torch functions such as
 ``F.scaled_dot_product_attention``, before any dispatch). While it handles a call torch holds it
@@ -37,7 +37,7 @@ of both stacks), run the break, open segment ``k+1``, and return; torch re-pushe
 segment's modes. It checks both stack depths first, and refuses a break it finds below another
 mode's handler. It sees top-level Python calls only: a break called from C++, from inside another
 torch function or op (a Python-bodied custom op's body) or from compiled code reaches the segment's
-capture instead, where the capture guard's ``op_check`` hook (``_capture.op_check``, which sees
+capture instead, where the capture check's ``op_check`` hook (``_capture.op_check``, which sees
 every op the capture dispatch mode sees, bodies included) refuses it by name rather than capture it.
 
 Equal or refused. The same check refuses, by op and source line, an op that is not a break but

@@ -1,4 +1,4 @@
-"""What every backend's capture shares: the host-sync guard and auto task groups.
+"""What every backend's capture shares: the host-sync check and auto task groups.
 
 A captured graph replays device work only; anything that needs the host to look at a device value
 (``.item()``, ``.tolist()``, ``.cpu()``, data-dependent shapes) cannot be recorded. CUDA fails such
@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # torch is imported when first needed
     from torch._ops import OpOverload
 
 __all__ = [
-    "GuardedGraph",
+    "CheckedGraph",
     "refuse_unrecorded",
     "capturing",
     "dispatch_refusal",
@@ -48,18 +48,18 @@ op_check: contextvars.ContextVar[Callable[[Any, tuple[Any, ...], dict[str, Any]]
 
 
 class CaptureDevice(Protocol):
-    """What the guard uses of the graph's device (``devgraph.Device`` is one)."""
+    """What the check uses of the graph's device (``devgraph.Device`` is one)."""
 
     @property
     def torch_device(self) -> torch.device: ...
 
 
-class GuardedGraph(Protocol):
-    """What the guard uses of the graph it guards (``devgraph.Graph`` is one).
+class CheckedGraph(Protocol):
+    """What the check uses of the graph it checks (``devgraph.Graph`` is one).
 
-    The guard needs the device type (which tensors the capture owns), whether an explicit task
-    group is open, and a way to capture one call as an auto task; the graph drives the guard, so
-    the guard names this much of it rather than importing the contract.
+    The check needs the device type (which tensors the capture owns), whether an explicit task
+    group is open, and a way to capture one call as an auto task; the graph drives the check, so
+    the check names this much of it rather than importing the contract.
     """
 
     @property
@@ -190,7 +190,7 @@ def _on_device(tree: Any, device_type: str) -> bool:
 def raise_refusal(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise ``CaptureError`` if aten op ``func`` cannot be captured (see ``dispatch_refusal``).
 
-    For recorders that see ops the capture guard does not (what a composite op decomposes into).
+    For recorders that see ops the capture check does not (what a composite op decomposes into).
     """
     remedy = dispatch_refusal(func, args, kwargs)
     if remedy:
@@ -223,12 +223,12 @@ def _raise_sync(op: str, remedy: str) -> None:
 
 def _modes() -> tuple[type, type]:
     """Build the mode classes lazily so ``import devgraph`` does not import torch's mode machinery:
-    the host-sync guard (a function mode) and the capture's dispatch mode."""
-    return _host_sync_guard(), _capture_dispatch_mode()
+    the host-sync check (a function mode) and the capture's dispatch mode."""
+    return _host_sync_check(), _capture_dispatch_mode()
 
 
-def _host_sync_guard() -> type:
-    """``HostSyncGuard``: refuses, at the torch function level, what a capture cannot record (a host
+def _host_sync_check() -> type:
+    """``HostSyncCheck``: refuses, at the torch function level, what a capture cannot record (a host
     read of a device value, a pageable upload, host data copied to the device) and what a recording
     backend would not see."""
     import torch
@@ -236,7 +236,7 @@ def _host_sync_guard() -> type:
 
     host_data_factories = {torch.tensor, torch.as_tensor}
 
-    class HostSyncGuard(TorchFunctionMode):
+    class HostSyncCheck(TorchFunctionMode):
         def __init__(self, device_type: str) -> None:
             super().__init__()
             self.device_type = device_type
@@ -313,7 +313,7 @@ def _host_sync_guard() -> type:
                 )
             return result
 
-    return HostSyncGuard
+    return HostSyncCheck
 
 
 def _capture_dispatch_mode() -> type:
@@ -324,7 +324,7 @@ def _capture_dispatch_mode() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CaptureDispatchMode(TorchDispatchMode):
-        def __init__(self, graph: GuardedGraph, auto_update_ops: Sequence[str]) -> None:
+        def __init__(self, graph: CheckedGraph, auto_update_ops: Sequence[str]) -> None:
             super().__init__()
             self.graph = graph
             self.device_type = graph.device.torch_device.type
@@ -333,7 +333,7 @@ def _capture_dispatch_mode() -> type:
             key = {"cpu": "CPU", "cuda": "CUDA"}.get(self.device_type, "PrivateUse1")
             self.key_name = key
             self.keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-            self.host_guard: Any = None  # this capture's HostSyncGuard, set by capturing()
+            self.host_check: Any = None  # this capture's HostSyncCheck, set by capturing()
             self.seen = 0  # ops this mode saw: what a recording backend records
             # Host ops reading pre-capture CPU tensors: frozen on a device graph (the reference records them).
             self.host_compute = host_compute_for(self.device_type)
@@ -370,13 +370,13 @@ def _capture_dispatch_mode() -> type:
                 self._refuse_task_in_compiled(name)
                 return _call_as_task(self.graph, func, args, kwargs)
             if has_python_kernel(func, self.key_name) and _on_device((args, kwargs), self.device_type):
-                # A Python-bodied custom op (vLLM's attention): the guard must see what its body
+                # A Python-bodied custom op (vLLM's attention): the check must see what its body
                 # launches, or an updatable op inside would be captured with frozen host arguments
                 # and no task, and a host sync inside would go unrefused. torch took the host-sync
-                # guard (a function mode) off the stack for the outer call: put it back too.
+                # check (a function mode) off the stack for the outer call: put it back too.
                 with contextlib.ExitStack() as body:
-                    if self.host_guard is not None:
-                        body.enter_context(self.host_guard)
+                    if self.host_check is not None:
+                        body.enter_context(self.host_check)
                     body.enter_context(self)
                     return func.redispatch(self.keys, *args, **kwargs)
             return func(*args, **kwargs)
@@ -469,7 +469,7 @@ def _pageable_upload(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], d
 
 
 def _call_as_task(
-    graph: GuardedGraph, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    graph: CheckedGraph, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     call, args, kwargs, post = graph._prepare_task_call(func, args, kwargs)
     group = TaskGroup.for_call(len(graph.tasks), call, args, kwargs, graph._updatable_tensor_args(call))
@@ -521,28 +521,28 @@ _MODE_CLASSES: tuple[type, type] | None = None
 
 
 @contextlib.contextmanager
-def capturing(graph: GuardedGraph, auto_update_ops: Sequence[str] = ()) -> Iterator[None]:
-    """Guard the block against host syncs while ``graph`` captures; capture ``auto_update_ops`` as tasks."""
+def capturing(graph: CheckedGraph, auto_update_ops: Sequence[str] = ()) -> Iterator[None]:
+    """Check the block for host syncs while ``graph`` captures; capture ``auto_update_ops`` as tasks."""
     global _MODE_CLASSES
     if _MODE_CLASSES is None:
         _MODE_CLASSES = _modes()
-    guard_cls, dispatch_cls = _MODE_CLASSES
+    check_cls, dispatch_cls = _MODE_CLASSES
     refuse_autocast_cache(graph.device.torch_device.type)
     with contextlib.ExitStack() as stack:
         recorders = op_recorders()  # the backend's op recorder, entered by its _begin_capture
-        host_guard = stack.enter_context(guard_cls(graph.device.torch_device.type))
+        host_check = stack.enter_context(check_cls(graph.device.torch_device.type))
         dispatch = stack.enter_context(dispatch_cls(graph, auto_update_ops))
-        dispatch.host_guard = host_guard
+        dispatch.host_check = host_check
         if recorders:
             # Compiled graphs bypass the dispatcher in part (inductor): record each one whole.
             dispatch.regions = stack.enter_context(CompiledRegions(recorders))
-            host_guard.recording = dispatch
-            host_guard.recorders = recorders
+            host_check.recording = dispatch
+            host_check.recorders = recorders
         yield
 
 
 class _NothingCaptured:
-    """The graph ``host_sync_check``'s guard guards: a device type, no task groups (no op is made a task)."""
+    """The graph ``host_sync_check`` checks against: a device type, no task groups (no op is made a task)."""
 
     _open_group = None
     tasks = ()
@@ -564,7 +564,7 @@ class _NothingCaptured:
 
 @contextlib.contextmanager
 def host_sync_check(device_type: str) -> Iterator[None]:
-    """Run the block eagerly under the capture guard of a capture on ``device_type``: nothing is captured.
+    """Run the block eagerly under the capture check of a capture on ``device_type``: nothing is captured.
 
     What a capture on that device refuses op by op raises the same ``CaptureError`` here (a host sync
     such as ``.item()``/``.tolist()``, a data-dependent output shape, a device value read on the host,
@@ -577,12 +577,12 @@ def host_sync_check(device_type: str) -> Iterator[None]:
     global _MODE_CLASSES
     if _MODE_CLASSES is None:
         _MODE_CLASSES = _modes()
-    guard_cls, dispatch_cls = _MODE_CLASSES
+    check_cls, dispatch_cls = _MODE_CLASSES
     graph = _NothingCaptured(device_type)
     with contextlib.ExitStack() as stack:
-        host_guard = stack.enter_context(guard_cls(device_type))
+        host_check = stack.enter_context(check_cls(device_type))
         dispatch = stack.enter_context(dispatch_cls(graph, ()))
-        dispatch.host_guard = host_guard
+        dispatch.host_check = host_check
         yield
 
 

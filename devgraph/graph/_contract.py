@@ -2,7 +2,7 @@
 
 The vocabulary follows ``torch.accelerator`` / ``torch.Stream`` / ``torch.Event`` /
 ``torch.cuda.CUDAGraph``. A backend subclasses these ABCs; the shared behaviour (capture state
-machine, host-sync guard, task update, locking) lives here so every backend honours the same
+machine, host-sync check, task update, locking) lives here so every backend honours the same
 contract (see DESIGN.md, "The graph contract").
 """
 
@@ -76,7 +76,7 @@ _probes: contextvars.ContextVar[tuple[Callable[[Graph], contextlib.AbstractConte
 def probe_captures(factory: Callable[[Graph], contextlib.AbstractContextManager[Any]]) -> Iterator[None]:
     """While the block runs, every ``Graph.capture`` in this context also enters ``factory(graph)``.
 
-    It is entered innermost, inside the capture guard: what it issues (a debug tool's copies of each
+    It is entered innermost, inside the capture check: what it issues (a debug tool's copies of each
     op's output, ``devgraph.bisect``) is captured work like the block's own, on every backend. Probes
     nest; the outer one is entered first.
     """
@@ -377,8 +377,8 @@ class Graph(abc.ABC):
                 stack.enter_context(stream)
                 self._begin_capture(stream, self._pool)
                 stack.callback(self._finish_capture, lambda: body_ok)
-                # The guard's own exit may refuse the capture (a compiled graph it could not record
-                # whole): only a block whose guard also exited cleanly ends the capture.
+                # The check's own exit may refuse the capture (a compiled graph it could not record
+                # whole): only a block whose check also exited cleanly ends the capture.
                 with (
                     _being_captured(self),
                     _capture.capturing(self, auto_update_ops),

@@ -11,7 +11,7 @@ and returns no device tensor.
 What stays allowed: views (they compute nothing: the op that reads them is checked), host ops over
 tensors made inside the capture (from shapes and constants: the same at every call), copies whose
 result is on the device (a pinned host buffer uploaded each replay, a 0-d CPU tensor given to a
-device kernel as a scalar; pageable uploads are refused earlier, by the capture's host-sync guard),
+device kernel as a scalar; pageable uploads are refused earlier, by the capture's host-sync check),
 and everything on the CPU reference backend, whose graphs record host ops.
 """
 

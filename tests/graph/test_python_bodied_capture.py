@@ -80,7 +80,7 @@ def test_host_sync_inside_a_python_bodied_op_is_refused(any_device):
 
 
 def test_host_read_inside_a_python_bodied_op_is_refused(any_device):
-    # .tolist() is seen by the host-sync guard (a function mode), which torch takes off the stack
+    # .tolist() is seen by the host-sync check (a function mode), which torch takes off the stack
     # for the outer op: the capture must put it back, or the offsets would be frozen silently.
     x = torch.ones(6, device=any_device.torch_device)
     offs = torch.tensor([2, 4], device=any_device.torch_device)

@@ -278,7 +278,7 @@ def test_device_length_math_ignores_padding_entries_of_the_block_table(gen):
 
 
 def test_device_length_kernel_replays_new_lengths_without_task_update(gen):
-    """Capture-safety of the CUDA math, checked by the CPU reference backend's host-sync guard."""
+    """Capture-safety of the CUDA math, checked by the CPU reference backend's host-sync check."""
     q, kc, vc, bt, seq_lens, lengths = _paged_inputs(PAGED_CASES[0], torch.float32, gen)
     cuda_kernels.register_all(_registry.register)
     graph = devgraph.device("cpu").graph()

@@ -30,7 +30,7 @@ try:
 except ImportError:
     st = None
 
-HostSyncGuard = _capture._modes()[0]  # the torch function mode devgraph's capture enters
+HostSyncCheck = _capture._modes()[0]  # the torch function mode devgraph's capture enters
 
 TOL = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-5},
@@ -218,9 +218,9 @@ def test_compiled_flex_skips_unlisted_blocks_on_cpu():
     got = _flex(q, k, v, table, torch.tensor(lens), 0.3, compiled=True, width=k.shape[0])
     _close(got, _old(q, k, v, table, lens, 0.3), torch.float32)
     compiles = dict(counters["stats"])
-    lens = [17, 1, 32]  # new lengths, same shapes, under capture's host-sync guard: no recompile
+    lens = [17, 1, 32]  # new lengths, same shapes, under capture's host-sync check: no recompile
     seq_lens = torch.tensor(lens)
-    with HostSyncGuard("cpu"):  # its checks apply to these (CPU) tensors
+    with HostSyncCheck("cpu"):  # its checks apply to these (CPU) tensors
         got = _flex(q, k, v, table, seq_lens, 0.3, compiled=True, width=k.shape[0])
     _close(got, _old(q, k, v, table, lens, 0.3), torch.float32)
     assert dict(counters["stats"]) == compiles

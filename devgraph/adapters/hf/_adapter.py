@@ -40,7 +40,7 @@ decode step that cannot be captured raises a ``CaptureError`` once, said for the
 At wrap the model runs a few short prompts eagerly over a static cache and over transformers' dynamic
 cache; a model whose attention depends on the cache's length (GPT-Neo), whose forward fails there
 (CPM-Ant) or that keeps no KV cache (GPT-1) is refused there (``_static_check``). Then one short greedy
-``generate`` runs its decode steps eagerly as the graphs would, the second under the capture guard: a
+``generate`` runs its decode steps eagerly as the graphs would, the second under the capture check: a
 decode step that reads device values on the host (mixture-of-experts layers routing on the host:
 JetMoE, DBRX, LongCat-Flash) cannot be captured in any mode and is refused there (``_decode_probe``).
 """

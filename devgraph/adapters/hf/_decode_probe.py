@@ -1,4 +1,4 @@
-"""Wrap-time dry run of the decode step: run eagerly as its graph would run, under the capture guard.
+"""Wrap-time dry run of the decode step: run eagerly as its graph would run, under the capture check.
 
 Every devgraph mode replays each decode step as one graph (the modes differ in the prefill only). A
 model whose decode step makes the host read a device value cannot be captured in any mode:
@@ -13,7 +13,7 @@ which then failed the same way at decode.
 own decode route over a one-row static cache (the layout of devgraph's shared cache, the masks built
 by transformers outside the step, as for the graphs), whose decode steps run the captured module
 (``DecodeStep``) eagerly; the first is a warm-up (a capture has those too), the second runs under
-``devgraph.graph.host_sync_check``, the capture guard without a capture. What the guard refuses there
+``devgraph.graph.host_sync_check``, the capture check without a capture. What the check refuses there
 a capture refuses too, on every device; what only a recording finds (Falcon's index list, made inside
 the capture and freed when it ends) is still found at the first capture.
 
@@ -45,7 +45,7 @@ _NEW = 3
 
 class _CheckedStep:
     """What the route calls in place of the decode step's ``GraphRunner``: the step, run eagerly; from
-    the second call on under the capture guard of ``device_type``."""
+    the second call on under the capture check of ``device_type``."""
 
     captured = True  # the route captures nothing
 

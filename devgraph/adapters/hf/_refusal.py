@@ -1,6 +1,6 @@
 """A ``CaptureError`` inside a Hugging Face model's own code, said so that its user can act on it.
 
-The capture guard's remedy ("create the tensor before capture", "keep the value on the device") is
+The capture check's remedy ("create the tensor before capture", "keep the value on the device") is
 advice for whoever can edit the offending line; for a transformers model that is transformers. The
 user of the model can change the transformers release, generate eagerly, or (when the prefill pieces
 were refused) use ``mode='full'``; ``mode=`` does not help a refused decode step, which every mode
@@ -43,7 +43,7 @@ def refusal(model: Any, err: CaptureError, stage: str, at_wrap: bool = False) ->
     where = _in_model_code(model, err.source)
     if at_wrap:
         remedy = (
-            f"found at wrap, where devgraph runs one decode step eagerly under the capture guard: the refused "
+            f"found at wrap, where devgraph runs one decode step eagerly under the capture check: the refused "
             f"line is {where} (transformers {__version__}). No devgraph mode serves this model: every mode "
             "replays the decode step as one graph (mode= changes only the prefill). Use eager "
             "model.generate() for it"

@@ -323,7 +323,7 @@ class Recorder(TorchDispatchMode):
                 if self.seen == seen:
                     refuse_unrecorded(func, args, kwargs)  # it computed without an op: nothing recorded
                 return result
-        # What the capture guard refuses, checked again here: the guard does not see the ops a
+        # What the capture check refuses, checked again here: the check does not see the ops a
         # composite decomposes into (argwhere -> nonzero under inference_mode).
         raise_refusal(func, args, kwargs)
         _refuse_unstrided(func, arg_tensors)

@@ -160,9 +160,9 @@ def _no_function_modes() -> Iterator[None]:
     """Run the block with no torch function mode active (restored after).
 
     Dynamo guards compiled code on the torch function mode stack. devgraph's capture enters one
-    (the host-sync guard) that warm-up calls do not, so without this the kernel compiled in warm-up
+    (the host-sync check) that warm-up calls do not, so without this the kernel compiled in warm-up
     would be recompiled *inside* the capture, where Triton cannot benchmark or launch freely. The
-    compiled kernel makes no host syncs, so the guard has nothing to see in it.
+    compiled kernel makes no host syncs, so the check has nothing to see in it.
     """
     from torch.overrides import _pop_mode_temporarily
 

@@ -184,7 +184,7 @@ _OPAQUE = SimpleNamespace(model=None)
 
 
 def test_full_capture_sees_into_a_python_bodied_attention_op(cpu):
-    # vLLM's attention runs inside a Python-bodied custom op: the capture guard enters its body, so
+    # vLLM's attention runs inside a Python-bodied custom op: the capture check enters its body, so
     # devgraph's attention inside becomes an updatable task and replays with each step's lengths.
     from vllm.config import CUDAGraphMode
 

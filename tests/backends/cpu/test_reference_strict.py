@@ -274,14 +274,14 @@ def test_shapes_and_dtypes_stay_readable_inside_capture():
 
 
 def _cuda_guard():
-    """The capture guard as a CUDA capture builds it: device type "cuda" (no GPU needed for CPU tensors)."""
+    """The capture check as a CUDA capture builds it: device type "cuda" (no GPU needed for CPU tensors)."""
     from types import SimpleNamespace
 
     from devgraph.graph import _capture
 
-    guard_cls, dispatch_cls = _capture._modes()
+    check_cls, dispatch_cls = _capture._modes()
     graph = SimpleNamespace(device=SimpleNamespace(torch_device=torch.device("cuda")), _open_group=None)
-    return guard_cls("cuda"), dispatch_cls(graph, ())
+    return check_cls("cuda"), dispatch_cls(graph, ())
 
 
 CPU_READS = {

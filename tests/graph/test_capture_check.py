@@ -1,4 +1,4 @@
-"""The host-sync guard every backend's capture runs under."""
+"""The host-sync check every backend's capture runs under."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_host_syncs_raise_capture_error_naming_the_op(op, fn):
     with pytest.raises(CaptureError) as info:
         _capture(lambda: fn(x))
     assert info.value.op == op
-    assert "test_capture_guard.py" in info.value.source
+    assert "test_capture_check.py" in info.value.source
     assert info.value.remedy
 
 
@@ -51,7 +51,7 @@ def test_capture_error_message_lists_op_line_and_remedy():
     assert "op: Tensor.item" in text and "at: " in text and "remedy: " in text
 
 
-def test_guard_is_only_active_inside_capture():
+def test_check_is_only_active_inside_capture():
     x = torch.randn(4)
     _capture(lambda: x + 1)
     assert isinstance(x.sum().item(), float)
@@ -88,7 +88,7 @@ def test_host_sync_check_refuses_what_a_capture_refuses_while_running_eagerly(op
     x = torch.randn(4)
     with pytest.raises(CaptureError) as info, host_sync_check("cpu"):
         fn(x)
-    assert info.value.op == op and "test_capture_guard.py" in info.value.source
+    assert info.value.op == op and "test_capture_check.py" in info.value.source
     with pytest.raises(CaptureError) as captured:
         _capture(lambda: fn(x))
     assert captured.value.op == op  # the same refusal as a capture's
@@ -102,8 +102,8 @@ def test_host_sync_check_runs_the_block_eagerly_and_captures_nothing():
         out = x * 2 + 1
         assert devgraph.graph.current_graph() is None
     torch.testing.assert_close(out, x * 2 + 1)
-    assert isinstance(x.sum().item(), float)  # the guard is gone after the block
-    with host_sync_check("cuda"):  # another device's guard: reading a host tensor made here is no sync
+    assert isinstance(x.sum().item(), float)  # the check is gone after the block
+    with host_sync_check("cuda"):  # another device's check: reading a host tensor made here is no sync
         assert torch.ones(3).sum().item() == 3.0
     with pytest.raises(CaptureError, match="made before capture"), host_sync_check("cuda"):
         x.sum()  # ...but host compute from one made before would be frozen in a cuda graph: refused
