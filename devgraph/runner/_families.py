@@ -206,19 +206,20 @@ class FamilyStats:
 
 @attrs.define
 class AcceptanceStats:
-    """The acceptance canary: drafted and accepted tokens so far, and how often the acceptance
-    differed from eager's on the same inputs (``eager_mismatches``, each warned)."""
+    """The acceptance canary: tokens proposed (drafted) and accepted so far (``proposed``, as
+    ``devgraph.adapters.hf``'s ``SpeculativeStats`` names it), and how often the acceptance differed
+    from eager's on the same inputs (``eager_mismatches``, each warned)."""
 
     accepted: int = 0
-    drafted: int = 0
+    proposed: int = 0
     rounds: int = 0
     eager_checks: int = 0
     eager_mismatches: int = 0
 
     @property
     def rate(self) -> float | None:
-        """Accepted / drafted (None before any draft)."""
-        return self.accepted / self.drafted if self.drafted else None
+        """Accepted / proposed (None before any draft)."""
+        return self.accepted / self.proposed if self.proposed else None
 
 
 class Family:
@@ -392,19 +393,20 @@ class GraphFamilies:
                 f"no graph family {name!r}; the families are {sorted(self.families)}"
             ) from None
 
-    def note_acceptance(self, accepted: int, drafted: int, *, eager_accepted: int | None = None) -> None:
-        """Count one round's accepted and drafted tokens (the acceptance canary in ``stats()``); with
-        ``eager_accepted`` (eager's acceptance on the same inputs), warn and count when they differ."""
+    def note_acceptance(self, accepted: int, proposed: int, *, eager_accepted: int | None = None) -> None:
+        """Count one round's accepted and proposed (drafted) tokens (the acceptance canary in
+        ``stats()``); with ``eager_accepted`` (eager's acceptance on the same inputs), warn and count
+        when they differ."""
         acc = self.acceptance
         acc.accepted += int(accepted)
-        acc.drafted += int(drafted)
+        acc.proposed += int(proposed)
         acc.rounds += 1
         if eager_accepted is not None:
             acc.eager_checks += 1
             if int(eager_accepted) != int(accepted):
                 acc.eager_mismatches += 1
                 warnings.warn(
-                    f"devgraph: speculative acceptance from graphs ({int(accepted)} of {int(drafted)}) differs "
+                    f"devgraph: speculative acceptance from graphs ({int(accepted)} of {int(proposed)}) differs "
                     f"from eager's on the same inputs ({int(eager_accepted)}); {acc.eager_mismatches} "
                     "round(s) so far. The graphs are not serving what eager computes: check the families' "
                     "fallbacks and host arguments (devgraph.debug)",

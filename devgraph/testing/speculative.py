@@ -226,7 +226,7 @@ def speculative_decode(
     the drafted ones, request-major), accepts greedily, gives the rejected tokens' cache slots back
     (``manager.truncate``), and feeds a fully accepted request's last drafted token to the draft
     (``draft_decode``). ``check``: eager callables run on the same inputs every round (their own KV
-    caches, in step); their acceptance is passed to ``note(accepted, drafted, eager_accepted=...)``
+    caches, in step); their acceptance is passed to ``note(accepted, proposed, eager_accepted=...)``
     (``GraphFamilies.note_acceptance``). ``sync`` runs before tokens are read on the host.
     """
     runs = [families] if check is None else [families, check]

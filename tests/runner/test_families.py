@@ -94,7 +94,7 @@ def test_a_speculative_loop_served_by_families_equals_the_eager_loop(dev):
     assert 0 < sum(flat) < K * len(flat) and K in flat
     stats = families.report()
     acceptance = stats["acceptance"]
-    assert (acceptance.accepted, acceptance.drafted) == (sum(flat), K * len(flat))
+    assert (acceptance.accepted, acceptance.proposed) == (sum(flat), K * len(flat))
     assert acceptance.rate == sum(flat) / (K * len(flat))
     assert acceptance.eager_checks == ROUNDS and acceptance.eager_mismatches == 0
     for name in ("decode", "verify", "draft", "draft_decode"):
@@ -209,7 +209,7 @@ def test_an_acceptance_that_differs_from_eager_is_warned_and_counted():
     with pytest.warns(UserWarning, match=r"acceptance from graphs \(1 of 6\) differs from eager's.*\(3\)"):
         families.note_acceptance(1, 6, eager_accepted=3)
     acceptance = families.stats()["acceptance"]
-    assert (acceptance.accepted, acceptance.drafted, acceptance.rounds) == (3, 12, 2)
+    assert (acceptance.accepted, acceptance.proposed, acceptance.rounds) == (3, 12, 2)
     assert acceptance.eager_checks == 2 and acceptance.eager_mismatches == 1 and acceptance.rate == 0.25
 
 
